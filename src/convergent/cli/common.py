@@ -1,0 +1,30 @@
+"""Options and helpers shared by the stage commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from convergent.config import ConvergentConfig, load_config
+
+CONFIG_ARG = typer.Argument(None, help="YAML config file (defaults work without one).")
+SET_OPT = typer.Option(
+    None, "--set", "-s", help="Override a config value: section.key=value (repeatable)."
+)
+RUN_DIR_OPT = typer.Option(None, "--run-dir", help="Run directory (default runs/<run.name>).")
+RESUME_OPT = typer.Option(False, "--resume", help="Continue an existing run directory.")
+
+
+def config_from_cli(config: Path | None, sets: list[str] | None) -> ConvergentConfig:
+    """Load the config named on the command line with its ``--set`` overrides."""
+    return load_config(config, sets)
+
+
+def not_landed(stage: str, issue: str) -> None:
+    """Say plainly that a stage's command is not built yet (exit 2)."""
+    from convergent.errors import NotAvailableError
+
+    raise NotAvailableError(
+        f"'convergent {stage}' is not available yet", hint=f"it lands with the {issue} issue"
+    )

@@ -1,0 +1,19 @@
+"""`convergent screen`: thin CLI over the stage API (placeholder until the surrogate model issue lands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from convergent.cli.common import CONFIG_ARG, SET_OPT, config_from_cli, not_landed
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `screen` command to the root app."""
+
+    @app.command("screen")
+    def _cmd(config: Path | None = CONFIG_ARG, sets: list[str] | None = SET_OPT) -> None:
+        """surrogate model (not built yet)."""
+        config_from_cli(config, sets)
+        not_landed("screen", "surrogate model")

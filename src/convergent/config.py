@@ -1,0 +1,165 @@
+"""The whole configuration: one pydantic section per stage, YAML load, ``--set`` overrides.
+
+Every field has a default that works on a 2-core laptop, so ``ConvergentConfig()`` is a
+valid config. ``load_config(path, ["train.lr=3e-4"])`` reads YAML, applies overrides with
+type validation and raises :class:`~convergent.errors.ConfigError` naming the bad key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from convergent.configbase import Section
+from convergent.data.config import DataConfig
+from convergent.errors import ConfigError
+from convergent.fsutil import atomic_write_text
+from convergent.models.config import ModelConfig
+from convergent.monitor.config import MetricsConfig
+from convergent.screen.config import ScreenConfig
+from convergent.serve.config import ServeConfig
+from convergent.sim.config import ClusterConfig, SimulateConfig
+from convergent.train.config import CheckpointConfig, ParallelConfig, PrecisionConfig, TrainConfig
+
+
+class RunConfig(Section):
+    """Naming of the run directory ``<root>/<name>``."""
+
+    name: str = "demo"
+    root: str = "runs"
+
+
+class ConvergentConfig(Section):
+    """All sections; each stage reads only its own."""
+
+    run: RunConfig = RunConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    simulate: SimulateConfig = SimulateConfig()
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    screen: ScreenConfig = ScreenConfig()
+    serve: ServeConfig = ServeConfig()
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as YAML scalar/list (``3e-4``, ``true``, ``[1,2]``, ``abc``)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    # YAML 1.1 reads "3e-4" as a string; let pydantic coerce numeric strings itself.
+    return text if value is None and text.strip() not in ("null", "~", "") else value
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``tree[a][b][c] = value`` for ``dotted == 'a.b.c'``, checking keys exist."""
+    keys = dotted.split(".")
+    node: dict[str, Any] = tree
+    model: type[Section] | None = ConvergentConfig
+    for depth, key in enumerate(keys):
+        if model is not None and key not in model.model_fields:
+            where = ".".join(keys[:depth]) or "top level"
+            choices = ", ".join(sorted(model.model_fields))
+            raise ConfigError(
+                f"unknown config key '{dotted}' ('{key}' is not a field of {where})",
+                hint=f"valid keys here: {choices}",
+            )
+        annotation = model.model_fields[key].annotation if model is not None else None
+        is_section = isinstance(annotation, type) and issubclass(annotation, Section)
+        if depth == len(keys) - 1:
+            node[key] = value
+            return
+        if not is_section:
+            raise ConfigError(f"config key '{dotted}': '{key}' is not a section")
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key '{dotted}': '{key}' must be a mapping")
+        model = annotation
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
+    """Turn pydantic's multi-line report into one line naming the first bad field."""
+    first = exc.errors()[0]
+    field = ".".join(str(p) for p in first["loc"])
+    value = first.get("input")
+    shown = f" (got {value!r})" if not isinstance(value, dict) else ""
+    msg = first["msg"].lower()
+    if first["type"] == "extra_forbidden":
+        return ConfigError(f"{source}: unknown config key '{field}'", hint="check the spelling")
+    return ConfigError(f"{source}: invalid value for '{field}': {msg}{shown}")
+
+
+def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c.d=x"]`` into a nested dict, validating that each key exists."""
+    tree: dict[str, Any] = {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), _parse_value(raw.strip()))
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``extra`` into a copy of ``base``."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, raising ConfigError naming the file on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}", hint="pass an existing YAML file")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f":{line + 1}" if line is not None else ""
+        raise ConfigError(f"{p}{where}: not valid YAML") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> ConvergentConfig:
+    """Load defaults <- YAML file (optional) <- ``--set`` overrides, validated."""
+    data = read_yaml(path) if path is not None else {}
+    source = str(path) if path is not None else "config"
+    data = _merge(data, parse_overrides(overrides))
+    try:
+        return ConvergentConfig.model_validate(data)
+    except ValidationError as exc:
+        src = "--set" if overrides and _override_caused(exc, overrides) else source
+        raise _format_validation_error(exc, src) from None
+
+
+def _override_caused(exc: ValidationError, overrides: list[str]) -> bool:
+    """True if the first validation error is at a key given with ``--set``."""
+    field = ".".join(str(p) for p in exc.errors()[0]["loc"])
+    return any(item.split("=", 1)[0].strip() == field for item in overrides)
+
+
+def dump_config(cfg: ConvergentConfig) -> str:
+    """The resolved config as YAML text."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def save_config(cfg: ConvergentConfig, path: str | Path) -> None:
+    """Write the resolved config atomically."""
+    atomic_write_text(path, dump_config(cfg))

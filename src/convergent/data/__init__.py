@@ -1,0 +1,2 @@
+"""Dataset store: checksummed shards, streaming reader, node-local cache."""
+

@@ -1,0 +1,2 @@
+"""Models: neighbour lists, the molecular sparse-attention Transformer, Llama."""
+

@@ -1,0 +1,2 @@
+"""Monitoring: timers, FLOPs/MFU, metric sinks, the report."""
+

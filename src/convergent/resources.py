@@ -1,0 +1,28 @@
+"""What this process may use: CPU counts from the affinity mask / Slurm, torch threads."""
+
+from __future__ import annotations
+
+import os
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: SLURM_CPUS_ON_NODE if set, else the affinity mask.
+
+    Never ``os.cpu_count()`` alone, which counts the whole machine.
+    """
+    slurm = os.environ.get("SLURM_CPUS_ON_NODE")
+    if slurm and slurm.isdigit() and int(slurm) > 0:
+        return int(slurm)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def set_torch_threads(n: int | None = None) -> int:
+    """Set torch intra-op threads (default 1 per worker process); returns the count set."""
+    import torch
+
+    n = 1 if n is None else max(1, int(n))
+    torch.set_num_threads(n)
+    return n

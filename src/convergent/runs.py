@@ -1,0 +1,125 @@
+"""Run directories: ``runs/<name>/{config.yaml, metrics.jsonl, logs/, ckpt/, data/, report/}``.
+
+Starting into an existing run either resumes it (``resume=True``) or refuses with a clear
+message; nothing is ever silently overwritten. Stages record completion in
+``stages.json`` so a resumed run skips what is done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from convergent.config import ConvergentConfig, dump_config, save_config
+from convergent.errors import RunDirError
+from convergent.fsutil import atomic_write_text
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run. Create with :func:`open_run`."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.path / "ckpt"
+
+    @property
+    def data(self) -> Path:
+        return self.path / "data"
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report"
+
+    @property
+    def stages_file(self) -> Path:
+        return self.path / "stages.json"
+
+    def stages(self) -> dict[str, Any]:
+        """Completed stages: name -> summary dict written by :meth:`mark_done`."""
+        if not self.stages_file.exists():
+            return {}
+        return json.loads(self.stages_file.read_text())
+
+    def is_done(self, stage: str) -> bool:
+        return stage in self.stages()
+
+    def mark_done(self, stage: str, summary: dict[str, Any]) -> None:
+        """Record that ``stage`` finished, with its summary (seconds, counts, ...)."""
+        stages = self.stages()
+        stages[stage] = {"finished_at": time.time(), **summary}
+        atomic_write_text(self.stages_file, json.dumps(stages, indent=2))
+
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        """Append one JSON line to metrics.jsonl (adds ``time`` if missing)."""
+        record = {"time": time.time(), **record}
+        with self.metrics.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def read_metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
+        """All metric records, optionally only those with ``record['kind'] == kind``."""
+        if not self.metrics.exists():
+            return []
+        rows = []
+        for line in self.metrics.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line after a crash
+            if kind is None or row.get("kind") == kind:
+                rows.append(row)
+        return rows
+
+
+def open_run(
+    cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False
+) -> RunDir:
+    """Create a new run directory, or resume an existing one.
+
+    An existing directory with a config is resumed only when ``resume`` is true and its
+    config equals ``cfg`` (else :class:`RunDirError`); a non-empty directory without a
+    config is refused.
+    """
+    path = Path(run_dir) if run_dir is not None else Path(cfg.run.root) / cfg.run.name
+    run = RunDir(path)
+    if path.exists() and any(path.iterdir()):
+        if not run.config.exists():
+            raise RunDirError(
+                f"{path} exists and is not a convergent run directory",
+                hint="choose another --run-dir",
+            )
+        if not resume:
+            raise RunDirError(
+                f"run directory {path} already exists",
+                hint="pass --resume to continue it, or choose another --run-dir / --name",
+            )
+        previous = run.config.read_text(encoding="utf-8")
+        if previous != dump_config(cfg):
+            raise RunDirError(
+                f"{path}: cannot resume with a different config than {run.config}",
+                hint="resume without --set changes, or start a new run",
+            )
+    for sub in (run.logs, run.ckpt, run.data, run.report):
+        sub.mkdir(parents=True, exist_ok=True)
+    if not run.config.exists():
+        save_config(cfg, run.config)
+    return run

@@ -1,0 +1,2 @@
+"""Screening and active learning with the surrogate."""
+

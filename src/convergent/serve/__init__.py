@@ -1,0 +1,2 @@
+"""LLM serving: paged KV cache, pipeline stages, TD-Pipe scheduler, HTTP API."""
+

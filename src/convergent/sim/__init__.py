@@ -1,0 +1,2 @@
+"""Simulation: molecule sources, samplers, calculators and the Dask campaign."""
+

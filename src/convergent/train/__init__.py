@@ -1,0 +1,2 @@
+"""Training engine: strategies, precision, compression, checkpoints, launch."""
+
