@@ -1,0 +1,193 @@
+"""The run report: ``report/report.md`` with PNG plots and a bottleneck diagnosis.
+
+Built only from files in the run directory (config.yaml, stages.json, metrics.jsonl,
+screen/predictions.json), so ``convergent report RUN_DIR`` can rebuild it at any time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convergent.errors import RunDirError
+from convergent.fsutil import atomic_write_text
+from convergent.monitor.diagnosis import diagnose, step_breakdown
+from convergent.runs import RunDir
+
+PREDICTIONS = Path("screen") / "predictions.json"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> str:
+    """Save a figure atomically as PNG; returns its file name."""
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
+    tmp.replace(path)
+    _plt().close(fig)
+    return path.name
+
+
+def plot_losses(steps: list[dict], vals: list[dict], out: Path) -> str | None:
+    """Training loss and validation energy/force MAE against step."""
+    if not steps:
+        return None
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1, label="train loss")
+    ax1.set_yscale("log")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    for key, label in (("energy_mae", "energy MAE (eV)"), ("force_mae", "force MAE (eV/Å)")):
+        if steps and key in steps[0]:
+            ax2.plot([r["step"] for r in steps], [r[key] for r in steps], lw=0.8, alpha=0.6,
+                     label=f"train {label}")
+        if vals and key in vals[0]:
+            ax2.plot([r["step"] for r in vals], [r[key] for r in vals], "o-", label=f"val {label}")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.legend(fontsize=8)
+    return _save(fig, out)
+
+
+def plot_parity(pred: dict[str, Any], out: Path) -> str | None:
+    """Predicted vs reference energy per atom (eV/atom), held-out molecules."""
+    if not pred or not pred.get("energy_true"):
+        return None
+    plt = _plt()
+    n = np.asarray(pred["n_atoms"], dtype=float)
+    true = np.asarray(pred["energy_true"]) / n
+    est = np.asarray(pred["energy_pred"]) / n
+    fig, ax = plt.subplots(figsize=(4.6, 4.4))
+    ax.scatter(true, est, s=6, alpha=0.6)
+    lo, hi = float(min(true.min(), est.min())), float(max(true.max(), est.max()))
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    ax.set_xlabel(f"{pred.get('reference', 'reference')} energy (eV/atom)")
+    ax.set_ylabel("surrogate energy (eV/atom)")
+    ax.set_title("parity, held-out molecules")
+    return _save(fig, out)
+
+
+def plot_stage_times(stages: dict[str, Any], out: Path) -> str | None:
+    """Wall seconds of each finished stage."""
+    timed = [(k, v["wall_s"]) for k, v in stages.items() if "wall_s" in v]
+    if not timed:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh([k for k, _ in timed][::-1], [v for _, v in timed][::-1])
+    ax.set_xlabel("wall time (s)")
+    return _save(fig, out)
+
+
+def plot_breakdown(steps: list[dict], out: Path) -> str | None:
+    """Stacked per-step time: data wait / compute / communication / optimizer."""
+    parts = [k for k in ("data_wait_s", "compute_s", "comm_s", "optimizer_s") if steps and k in steps[0]]
+    if not parts:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    x = [r["step"] for r in steps]
+    ax.stackplot(x, *[[r.get(k, 0.0) * 1e3 for r in steps] for k in parts],
+                 labels=[k.removesuffix("_s").replace("_", " ") for k in parts])
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms per step")
+    ax.legend(loc="upper right", fontsize=8)
+    return _save(fig, out)
+
+
+def _load_predictions(run: RunDir) -> dict[str, Any]:
+    path = run.path / PREDICTIONS
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    lines = ["| quantity | value |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, spec: str = ".4g") -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def build_report(run_dir: str | Path) -> Path:
+    """Write ``report/report.md`` and its PNGs for ``run_dir``; returns the markdown path."""
+    run = RunDir(Path(run_dir))
+    if not run.config.exists():
+        raise RunDirError(f"{run.path}: not a run directory (no config.yaml)",
+                          hint="pass a directory made by `convergent demo` or `convergent train`")
+    run.report.mkdir(parents=True, exist_ok=True)
+    stages = run.stages()
+    steps = run.read_metrics("train_step")
+    vals = run.read_metrics("val")
+    pred = _load_predictions(run)
+
+    figs = {
+        "Loss curves": plot_losses(steps, vals, run.report / "loss.png"),
+        "Parity (held-out molecules)": plot_parity(pred, run.report / "parity.png"),
+        "Time per stage": plot_stage_times(stages, run.report / "stages.png"),
+        "Training step breakdown": plot_breakdown(steps, run.report / "step_breakdown.png"),
+    }
+
+    md = [f"# convergent run report: {run.path.name}", ""]
+    sim = stages.get("simulate", {})
+    if sim:
+        md += ["## Simulation", _table([
+            ("frames done", _fmt(sim.get("done"))),
+            ("retried / quarantined", f"{sim.get('retried', 0)} / {sim.get('quarantined', 0)}"),
+            ("wall time (s)", _fmt(sim.get("wall_s"), ".1f")),
+            ("throughput (frames/s)", _fmt(sim.get("frames_per_s"), ".2f")),
+            ("mean time per calculation (s)", _fmt(sim.get("mean_calc_s"), ".4f")),
+        ]), ""]
+    data = stages.get("data", {})
+    if data:
+        md += ["## Dataset", _table([(k, _fmt(v)) for k, v in data.items() if k != "finished_at"]), ""]
+    if steps:
+        last = steps[-1]
+        md += ["## Training", _table([
+            ("steps", str(last["step"])),
+            ("final train loss", _fmt(last.get("loss"))),
+            ("final val energy MAE (eV)", _fmt(vals[-1].get("energy_mae")) if vals else "n/a"),
+            ("final val force MAE (eV/Å)", _fmt(vals[-1].get("force_mae")) if vals else "n/a"),
+            ("median samples/s", _fmt(float(np.median([r.get("samples_per_s", 0) for r in steps])), ".1f")),
+            ("median MFU", _fmt(float(np.median([r.get("mfu", 0) or 0 for r in steps])), ".2%")),
+        ]), ""]
+    if pred:
+        sps = pred.get("seconds_per_structure")
+        ref_s = sim.get("mean_calc_s")
+        speedup = ref_s / sps if sps and ref_s else None
+        md += ["## Screening (held-out molecules)", _table([
+            ("structures", str(len(pred.get("energy_true", [])))),
+            ("energy MAE (eV)", _fmt(pred.get("energy_mae"))),
+            ("energy MAE (meV/atom)", _fmt(pred.get("energy_mae_per_atom", 0) * 1e3)),
+            ("force MAE (eV/Å)", _fmt(pred.get("force_mae"))),
+            ("surrogate time per structure (s)", _fmt(sps)),
+            (f"{pred.get('reference', 'reference')} time per structure (s)", _fmt(ref_s)),
+            ("speed-up of the surrogate", f"{speedup:.0f}x" if speedup else "n/a"),
+        ]), ""]
+    bd = step_breakdown(steps)
+    findings = diagnose(stages, steps)
+    md += ["## Diagnosis", ""]
+    if bd:
+        md += ["Share of training step time: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.0%}" for k, v in bd.items()), ""]
+    md += [f"- **{f.title}**: {f.detail} *What to change:* {f.action}" for f in findings] or ["- nothing stands out"]
+    md.append("")
+    for title, name in figs.items():
+        if name:
+            md += [f"## {title}", f"![{title}]({name})", ""]
+    out = run.report / "report.md"
+    atomic_write_text(out, "\n".join(md))
+    return out

@@ -1,0 +1,53 @@
+"""The CLI as a user meets it: real subprocesses of the installed console script."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+EXE = shutil.which("convergent") or str((__import__("pathlib").Path(sys.executable).parent / "convergent"))
+
+
+def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_help_lists_every_stage():
+    out = run("--help")
+    assert out.returncode == 0
+    for stage in ("demo", "simulate", "data", "train", "screen", "report", "serve"):
+        assert stage in out.stdout
+
+
+def test_version():
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("convergent ")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("train", "--set", "train.lr=abc"), "train.lr"),
+        (("train", "missing-config.yaml"), "missing-config.yaml"),
+        (("demo", "--set", "nosuch.key=1"), "nosuch.key"),
+    ],
+)
+def test_user_mistakes_are_one_line_exit_2_no_traceback(args, needle, tmp_path):
+    out = run(*args, cwd=tmp_path)
+    assert out.returncode == 2
+    first = out.stderr.splitlines()[0]
+    assert first.startswith("error: ") and needle in first
+    assert "Traceback" not in out.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    out = run("--debug", "train", "--set", "train.lr=abc", cwd=tmp_path)
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_report_on_missing_run_dir_is_a_clear_error(tmp_path):
+    out = run("report", str(tmp_path / "nope"))
+    assert out.returncode == 2 and "nope" in out.stderr.splitlines()[0]

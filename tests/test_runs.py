@@ -1,0 +1,52 @@
+"""Run directories: created with their layout, resumed or refused, never overwritten."""
+
+from __future__ import annotations
+
+import pytest
+
+from convergent.config import ConvergentConfig, load_config
+from convergent.errors import RunDirError
+from convergent.runs import open_run
+
+
+def test_new_run_has_layout_and_resolved_config(tmp_path):
+    cfg = load_config(None, ["train.steps=5"])
+    run = open_run(cfg, tmp_path / "r1")
+    for sub in ("logs", "ckpt", "data", "report"):
+        assert (run.path / sub).is_dir()
+    assert load_config(run.config) == cfg
+
+
+def test_existing_run_is_refused_without_resume_and_left_intact(tmp_path):
+    cfg = ConvergentConfig()
+    run = open_run(cfg, tmp_path / "r")
+    run.log_metrics({"kind": "x", "v": 1})
+    before = run.metrics.read_text()
+    with pytest.raises(RunDirError, match="already exists"):
+        open_run(cfg, tmp_path / "r")
+    assert run.metrics.read_text() == before
+
+
+def test_resume_requires_same_config(tmp_path):
+    cfg = ConvergentConfig()
+    open_run(cfg, tmp_path / "r").mark_done("simulate", {"frames": 3})
+    resumed = open_run(cfg, tmp_path / "r", resume=True)
+    assert resumed.is_done("simulate") and resumed.stages()["simulate"]["frames"] == 3
+    with pytest.raises(RunDirError, match="different config"):
+        open_run(load_config(None, ["train.steps=1"]), tmp_path / "r", resume=True)
+
+
+def test_foreign_non_empty_directory_is_refused(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "precious.txt").write_text("keep me")
+    with pytest.raises(RunDirError, match="not a convergent run"):
+        open_run(ConvergentConfig(), tmp_path / "r", resume=True)
+    assert (tmp_path / "r" / "precious.txt").read_text() == "keep me"
+
+
+def test_metrics_reader_skips_a_torn_last_line(tmp_path):
+    run = open_run(ConvergentConfig(), tmp_path / "r")
+    run.log_metrics({"kind": "train_step", "step": 1})
+    with run.metrics.open("a") as fh:
+        fh.write('{"kind": "train_st')
+    assert [r["step"] for r in run.read_metrics("train_step")] == [1]
