@@ -8,7 +8,6 @@ Each stage records its summary in ``stages.json``; ``--resume`` skips finished s
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,27 +46,21 @@ def simulate_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
 
 
 def split_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
-    """Split the labelled set by molecule (no molecule in both) into train/ and val/."""
-    from convergent.data.reader import open_dataset, split_by_molecule
-    from convergent.data.writer import DatasetWriter
+    """Split the labelled set by molecule (no molecule on both sides) into train/ and val/."""
+    from convergent.data.reader import open_dataset, split_by_molecule, write_subset
 
     ds = open_dataset(run.data / "labels")
     train_idx, val_idx = split_by_molecule(ds, cfg.data.val_fraction, cfg.data.seed)
-    counts = {}
-    with Progress(TextColumn("split"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
-        task = bar.add_task("split", total=len(train_idx) + len(val_idx))
-        for name, idx in (("train", train_idx), ("val", val_idx)):
-            with DatasetWriter(run.data / name, schema="molecular",
-                               shard_bytes=cfg.data.shard_bytes,
-                               compression=cfg.data.compression) as writer:
-                for i in idx:
-                    writer.write(ds[i])
-                    bar.advance(task)
-            counts[name] = len(idx)
-    molecules = {name: len({ds[i]["molecule_id"] for i in idx})
-                 for name, idx in (("train", train_idx), ("val", val_idx))}
-    return {"train_frames": counts["train"], "val_frames": counts["val"],
-            "train_molecules": molecules["train"], "val_molecules": molecules["val"]}
+    mols = ds.molecule_ids()
+    out: dict[str, Any] = {}
+    for name, idx in (("train", train_idx), ("val", val_idx)):
+        write_subset(ds, idx, run.data / name, shard_bytes=cfg.data.shard_bytes,
+                     compression=cfg.data.compression)
+        out[f"{name}_frames"] = len(idx)
+        out[f"{name}_molecules"] = len({mols[i] for i in idx})
+    console.print(f"train: {out['train_frames']} frames of {out['train_molecules']} molecules; "
+                  f"val: {out['val_frames']} frames of {out['val_molecules']} molecules")
+    return out
 
 
 def training_config(cfg: ConvergentConfig, run: RunDir) -> ConvergentConfig:
@@ -78,51 +71,44 @@ def training_config(cfg: ConvergentConfig, run: RunDir) -> ConvergentConfig:
 
 
 def train_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
-    """Real torchrun DDP training; a progress bar follows metrics.jsonl."""
+    """Real torchrun DDP training; the progress bar follows rank 0's metrics."""
     from convergent.train.launch import launch_training
 
-    result: dict[str, Any] = {}
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result["value"] = launch_training(training_config(cfg, run), run,
-                                              nproc=cfg.parallel.nproc)
-        except BaseException as exc:  # re-raised in the main thread
-            error.append(exc)
-
-    worker = threading.Thread(target=target, daemon=True)
-    worker.start()
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[loss]}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("train", total=cfg.train.steps, loss="")
-        while worker.is_alive():
-            worker.join(0.5)
-            rows = run.read_metrics("train_step")
-            if rows:
-                bar.update(task, completed=rows[-1]["step"], loss=f"loss {rows[-1]['loss']:.4g}")
-    if error:
-        raise error[0]
-    steps = run.read_metrics("train_step")
+
+        def follow(row: dict[str, Any]) -> None:
+            if row.get("kind") == "train_step":
+                bar.update(task, completed=row["step"], loss=f"loss {row['loss']:.4g}")
+
+        result = launch_training(training_config(cfg, run), run, nproc=cfg.parallel.nproc,
+                                 progress=follow)
     vals = run.read_metrics("val")
-    out = {"steps": steps[-1]["step"] if steps else 0, "nproc": cfg.parallel.nproc,
-           "strategy": cfg.parallel.strategy}
+    out = {"steps": result.steps, "nproc": cfg.parallel.nproc, "strategy": cfg.parallel.strategy,
+           "restarts": result.restarts}
     if vals:
         out.update(val_energy_mae=vals[-1].get("energy_mae"), val_force_mae=vals[-1].get("force_mae"))
     return out
 
 
 def screen_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
-    """Predict the held-out molecules with the trained surrogate; save predictions."""
+    """Predict the held-out molecules with the trained surrogate; save the predictions."""
     from convergent.screen.predict import predict_dataset
 
     res = predict_dataset([run.ckpt / "final"], run.data / "val", batch_atoms=cfg.screen.batch_atoms)
-    pred = res.to_dict()
-    pred["reference"] = cfg.simulate.method
+    n_atoms = res.n_atoms.astype(float)
+    summary = {
+        "structures": len(res),
+        "energy_mae": res.energy_mae,
+        "energy_mae_per_atom": float(abs((res.energy_pred - res.energy_true) / n_atoms).mean()),
+        "force_mae": res.force_mae_total,
+        "seconds_per_structure": res.seconds_per_structure,
+    }
+    pred = {**summary, "reference": cfg.simulate.method, "n_atoms": res.n_atoms.tolist(),
+            "energy_true": res.energy_true.tolist(), "energy_pred": res.energy_pred.tolist()}
     atomic_write_text(run.path / PREDICTIONS, json.dumps(pred))
-    keys = ("energy_mae", "energy_mae_per_atom", "force_mae", "seconds_per_structure")
-    summary = {k: pred[k] for k in keys if k in pred}
     run.log_metrics({"kind": "screen", **summary})
     return summary
 
