@@ -1,19 +1,162 @@
-"""`convergent serve`: thin CLI over the stage API (placeholder until the TD-Pipe inference issue lands)."""
+"""`convergent serve`, `convergent generate`, `convergent bench-serve`: thin CLI over
+:mod:`convergent.serve` (heavy imports happen inside the commands)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
-from convergent.cli.common import CONFIG_ARG, SET_OPT, config_from_cli, not_landed
+from convergent.cli.common import CONFIG_ARG, SET_OPT, config_from_cli
+
+MODEL_OPT = typer.Option(
+    None,
+    "--model",
+    "-m",
+    help="Hugging Face Llama checkpoint dir (config.json + safetensors). "
+    "Default: serve.model, else a tiny random Llama created under the run directory.",
+)
+
+
+def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
+    from convergent.errors import InputError
+    from convergent.serve.offline import ensure_random_model
+
+    path = model or (Path(cfg.serve.model) if cfg.serve.model else None)
+    if path is None:
+        return ensure_random_model(Path(cfg.run.root) / cfg.run.name / f"serve-model-{size}", size)
+    if not (path / "config.json").is_file():
+        raise InputError(
+            f"{path}: not a Hugging Face checkpoint directory (config.json missing)",
+            hint="pass --model DIR with config.json and *.safetensors",
+        )
+    return path
+
+
+def _predictor(cfg, scale: float = 1.0):
+    from convergent.serve.predictor import make_predictor
+
+    return make_predictor(cfg.serve.predictor, cfg.serve.predictor_path, length_scale=scale)
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `serve` command to the root app."""
+    """Add `serve`, `generate` and `bench-serve` to the root app."""
 
     @app.command("serve")
-    def _cmd(config: Path | None = CONFIG_ARG, sets: list[str] | None = SET_OPT) -> None:
-        """TD-Pipe inference (not built yet)."""
-        config_from_cli(config, sets)
-        not_landed("serve", "TD-Pipe inference")
+    def _serve(
+        config: Path | None = CONFIG_ARG,
+        sets: list[str] | None = SET_OPT,
+        model: Path | None = MODEL_OPT,
+        host: str | None = typer.Option(None, help="Bind address (default serve.host, 127.0.0.1)."),
+        port: int | None = typer.Option(None, help="Port (default serve.port)."),
+        api_key: str | None = typer.Option(
+            None, "--api-key", envvar="CONVERGENT_API_KEY", help="Require this bearer key."
+        ),
+    ) -> None:
+        """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming)."""
+        cfg = config_from_cli(config, sets)
+        import uvicorn
+
+        from convergent.serve.api import create_app
+        from convergent.serve.engine import Engine
+
+        mdir = _model_dir(cfg, model)
+        sc = cfg.serve
+        engine = Engine(mdir, sc)
+        pred = _predictor(cfg) if sc.scheduler == "tdpipe" and sc.predictor != "oracle" else None
+        engine.start()
+        try:
+            app = create_app(
+                engine, api_key=api_key if api_key is not None else sc.api_key, predictor=pred
+            )
+            typer.echo(
+                f"serving {mdir} ({sc.scheduler}, {engine.num_stages} stage(s)) on "
+                f"http://{host or sc.host}:{port or sc.port}/v1",
+                err=True,
+            )
+            uvicorn.run(app, host=host or sc.host, port=port or sc.port, log_level="warning")
+        finally:
+            engine.close()
+
+    @app.command("generate")
+    def _generate(
+        prompt: str = typer.Argument(..., help="Prompt text (byte-level tokenizer)."),
+        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
+        sets: list[str] | None = SET_OPT,
+        model: Path | None = MODEL_OPT,
+        max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate."),
+        temperature: float = typer.Option(0.0, help="0 = greedy."),
+        ids: bool = typer.Option(False, "--ids", help="Print token ids instead of text."),
+    ) -> None:
+        """Generate a completion for one prompt through the pipeline."""
+        cfg = config_from_cli(config, sets)
+        from convergent.errors import InputError
+        from convergent.serve.engine import Engine
+        from convergent.serve.tokenizer import ByteTokenizer
+
+        mdir = _model_dir(cfg, model)
+        if max_tokens < 1:
+            raise InputError("--max-tokens must be at least 1")
+        with Engine(mdir, cfg.serve.model_copy(update={"profile_costs": False})) as eng:
+            tok = ByteTokenizer(eng.mcfg.vocab_size)
+            prompt_ids = tok.encode(prompt)
+            limit = min(eng.cfg.max_model_len, eng.bm.capacity_tokens)
+            if len(prompt_ids) + max_tokens > limit:
+                raise InputError(
+                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"context limit of {limit} tokens",
+                    hint="shorten the prompt or lower --max-tokens",
+                )
+            req = eng.add_request(eng.make_request(prompt_ids, max_tokens, temperature=temperature))
+            eng.run()
+        typer.echo(json.dumps(req.output) if ids else tok.decode(req.output))
+
+    @app.command("bench-serve")
+    def _bench(
+        config: Path | None = CONFIG_ARG,
+        sets: list[str] | None = SET_OPT,
+        model: Path | None = MODEL_OPT,
+        requests: int = typer.Option(64, "--requests", "-r", help="Trace requests."),
+        scale: float = typer.Option(
+            0.125, help="Scale trace lengths (1.0 = ShareGPT-like; smaller for laptops)."
+        ),
+        seed: int = typer.Option(0, help="Trace seed."),
+        out: Path = typer.Option(Path("bench-serve"), "--out", help="Output dir (JSON + PNG)."),
+    ) -> None:
+        """Offline throughput on a seeded ShareGPT-like trace: req/s, tok/s, bubbles, KV plot."""
+        cfg = config_from_cli(config, sets)
+        from convergent.errors import InputError
+        from convergent.fsutil import atomic_write_text
+        from convergent.serve.offline import plot_kv_timeline, run_trace
+        from convergent.serve.workload import make_trace, scale_trace, trace_stats
+
+        if requests < 1 or scale <= 0:
+            raise InputError("--requests must be >= 1 and --scale > 0")
+        mdir = _model_dir(cfg, model)
+        trace = make_trace(requests, seed=seed)
+        if scale != 1.0:
+            trace = scale_trace(trace, scale)
+        sc = cfg.serve
+        pred = _predictor(cfg, scale)
+        res = run_trace(mdir, sc, trace, predictor=pred, progress=True)
+        res = {k: v for k, v in res.items() if not k.startswith("_")}
+        res["trace"] = trace_stats(trace)
+        res["predictor"] = sc.predictor
+        out.mkdir(parents=True, exist_ok=True)
+        png = plot_kv_timeline({sc.scheduler: res}, out / "kv_usage.png")
+        atomic_write_text(out / "bench_serve.json", json.dumps(res, indent=1, default=str))
+        typer.echo(
+            f"{sc.scheduler}: {res['requests']} requests in {res['wall_s']:.1f} s | "
+            f"{res['req_s']:.2f} req/s | input {res['input_tok_s']:.0f} tok/s | "
+            f"output {res['output_tok_s']:.0f} tok/s | total {res['total_tok_s']:.0f} tok/s"
+        )
+        for st in res["stages"]:
+            typer.echo(
+                f"  stage {st['stage']}: busy {st['busy_fraction']:.1%}, "
+                f"bubble {st['bubble_s']:.1f} s"
+            )
+        typer.echo(
+            f"  KV peak {res['kv_peak_blocks']}/{res['kv_blocks']} blocks; "
+            f"plot {png}; json {out / 'bench_serve.json'}"
+        )

@@ -1,4 +1,4 @@
-"""`convergent train`: thin CLI over the stage API (placeholder until the training engine issue lands)."""
+"""`convergent train`: launch the training engine (torchrun, or srun+torchrun in Slurm)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,62 @@ from pathlib import Path
 
 import typer
 
-from convergent.cli.common import CONFIG_ARG, SET_OPT, config_from_cli, not_landed
+from convergent.cli.common import CONFIG_ARG, RESUME_OPT, RUN_DIR_OPT, SET_OPT, config_from_cli
+
+NPROC_OPT = typer.Option(None, "--nproc", help="Processes per node (default parallel.nproc).")
+NNODES_OPT = typer.Option(None, "--nnodes", help="Nodes (>1 needs Slurm or parallel.rdzv_endpoint).")
+PRINT_OPT = typer.Option(False, "--print-launch", help="Print the launch command and exit.")
+RESTARTS_OPT = typer.Option(0, "--max-restarts", help="Elastic restarts after a worker failure.")
 
 
 def register(app: typer.Typer) -> None:
     """Add the `train` command to the root app."""
 
     @app.command("train")
-    def _cmd(config: Path | None = CONFIG_ARG, sets: list[str] | None = SET_OPT) -> None:
-        """training engine (not built yet)."""
-        config_from_cli(config, sets)
-        not_landed("train", "training engine")
+    def _cmd(
+        config: Path | None = CONFIG_ARG,
+        sets: list[str] | None = SET_OPT,
+        nproc: int | None = NPROC_OPT,
+        nnodes: int | None = NNODES_OPT,
+        print_launch: bool = PRINT_OPT,
+        max_restarts: int = RESTARTS_OPT,
+        run_dir: Path | None = RUN_DIR_OPT,
+        resume: bool = RESUME_OPT,
+    ) -> None:
+        """Train the molecular surrogate or a Llama LM (single|ddp|fsdp|hsdp|pipeline)."""
+        import shlex
+
+        from convergent.runs import RunDir, open_run
+        from convergent.train.launch import build_command, launch_training
+
+        cfg = config_from_cli(config, sets)
+        if print_launch:
+            path = Path(run_dir) if run_dir else Path(cfg.run.root) / cfg.run.name
+            n = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
+            cmd = build_command(
+                RunDir(path).config, path, n, nnodes or cfg.parallel.nnodes, max_restarts,
+                cfg.parallel.rdzv_endpoint,
+            )
+            typer.echo(shlex.join(cmd))
+            return
+        run = open_run(cfg, run_dir, resume=resume)
+
+        def show(rec: dict) -> None:
+            if rec["kind"] == "val":
+                typer.echo(f"  val step {rec['step']}: loss {rec['loss']:.5g}")
+            elif rec["step"] % max(1, cfg.metrics.log_every) == 0 or rec["step"] == cfg.train.steps:
+                unit = "atoms_per_s" if "atoms_per_s" in rec else "tokens_per_s"
+                mfu = f"{rec['mfu']:.2%}" if rec.get("mfu") is not None else "n/a"
+                typer.echo(
+                    f"step {rec['step']}/{cfg.train.steps} loss {rec['loss']:.5g} "
+                    f"{unit.split('_')[0]}/s {rec[unit]:.0f} mfu {mfu}"
+                )
+
+        result = launch_training(
+            cfg, run, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes, progress=show
+        )
+        typer.echo(
+            f"trained {result.steps} steps in {result.seconds:.1f} s "
+            f"(restarts: {result.restarts}); final loss {result.final_loss:.5g}; "
+            f"weights: {result.final_dir}"
+        )

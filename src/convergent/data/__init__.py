@@ -1,2 +1,30 @@
-"""Dataset store: checksummed shards, streaming reader, node-local cache."""
+"""Dataset store: checksummed shards, streaming reader, node-local cache.
 
+Millions of small records (molecular structures with energies and forces, or any small
+files) become a few large shards with a columnar index and a manifest of xxh3 checksums;
+a streaming reader feeds training with a seeded block shuffle, equal per-rank counts and
+exact mid-epoch resume; a node-local cache tier keeps the parallel file system out of
+the inner loop.
+
+Modules (each with one job):
+
+* :mod:`~convergent.data.format`    shard layout, record encoding, CRC-checked frames
+* :mod:`~convergent.data.manifest`  ``manifest.json``: the commit point of a dataset
+* :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process)
+* :mod:`~convergent.data.parallel`  ``write_parallel`` on Dask, index merge
+* :mod:`~convergent.data.reader`    ``open_dataset`` (map-style), ``split_by_molecule``,
+  ``write_subset``; re-exports the streaming readers
+* :mod:`~convergent.data.order`     pure functions: block shuffle, rank/worker split
+* :mod:`~convergent.data.stream`    ``StreamingDataset``, ``MixedStreamingDataset``,
+  ``StreamingLoader`` (torch)
+* :mod:`~convergent.data.cache`     ``ShardCache``, ``Prefetcher`` (node-local tier)
+* :mod:`~convergent.data.pack`      ``pack_directory`` (``convergent data pack``)
+* :mod:`~convergent.data.verify`, :mod:`~convergent.data.inspect`,
+  :mod:`~convergent.data.export`    the ``data verify|inspect|export`` tools
+
+Molecular record (dict): ``key`` str (unique), ``molecule_id`` str, ``numbers``
+int64[N], ``positions`` float64[N, 3] (Å), ``energy`` float (eV), ``forces``
+float64[N, 3] (eV/Å; NaN when written as None), ``cell`` float64[3, 3] (zeros if none),
+``pbc`` bool[3], ``charge`` int, ``multiplicity`` int, ``meta`` dict (JSON).
+Bytes record: ``key`` str, ``payload`` bytes.
+"""

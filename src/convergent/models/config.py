@@ -1,4 +1,7 @@
-"""Config of the molecular surrogate (``model`` section)."""
+"""Config of the molecular surrogate (``model`` section).
+
+Distances in Å, energies in eV. Every default works on a 2-core laptop.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,17 @@ from convergent.configbase import Section
 
 
 class ModelConfig(Section):
-    """Sparse-attention molecular Transformer hyper-parameters (distances in Å)."""
+    """Sparse-attention molecular Transformer hyper-parameters (distances in Å).
+
+    ``attention``: ``neighbor`` (default) attends only over the cutoff graph built by a
+    cell list, O(N·k); ``topk`` scores every atom pair of a structure and keeps the
+    ``topk`` best per atom (the O(N²) reference recipe); ``dense`` attends over every
+    atom pair of a structure (O(N²)). ``max_neighbors`` caps the neighbours per atom;
+    what happens when an atom has more is set by ``neighbor_overflow``: ``error``
+    (default, never silent) or ``drop`` (keep the nearest, log and count the dropped
+    pairs). ``keep_fp32`` lists sub-module name patterns (fnmatch) run in fp32 under
+    bf16/fp16 autocast; the per-molecule energy sum is always fp32/fp64.
+    """
 
     kind: Literal["molecular", "llama"] = "molecular"
     hidden: int = 64
@@ -16,4 +29,11 @@ class ModelConfig(Section):
     heads: int = 4
     cutoff: float = 5.0  # Å
     max_neighbors: int | None = None
+    neighbor_overflow: Literal["error", "drop"] = "error"
     attention: Literal["neighbor", "topk", "dense"] = "neighbor"
+    topk: int = 32  # neighbours kept per atom by attention="topk"
+    num_rbf: int = 32  # radial basis functions on [0, cutoff]
+    max_z: int = 94  # largest atomic number the embedding accepts
+    mlp_ratio: int = 2  # feed-forward width = mlp_ratio * hidden
+    keep_fp32: list[str] = ["energy_head"]
+    edge_chunk: int = 32768  # edges per chunk in attention (bounds temporaries; 0 = all)

@@ -1,2 +1,1 @@
 """LLM serving: paged KV cache, pipeline stages, TD-Pipe scheduler, HTTP API."""
-

@@ -1,4 +1,4 @@
-"""Config of LLM serving (``serve`` section)."""
+"""Config of LLM serving (``serve`` section). Defaults work on a 2-core laptop."""
 
 from __future__ import annotations
 
@@ -8,10 +8,32 @@ from convergent.configbase import Section
 
 
 class ServeConfig(Section):
-    """Pipeline-parallel serving settings."""
+    """Pipeline-parallel serving settings.
 
+    ``model`` is a Hugging Face Llama checkpoint directory (config.json + safetensors);
+    empty means "create a tiny random Llama under ``<run dir>/serve-model``" so the
+    commands work out of the box. ``kv_budget_bytes`` caps the KV cache of the whole
+    pipeline (summed over stages; each stage holds the K/V of its own layers).
+    """
+
+    model: str = ""
     scheduler: Literal["sequential", "interleaved", "tdpipe"] = "tdpipe"
-    stages: int = 2
+    stages: int = 2  # pipeline stages (processes); sequential always uses one process
+    predictor: Literal["learned", "oracle", "constant"] = "learned"
+    predictor_path: str = ""  # a trained predictor (.json); empty: train on a trace at start
     host: str = "127.0.0.1"
     port: int = 8000
-    kv_budget_bytes: int = 256 * 2**20
+    api_key: str = ""  # empty: no authentication
+    kv_budget_bytes: int = 256 * 2**20  # bytes of K+V over all stages
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences per micro-batch (decode)
+    max_batched_tokens: int = 1024  # token budget of a micro-batch (prefill)
+    chunked_prefill: bool = False  # interleaved only: split prompts to fit the budget
+    max_model_len: int = 2048  # prompt + output tokens per request
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
+    torch_threads: int = 1  # per stage process
+    profile_costs: bool = True  # tdpipe: profile the stage cost table at start-up
+    tdpipe_memory_fraction: float = 0.9  # predicted peak KV use allowed by prefill
+    work_stealing: bool = True  # tdpipe: balance decode micro-batches
+    default_max_tokens: int = 128  # API requests without max_tokens

@@ -1,2 +1,11 @@
-"""Simulation: molecule sources, samplers, calculators and the Dask campaign."""
+"""Simulation: molecule sources, samplers, calculators and the Dask campaign.
 
+* :mod:`~convergent.sim.sources` — G2/S22 (ASE), SMILES (RDKit ETKDGv3 + MMFF, the NCI file
+  in the RDKit wheel), xyz/extxyz (ase.io); element / atom-count filters.
+* :mod:`~convergent.sim.samplers` — seeded Gaussian rattle, seeded Langevin MD.
+* :mod:`~convergent.sim.calculators` — GFN2-xTB (tblite), PySCF HF/DFT, EMT; provenance.
+* :mod:`~convergent.sim.campaign` — :func:`run_campaign` -> :class:`CampaignSummary`: the
+  fault-tolerant task farm (retries, timeouts, quarantine, streaming, resume).
+* :mod:`~convergent.sim.relabel` — multi-fidelity relabelling into a second dataset.
+* :mod:`~convergent.sim.config` — ``SimulateConfig``, ``RelabelConfig``, ``ClusterConfig``.
+"""

@@ -1,34 +1,122 @@
-"""Config of the simulation campaign (``simulate`` section) and the Dask cluster (``cluster``)."""
+"""Config of the simulation campaign (``simulate`` section) and the Dask cluster (``cluster``).
+
+Every default works on a 2-core laptop: a LocalCluster with one single-threaded worker per
+usable core, GFN2-xTB (tblite) on rattled C/H/N/O molecules of ASE's G2 collection.
+Units: distances in Å, energies in eV, forces in eV/Å, temperatures in K, times in s.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field, field_validator
+
 from convergent.configbase import Section
 
 
+class SlurmConfig(Section):
+    """Job options of ``dask_jobqueue.SLURMCluster`` (``cluster.kind: slurm``).
+
+    One Slurm job holds ``cores`` single-threaded Dask workers (``processes = cores``);
+    the cluster adapts between ``adapt_min`` and ``adapt_max`` workers.
+    """
+
+    queue: str | None = None  # -p / --partition
+    account: str | None = None  # -A
+    cores: int = 4  # cores per job = single-threaded workers per job
+    memory: str = "8GB"  # memory per job
+    walltime: str = "01:00:00"
+    job_extra_directives: list[str] = []  # extra '#SBATCH ...' lines, e.g. ['--qos=debug']
+    job_script_prologue: list[str] = []  # shell lines run before the worker (module load ...)
+    interface: str | None = None  # network interface of workers, e.g. 'ib0'
+    local_directory: str | None = None  # node-local scratch for worker spill files
+    python: str | None = None  # python executable on compute nodes (default: this one)
+    adapt_min: int = 0  # workers
+    adapt_max: int = 64  # workers
+
+
 class ClusterConfig(Section):
-    """Where Dask work runs. ``local``: one single-threaded worker per usable core."""
+    """Where Dask work runs.
+
+    ``local``: a LocalCluster with one single-threaded worker process per usable core
+    (affinity mask / SLURM_CPUS_ON_NODE); ``slurm``: dask-jobqueue SLURMCluster with
+    ``adapt(min, max)``; ``address``: connect to an existing scheduler at ``address``.
+    """
 
     kind: Literal["local", "slurm", "address"] = "local"
-    n_workers: int | None = None  # None: one per usable core
+    n_workers: int | None = None  # None: one per usable core (local)
     threads_per_worker: int = 1
     address: str | None = None  # for kind=address, e.g. tcp://10.0.0.1:8786
+    dashboard_address: str | None = ":0"  # ':8787', ':0' (any free port) or None (off)
+    memory_limit: str = "auto"  # per local worker
+    allowed_failures: int = 0  # scheduler re-runs of a task after a worker death (local/slurm)
+    slurm: SlurmConfig = SlurmConfig()
+
+
+class RelabelConfig(Section):
+    """Multi-fidelity: relabel a fraction of frames at a higher level into a second dataset."""
+
+    fraction: float = Field(0.1, ge=0.0, le=1.0)  # of frames, chosen by a seeded key hash
+    calculator: Literal["xtb", "dft", "emt"] = "dft"
+    method: str | None = "B3LYP"  # 'HF' or a PySCF xc functional
+    basis: str = "6-31G*"
+    density_fit: bool = True
+    auxbasis: str | None = None  # None: PySCF's default for the basis
+    conv_tol: float = 1e-8  # Hartree
+    max_cycle: int = 100
+    chunk_size: int = 2
+    timeout_s: float = 1800.0
+    retries: int = 1
+    seed: int = 0
 
 
 class SimulateConfig(Section):
-    """A high-throughput labelling campaign: source -> sampler -> calculator."""
+    """A high-throughput labelling campaign: source -> sampler -> calculator.
 
-    source: str = "g2"  # g2 | s22 | smiles:<file> | nci | <xyz/extxyz path>
-    elements: list[str] = ["C", "H", "N", "O"]
+    ``source``: ``g2`` | ``s22`` | ``nci`` (the NCI SMILES file shipped with RDKit) |
+    ``smiles:<file>`` (one SMILES per line, optional name after it) | a path to an
+    ``.xyz``/``.extxyz`` file (or ``xyz:<path>``).
+    ``frames`` is the total number of labelled frames to produce. ``rattle``: Gaussian
+    displacements of sigma ``rattle_sigma`` Å; ``md``: Langevin trajectories with the
+    chosen calculator at each of ``temperatures`` K, one trajectory of ``md_frames`` frames
+    saved every ``md_interval`` steps per task.
+    """
+
+    source: str = "g2"  # g2 | s22 | nci | smiles:<file> | <xyz/extxyz path>
+    elements: list[str] = ["C", "H", "N", "O"]  # empty list: any element
     max_atoms: int = 12
+    min_atoms: int = 2
+    max_molecules: int | None = None  # cap after filtering (first n in source order)
     sampler: Literal["rattle", "md"] = "rattle"
-    frames: int = 2000
+    frames: int = Field(2000, ge=1)
     rattle_sigma: float = 0.05  # Å
     temperatures: list[float] = [300.0]  # K, for md
+    md_timestep_fs: float = 0.5
+    md_friction: float = 0.01  # 1/fs
+    md_interval: int = 10  # MD steps between saved frames
+    md_warmup: int = 20  # MD steps before the first saved frame
+    md_frames: int = 25  # frames per trajectory (= one task)
     calculator: Literal["xtb", "dft", "emt"] = "xtb"
-    method: str = "GFN2-xTB"
-    chunk_size: int = 25  # frames per Dask task
-    timeout_s: float = 300.0
-    retries: int = 2
+    method: str | None = "GFN2-xTB"  # xtb: GFN2-xTB|GFN1-xTB|IPEA1-xTB; dft: HF|<xc>
+    basis: str = "6-31G*"  # dft only
+    density_fit: bool = True  # dft only
+    xtb_accuracy: float = 1.0
+    xtb_max_iterations: int = 250
+    xtb_electronic_temperature: float = 300.0  # K
+    min_distance: float = 0.5  # Å; closer atom pairs are quarantined as bad geometry
+    chunk_size: int = Field(50, ge=1)  # frames per Dask task (rattle)
+    timeout_s: float = 300.0  # per task
+    retries: int = Field(2, ge=0)  # per task, before it is split / quarantined
+    max_in_flight: int | None = None  # tasks submitted at once; None: 3 per worker
+    flush_every_s: float = 10.0  # seal a shard + commit the manifest at most this often
+    on_bad_input: Literal["error", "quarantine"] = "error"  # malformed xyz / invalid SMILES
+    retry_quarantined: bool = False  # on resume, recompute previously quarantined frames
     seed: int = 0
+    relabel: RelabelConfig = RelabelConfig()
+
+    @field_validator("temperatures")
+    @classmethod
+    def _positive_temperatures(cls, value: list[float]) -> list[float]:
+        if not value or any(t <= 0 for t in value):
+            raise ValueError("temperatures must be a non-empty list of positive kelvins")
+        return value

@@ -1,4 +1,8 @@
-"""Config of the training engine (``train``, ``parallel``, ``precision``, ``checkpoint``)."""
+"""Config of the training engine (``train``, ``parallel``, ``precision``, ``checkpoint``).
+
+Every default works on a 2-core laptop: 2 processes x 1 torch thread, DDP over gloo,
+fp32, a checkpoint every 100 steps, the last 2 kept.
+"""
 
 from __future__ import annotations
 
@@ -8,36 +12,86 @@ from convergent.configbase import Section
 
 
 class TrainConfig(Section):
-    """Optimisation loop settings."""
+    """Optimisation loop settings.
+
+    The molecular task reads ``dataset``/``val_dataset`` (convergent.data stores); the LM
+    task (``model.kind: llama``) trains on ``dataset`` if it holds token records, else on
+    a seeded synthetic token stream. Batches are planned *globally* (the same sequence of
+    global batches for any number of ranks), then split between ranks and micro-steps,
+    so runs with different process counts see identical data per optimizer step.
+    """
 
     dataset: str | None = None  # training dataset directory (convergent.data store)
     val_dataset: str | None = None  # held-out dataset directory (split by molecule)
-    steps: int = 300
+    steps: int = 300  # optimizer steps
     lr: float = 1e-3
-    batch_atoms: int = 512  # atom budget per batch (molecular)
-    grad_accum: int = 1
-    grad_clip: float | None = 10.0
-    force_weight: float = 10.0
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.0
+    batch_atoms: int = 512  # atom budget per micro-batch per rank (molecular)
+    global_batch_atoms: int | None = None  # fixed global atom budget per step (overrides)
+    batch_seqs: int = 8  # sequences per micro-batch per rank (LM)
+    global_batch_seqs: int | None = None  # fixed global sequences per step (LM, overrides)
+    seq_len: int = 64  # tokens per sequence (LM)
+    vocab_size: int = 256  # synthetic LM vocabulary when no token dataset is given
+    grad_accum: int = 1  # micro-steps per optimizer step (no gradient sync until the last)
+    grad_clip: float | None = 10.0  # max global grad norm; None disables clipping
+    force_weight: float = 10.0  # weight of the force term (eV/Å)^2 vs energy (eV)^2
     seed: int = 0
+    threads: int = 1  # torch intra-op threads per process
+    activation_checkpointing: bool = False  # recompute each block in backward
+    compile: bool = False  # torch.compile each block
+    val_every: int = 50  # validate every N steps (and at the end); 0 = only at the end
+    val_max_batches: int = 20  # cap validation cost
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
 class ParallelConfig(Section):
-    """Parallelism strategy and launch shape."""
+    """Parallelism strategy and launch shape.
+
+    ``hsdp`` shards inside groups of ``shard_size`` ranks (default: the ranks of one node,
+    or of one rack with ``topology_level: rack``, read from Slurm's environment or
+    ``topology_file``) and replicates across groups. ``pipeline`` splits the model's
+    blocks into ``nproc * stages_per_rank`` stages (interleaved) or ``nproc`` stages.
+    """
 
     strategy: Literal["single", "ddp", "fsdp", "hsdp", "pipeline"] = "ddp"
-    nproc: int = 2
+    nproc: int = 2  # processes per node
     nnodes: int = 1
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    rdzv_endpoint: str | None = None  # host:port; default first Slurm node:29500
+    # FSDP / HSDP
+    reshard_after_forward: bool = True  # free unsharded params after forward (ZeRO-3)
+    shard_size: int | None = None  # HSDP shard group size; None = from topology
+    topology_file: str | None = None  # YAML/JSON {hostname: {rack: name}} or rank lists
+    topology_level: Literal["node", "rack"] = "node"
+    # Pipeline
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    microbatches: int = 4
+    stages_per_rank: int = 2  # for interleaved
+    # DDP gradient compression (comm hook)
+    compression: Literal["none", "fp16", "powersgd", "topk"] = "none"
+    powersgd_rank: int = 2
+    powersgd_start_iter: int = 10
+    topk_ratio: float = 0.01  # fraction of gradient entries sent per step
+    bucket_cap_mb: float = 25.0
 
 
 class PrecisionConfig(Section):
-    """Autocast dtype; ``keep_fp32`` lists module name patterns kept in fp32."""
+    """Autocast dtype; ``keep_fp32`` lists module-name substrings kept in fp32."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    keep_fp32: list[str] = ["energy_head"]
+    keep_fp32: list[str] = ["energy_head", "norm"]
+    reduce_dtype: Literal["fp32", "param"] = "fp32"  # FSDP gradient reduction dtype
+    init_scale: float = 2.0**12  # fp16 GradScaler initial scale
 
 
 class CheckpointConfig(Section):
-    """DCP checkpoints: interval in steps, how many to keep."""
+    """DCP checkpoints: interval in steps, how many to keep, async writing, resume."""
 
     interval: int = 100
     keep: int = 2
+    async_save: bool = False  # write in a background thread (separate gloo group)
+    resume: bool = True  # resume from the latest complete checkpoint in the run dir
+    export_final: bool = True  # safetensors export to ckpt/final at the end

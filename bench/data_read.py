@@ -1,0 +1,459 @@
+"""Read throughput of many small records: loose files vs convergent shards vs peers.
+
+One run on the same generated data (``--records`` records, log-normal sizes with median
+4 KiB, random bytes, made offline with a fixed seed), read once in shuffled order through
+a torch DataLoader with the same settings (batch size, workers, list collate) by:
+
+* ``loose``       one file per record (map-style dataset, ``DataLoader(shuffle=True)``)
+* ``convergent``  ``convergent data pack`` shards + ``StreamingDataset`` (block shuffle)
+* ``webdataset``  WebDataset 1.0.2 tar shards (our ``data export --to webdataset``)
+* ``mds``         mosaicml-streaming 0.13.0 (``MDSWriter`` / ``StreamingDataset``)
+* ``litdata``     litdata (``optimize`` / ``StreamingDataset``)
+
+Measured per system in a fresh subprocess: samples/s, MB/s, time to first batch (from
+dataset construction, incl. any directory scan), peak RSS (main process and the sum over
+the process tree incl. DataLoader workers, sampled every 50 ms), and, in a second run
+under ``strace -f -c``, the number of open and stat system calls.
+
+Writes bench/results/data_read.json with versions and the machine. Full scale:
+``python bench/data_read.py --records 1000000`` (~5.4 GB per format). The peers may live
+in another interpreter (``--peer-python``; default: bench/data/peers-venv if present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+SYSTEMS = ("loose", "convergent", "webdataset", "mds", "litdata")
+PEERS = ("webdataset", "mds", "litdata")
+SHARD_BYTES = 128 * 2**20
+MEDIAN_BYTES = 4096
+SIGMA = 0.8  # log-normal shape
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def record_sizes(n: int, seed: int) -> np.ndarray:
+    """Log-normal payload sizes, bytes (median 4 KiB, clipped to 64 B .. 1 MiB)."""
+    rng = np.random.default_rng(seed)
+    s = np.exp(rng.normal(np.log(MEDIAN_BYTES), SIGMA, n))
+    return np.clip(s, 64, 2**20).astype(np.int64)
+
+
+def loose_rel(i: int) -> str:
+    return f"{i // 1000:04d}/{i:07d}.bin"
+
+
+def generate(data: Path, n: int, seed: int) -> dict:
+    """Loose files ``data/loose/DDDD/NNNNNNN.bin``; skipped if already made for (n, seed)."""
+    stamp = data / "loose.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == {"records": n, "seed": seed}:
+        return {"generated": False}
+    shutil.rmtree(data / "loose", ignore_errors=True)
+    t0 = time.perf_counter()
+    sizes = record_sizes(n, seed)
+    rng = np.random.default_rng(seed + 1)
+    pool = rng.bytes(4 * 2**20 + 2**20)
+    offs = rng.integers(0, 4 * 2**20, n)
+    for i in range(n):
+        p = data / "loose" / loose_rel(i)
+        if i % 1000 == 0:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        # random bytes, a distinct window of a random pool per record (incompressible)
+        p.write_bytes(i.to_bytes(8, "little") + pool[offs[i] : offs[i] + int(sizes[i]) - 8])
+    stamp.write_text(json.dumps({"records": n, "seed": seed}))
+    return {"generated": True, "seconds": time.perf_counter() - t0, "bytes": int(sizes.sum())}
+
+
+def build(system: str, data: Path, n: int, workers: int) -> float:
+    """Build one system's copy of the loose files; returns seconds (0 if already built)."""
+    out = data / system
+    stamp = data / f"{system}.json"
+    want = json.loads((data / "loose.json").read_text())
+    if stamp.exists() and out.exists():
+        have = json.loads(stamp.read_text())
+        if {k: have.get(k) for k in want} == want:
+            return float(have.get("seconds", 0.0))  # built earlier: report that build's time
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    if system == "convergent":
+        from convergent.data.pack import pack_directory
+
+        pack_directory(data / "loose", out, schema="bytes", shard_bytes=SHARD_BYTES, compression="none")
+    elif system == "webdataset":
+        from convergent.data.export import export_webdataset
+
+        export_webdataset(data / "convergent", out, shard_bytes=SHARD_BYTES)
+    elif system == "mds":
+        from convergent.data.export import export_mds
+
+        export_mds(data / "convergent", out, shard_bytes=SHARD_BYTES)
+    elif system == "litdata":
+        from litdata import optimize
+
+        files = [str(data / "loose" / loose_rel(i)) for i in range(n)]
+        optimize(fn=_litdata_item, inputs=files, output_dir=str(out), chunk_bytes=SHARD_BYTES,
+                 num_workers=max(1, workers), verbose=False, start_method="fork")
+    seconds = time.perf_counter() - t0
+    stamp.write_text(json.dumps(dict(want, seconds=seconds)))
+    return seconds
+
+
+def _litdata_item(path: str) -> dict:
+    p = Path(path)
+    return {"key": f"{p.parent.name}/{p.name}", "payload": p.read_bytes()}
+
+
+# ---------------------------------------------------------------------------- readers
+
+
+def _payloads(batch: list) -> list:
+    return batch
+
+
+def make_loader(system: str, data: Path, batch: int, workers: int, seed: int):
+    """A DataLoader yielding lists of payload bytes, built like a user of that system would."""
+    from torch.utils.data import DataLoader, Dataset
+
+    common = {"batch_size": batch, "num_workers": workers, "collate_fn": _payloads}
+    if workers:
+        common["persistent_workers"] = False
+    if system == "loose":
+        files = sorted(str(p) for p in (data / "loose").rglob("*.bin"))
+
+        class Files(Dataset):
+            def __len__(self) -> int:
+                return len(files)
+
+            def __getitem__(self, i: int) -> bytes:
+                with open(files[i], "rb") as fh:
+                    return fh.read()
+
+        import torch
+
+        return DataLoader(Files(), shuffle=True, generator=torch.Generator().manual_seed(seed), **common)
+    if system == "convergent":
+        from convergent.data.stream import StreamingDataset
+
+        ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
+                              rank=0, world_size=1, transform=lambda r: r["payload"])
+        return DataLoader(ds, **common)
+    if system == "webdataset":
+        import webdataset as wds
+
+        urls = [str(data / "webdataset" / n) for n in (data / "webdataset" / "shards.txt").read_text().split()]
+        ds = wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False).shuffle(1000).to_tuple("bin")
+        ds = ds.map(lambda t: t[0])
+        return DataLoader(ds, **common)
+    if system == "mds":
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+
+        class Payload(StreamingDataset):
+            def __getitem__(self, i: int) -> bytes:
+                return super().__getitem__(i)["payload"]
+
+        ds = Payload(local=str(data / "mds"), shuffle=True, shuffle_seed=seed, batch_size=batch)
+        return DataLoader(ds, **common)
+    if system == "litdata":
+        from litdata import StreamingDataset
+
+        class Payload(StreamingDataset):
+            def __getitem__(self, i):  # noqa: ANN001
+                return bytes(super().__getitem__(i)["payload"])  # litdata gives a memoryview
+
+        ds = Payload(input_dir=str(data / "litdata"), shuffle=True, seed=seed)
+        return DataLoader(ds, **common)
+    raise SystemExit(f"unknown system {system}")
+
+
+class RssSampler:
+    """Peak RSS of this process and of its whole process tree, sampled every 50 ms."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak_main = self.peak_tree = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            try:
+                main = self.proc.memory_info().rss
+                tree = main
+                for c in self.proc.children(recursive=True):
+                    try:
+                        tree += c.memory_info().rss
+                    except psutil.Error:
+                        pass
+                self.peak_main, self.peak_tree = max(self.peak_main, main), max(self.peak_tree, tree)
+            except psutil.Error:
+                pass
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limit: int | None) -> dict:
+    """Read every sample once; returns the measurements."""
+    sampler = RssSampler()
+    t0 = time.perf_counter()
+    loader = make_loader(system, data, batch, workers, seed)
+    first = None
+    n = nbytes = 0
+    for b in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        n += len(b)
+        nbytes += sum(len(x) for x in b)
+        if limit and n >= limit:
+            break
+    dt = time.perf_counter() - t0
+    sampler.stop()
+    return {
+        "samples": n, "bytes": nbytes, "seconds": dt,
+        "samples_per_s": n / dt, "MB_per_s": nbytes / dt / 1e6,
+        "time_to_first_batch_s": first,
+        # (ru_maxrss is not used: Linux keeps the parent's high-water mark across exec)
+        "peak_rss_main_MiB": sampler.peak_main / 2**20,
+        "peak_rss_tree_MiB": sampler.peak_tree / 2**20,
+    }
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def install_torchvision_stub() -> None:
+    """mosaicml-streaming imports torchvision for its vision datasets (unused here); the
+    PyPI torchvision wheel is a CUDA build that does not load with CPU torch. A stub
+    lets ``import streaming`` succeed; nothing of it is called."""
+    import importlib.machinery
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+
+        return
+    except Exception:  # noqa: BLE001
+        pass
+
+    def mod(name: str) -> types.ModuleType:
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        sys.modules[name] = m
+        return m
+
+    mod("torchvision")
+    ds = mod("torchvision.datasets")
+    mod("torchvision.transforms")
+    fn = mod("torchvision.transforms.functional")
+    ds.VisionDataset = type("VisionDataset", (), {})
+    fn.to_tensor = lambda x: x
+
+
+def child_main(args: argparse.Namespace) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.system in ("mds", "litdata", "webdataset") or args.build in ("mds", "litdata"):
+        install_torchvision_stub()
+    import torch
+
+    torch.set_num_threads(1)
+    data = Path(args.data_dir)
+    if args.build:
+        print(json.dumps({"build_seconds": build(args.build, data, args.records, args.workers)}))
+        return
+    res = read_once(args.system, data, args.batch_size, args.workers, args.seed, args.limit)
+    print("RESULT " + json.dumps(res))
+
+
+def run_child(py: str, system: str, args: argparse.Namespace, strace: bool = False) -> dict:
+    cmd = [py, str(Path(__file__).resolve()), "--child", "--system", system, "--data-dir", str(args.data_dir),
+           "--records", str(args.records), "--batch-size", str(args.batch_size),
+           "--workers", str(args.workers), "--seed", str(args.seed)]
+    if args.limit:
+        cmd += ["--limit", str(args.limit)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT.parent / "src"))
+    if strace:
+        with tempfile.NamedTemporaryFile("r", suffix=".strace") as tf:
+            cmd = ["strace", "-f", "-c", "-o", tf.name,
+                   "-e", "trace=open,openat,openat2,creat,stat,lstat,fstat,newfstatat,statx,access,faccessat,faccessat2"] + cmd
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+            if out.returncode != 0:
+                return {"error": out.stderr[-2000:]}
+            return parse_strace(Path(tf.name).read_text())
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode != 0 or not line:
+        return {"error": (out.stderr or out.stdout)[-3000:]}
+    return json.loads(line[-1][7:])
+
+
+def drop_caches() -> bool:
+    """Drop the (machine-wide) page cache so the read starts cold; False if not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def parse_strace(text: str) -> dict:
+    counts: dict[str, int] = {}
+    for row in text.splitlines():
+        m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", row)
+        if m:
+            counts[m.group(2)] = int(m.group(1))
+    opens = sum(v for k, v in counts.items() if k.startswith("open") or k == "creat")
+    stats = sum(v for k, v in counts.items() if "stat" in k or "access" in k)
+    return {"open_calls": opens, "stat_calls": stats, "by_call": counts}
+
+
+def versions(py: str) -> dict:
+    code = (
+        "import json,importlib.metadata as m\n"
+        "out={}\n"
+        "for p in ['torch','numpy','webdataset','mosaicml-streaming','litdata','zstandard','xxhash']:\n"
+        "    try: out[p]=m.version(p)\n"
+        "    except Exception: out[p]=None\n"
+        "print(json.dumps(out))"
+    )
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def machine() -> dict:
+    import psutil
+
+    from convergent import __version__
+    from convergent.resources import usable_cpus
+
+    cpu = ""
+    with open("/proc/cpuinfo") as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+            "usable_cpus": usable_cpus(), "memory_GiB": round(psutil.virtual_memory().total / 2**30, 1),
+            "load_avg_at_start": os.getloadavg(), "convergent": __version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers (same for all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", type=Path, default=ROOT / "data" / "data_read")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "data_read.json")
+    ap.add_argument("--peer-python", default=None, help="interpreter with the peer packages")
+    ap.add_argument("--no-strace", action="store_true", help="skip the syscall-count runs")
+    ap.add_argument("--limit", type=int, default=None, help="stop each reader after N samples")
+    ap.add_argument("--timeout", type=float, default=7200)
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before each read (needs root; machine-wide)")
+    ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. CPU sharing)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--build", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child_main(args)
+        return
+    sys.path.insert(0, str(ROOT.parent / "src"))
+    systems = [s for s in args.systems.split(",") if s]
+    peer_py = args.peer_python
+    if peer_py is None:
+        cand = ROOT / "data" / "peers-venv" / "bin" / "python"
+        peer_py = str(cand) if cand.exists() else sys.executable
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    print(f"generating {args.records} loose files in {args.data_dir} ...", flush=True)
+    gen = generate(args.data_dir, args.records, args.seed)
+    builds = {}
+    for s in ["convergent", *[p for p in PEERS if p in systems]]:
+        py = peer_py if s in ("mds", "litdata") else sys.executable
+        if s == "convergent":
+            builds[s] = build(s, args.data_dir, args.records, args.workers)
+        else:
+            cmd = [py, str(Path(__file__).resolve()), "--child", "--build", s, "--data-dir", str(args.data_dir),
+                   "--records", str(args.records), "--workers", str(args.workers)]
+            if s == "webdataset":
+                builds[s] = build(s, args.data_dir, args.records, args.workers)
+                print(f"built {s}: {builds[s]:.1f} s", flush=True)
+                continue
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
+            if out.returncode != 0:
+                print(f"build {s} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                builds[s] = None
+                continue
+            builds[s] = json.loads(out.stdout.strip().splitlines()[-1])["build_seconds"]
+        print(f"built {s}: {builds[s]:.1f} s", flush=True)
+    results: dict[str, dict] = {}
+    for s in systems:
+        py = peer_py if s in PEERS else sys.executable
+        print(f"reading {s} ...", flush=True)
+        cold = drop_caches() if args.cold else False
+        r = run_child(py, s, args)
+        r["cold_page_cache"] = cold
+        if not args.no_strace and "error" not in r:
+            r["syscalls"] = run_child(py, s, args, strace=True)
+        results[s] = r
+        print(f"  {s}: " + json.dumps({k: v for k, v in r.items() if k != 'syscalls'})[:400], flush=True)
+    base = results.get("loose", {}).get("samples_per_s")
+    ours = results.get("convergent", {}).get("samples_per_s")
+    summary = {}
+    if base and ours:
+        summary["convergent_vs_loose"] = ours / base
+    peer_rates = {p: results[p]["samples_per_s"] for p in PEERS if p in results and "samples_per_s" in results[p]}
+    if ours and peer_rates:
+        best = max(peer_rates, key=peer_rates.get)
+        summary["best_peer"] = best
+        summary["convergent_vs_best_peer"] = ours / peer_rates[best]
+    report = {
+        "benchmark": "data_read",
+        "settings": {"records": args.records, "size_distribution": f"log-normal, median {MEDIAN_BYTES} B, sigma {SIGMA}, clipped 64 B..1 MiB",
+                     "batch_size": args.batch_size, "num_workers": args.workers, "shuffle": True,
+                     "shard_bytes": SHARD_BYTES, "limit": args.limit, "seed": args.seed,
+                     "page_cache": "cold (dropped before each read)" if args.cold else "warm (data just written/built on the same machine)"},
+        "generation": gen, "build_seconds": builds, "results": results, "summary": summary,
+        "versions": {"ours": versions(sys.executable), "peers": versions(peer_py)},
+        "machine": machine(), "note": args.note, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    from convergent.fsutil import atomic_write_text
+
+    atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""Shared helpers of the molecular benchmarks: xTB/DFT datasets, split, a small trainer.
+
+Used by bench/model_accuracy.py, bench/model_cost.py and bench/transfer.py. Datasets are
+cached as extxyz under bench/data/ (git-ignored). Energies eV, forces eV/Å.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+DATA = ROOT / "data"
+RESULTS = ROOT / "results"
+
+
+def closed_shell_g2(max_atoms: int = 12, min_atoms: int = 3) -> list[str]:
+    """G2 molecules of H/C/N/O/F with an even electron count and <= max_atoms atoms."""
+    from ase.collections import g2
+
+    out = []
+    for n in g2.names:
+        a = g2[n]
+        if not (min_atoms <= len(a) <= max_atoms) or not set(a.get_chemical_symbols()) <= set("HCNOF"):
+            continue
+        if sum(a.numbers) % 2 or n in ("CH2_s3B1d", "CH2_s1A1d", "O3"):
+            continue
+        out.append(n)
+    return sorted(out)
+
+
+def conformers(name: str, n: int, seed: int) -> list[Any]:
+    """``n`` rattled copies of a G2 molecule (Gaussian displacements 0.02-0.12 Å)."""
+    from ase.collections import g2
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(n):
+        a = g2[name].copy()
+        a.positions += rng.normal(0, rng.uniform(0.02, 0.12), a.positions.shape)
+        a.info["molecule_id"] = name
+        a.info["key"] = f"{name}-{k}"
+        out.append(a)
+    return out
+
+
+def xtb_label(atoms: Any) -> tuple[float, np.ndarray, float]:
+    """GFN2-xTB energy (eV), forces (eV/Å) and wall seconds via tblite's ASE calculator."""
+    from tblite.ase import TBLite
+
+    a = atoms.copy()
+    a.calc = TBLite(method="GFN2-xTB", verbosity=0)
+    t = time.perf_counter()
+    e = a.get_potential_energy()
+    f = a.get_forces()
+    return float(e), np.asarray(f), time.perf_counter() - t
+
+
+def dft_label(atoms: Any, xc: str = "b3lyp", basis: str = "6-31g*") -> tuple[float, np.ndarray, float]:
+    """PySCF RKS energy (eV) and forces (eV/Å), wall seconds (one thread unless set)."""
+    from pyscf import dft, gto, lib
+
+    lib.num_threads(int(os.environ.get("BENCH_DFT_THREADS", "1")))
+    hartree, bohr = 27.211386245988, 0.529177210903
+    t = time.perf_counter()
+    mol = gto.M(
+        atom=[(s, p) for s, p in zip(atoms.get_chemical_symbols(), atoms.positions, strict=True)],
+        basis=basis, unit="Angstrom", verbose=0,
+    )
+    mf = dft.RKS(mol)
+    mf.xc = xc
+    mf.conv_tol = 1e-9
+    e = mf.kernel()
+    if not mf.converged:
+        raise RuntimeError("SCF did not converge")
+    g = mf.nuc_grad_method().kernel()
+    return float(e * hartree), -np.asarray(g) * hartree / bohr, time.perf_counter() - t
+
+
+def write_extxyz(path: Path, frames: list[Any]) -> None:
+    import ase.io
+
+    tmp = path.with_suffix(".tmp.extxyz")
+    ase.io.write(tmp, frames, format="extxyz")
+    os.replace(tmp, path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Records (dicts) from an extxyz written by the labelling functions here."""
+    import ase.io
+
+    recs = []
+    for a in ase.io.read(path, index=":"):
+        recs.append({
+            "key": a.info["key"],
+            "molecule_id": a.info["molecule_id"],
+            "numbers": np.asarray(a.numbers, np.int64),
+            "positions": np.asarray(a.positions, np.float64),
+            "energy": float(a.info["energy_eV"]),
+            "forces": np.asarray(a.arrays["forces_eVA"], np.float64),
+            "label_seconds": float(a.info.get("label_seconds", np.nan)),
+        })
+    return recs
+
+
+def label_frames(frames: list[Any], method: str) -> list[Any]:
+    out = []
+    for a in frames:
+        try:
+            e, f, s = xtb_label(a) if method == "xtb" else dft_label(a)
+        except Exception as exc:  # noqa: BLE001 - a failed SCF drops the structure
+            print(f"skip {a.info['key']}: {exc}", file=sys.stderr)
+            continue
+        b = a.copy()
+        b.info["energy_eV"] = e
+        b.arrays["forces_eVA"] = f
+        b.info["label_seconds"] = s
+        out.append(b)
+    return out
+
+
+def xtb_dataset(n_conf: int = 25, seed: int = 0) -> list[dict[str, Any]]:
+    """The cached GFN2-xTB dataset (built on first use)."""
+    path = DATA / f"xtb_g2_{n_conf}_{seed}.extxyz"
+    if not path.exists():
+        frames = []
+        for i, name in enumerate(closed_shell_g2()):
+            frames += conformers(name, n_conf, seed * 1000 + i)
+        write_extxyz(path, label_frames(frames, "xtb"))
+    return read_records(path)
+
+
+def molecule_split(records: list[dict[str, Any]], test_fraction: float = 0.2, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Indices (train, test) with no molecule on both sides."""
+    mols = sorted({r["molecule_id"] for r in records})
+    rng = np.random.default_rng(seed)
+    rng.shuffle(mols)
+    test = set(mols[: max(1, round(test_fraction * len(mols)))])
+    tr = [i for i, r in enumerate(records) if r["molecule_id"] not in test]
+    te = [i for i, r in enumerate(records) if r["molecule_id"] in test]
+    return tr, te
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_at_end": os.getloadavg(),
+        "note": "2 shared cores, several other engineers running jobs: timings are noisy",
+    }
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
+        info["amx"] = "amx_bf16" in flags
+        info["avx512_bf16"] = "avx512_bf16" in flags
+    except (OSError, IndexError):
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine(), **payload}
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=_json_default))
+    os.replace(tmp, path)
+    return path
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(type(x))
+
+
+if __name__ == "__main__":
+    t = time.perf_counter()
+    recs = xtb_dataset()
+    print(len(recs), "xTB records in", round(time.perf_counter() - t, 1), "s")
+
+
+def dft_dataset(max_atoms: int = 7, n_conf: int = 4, seed: int = 1) -> list[dict[str, Any]]:
+    """The cached B3LYP/6-31G* dataset: small G2 molecules, rattled (built on first use)."""
+    path = DATA / f"dft_g2_{max_atoms}_{n_conf}_{seed}.extxyz"
+    if not path.exists():
+        frames = []
+        for i, name in enumerate(closed_shell_g2(max_atoms=max_atoms)):
+            frames += conformers(name, n_conf, seed * 1000 + i)
+        write_extxyz(path, label_frames(frames, "dft"))
+    return read_records(path)
+
+
+# -- a small, honest training loop shared by the benchmarks ---------------------------
+
+
+def spk_import() -> Any:
+    """Import schnetpack 2.0.x on torch 2.13 (it imports a private name torch removed)."""
+    import typing
+
+    import torch.utils.data.dataloader as dl
+
+    if not hasattr(dl, "T_co"):
+        dl.T_co = typing.TypeVar("T_co", covariant=True)  # compatibility shim, bench only
+    import schnetpack
+
+    return schnetpack
+
+
+class OurPotential:
+    """Our MolecularTransformer behind the common (predict, params) interface."""
+
+    name = "ours"
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def parameters(self) -> Any:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def train(self, flag: bool = True) -> None:
+        self.model.train(flag)
+
+    def predict(self, batch: Any, training: bool) -> tuple[Any, Any]:
+        from convergent.models.molecular import energy_and_forces
+
+        return energy_and_forces(self.model, batch, training)
+
+
+class SpkPotential:
+    """A schnetpack representation + Atomwise head; same references/scale as ours."""
+
+    def __init__(self, kind: str, hidden: int, layers: int, cutoff: float, ref: Any) -> None:
+        import torch
+
+        spk = spk_import()
+        self.name = kind
+        rbf = spk.nn.GaussianRBF(n_rbf=20, cutoff=cutoff)
+        fcut = spk.nn.CosineCutoff(cutoff)
+        if kind == "schnet":
+            rep = spk.representation.SchNet(n_atom_basis=hidden, n_interactions=layers,
+                                             radial_basis=rbf, cutoff_fn=fcut)
+        else:
+            rep = spk.representation.PaiNN(n_atom_basis=hidden, n_interactions=layers,
+                                            radial_basis=rbf, cutoff_fn=fcut)
+        self.net = spk.model.NeuralNetworkPotential(
+            representation=rep,
+            input_modules=[spk.atomistic.PairwiseDistances()],
+            output_modules=[spk.atomistic.Atomwise(n_in=hidden, output_key="energy")],
+        )
+        self.cutoff = cutoff
+        atomref = torch.zeros(100, dtype=torch.float64)
+        for z, e in ref.energies.items():
+            atomref[z] = e
+        self.atomref, self.scale, self.shift = atomref, ref.scale, ref.shift
+        self.spk = spk
+
+    def parameters(self) -> Any:
+        return list(self.net.parameters())
+
+    def train(self, flag: bool = True) -> None:
+        self.net.train(flag)
+
+    def predict(self, batch: Any, training: bool) -> tuple[Any, Any]:
+        import torch
+
+        from convergent.models.atoms import neighbor_list
+
+        props = self.spk.properties
+        with torch.enable_grad():
+            pos = batch.positions.detach().clone().requires_grad_(True)
+            nl = neighbor_list(pos, self.cutoff, batch.batch, batch.n_molecules)
+            inputs = {
+                props.Z: batch.numbers, props.R: pos, props.idx_m: batch.batch,
+                props.n_atoms: batch.n_atoms, props.idx_i: nl.edge_index[0],
+                props.idx_j: nl.edge_index[1], props.offsets: nl.shifts,
+                props.cell: torch.zeros(batch.n_molecules, 3, 3), props.pbc: torch.zeros(batch.n_molecules, 3, dtype=torch.bool),
+            }
+            out = self.net(inputs)
+            e_nn = out["energy"].double() * self.scale + self.shift * batch.n_atoms.double()
+            ref = torch.zeros(batch.n_molecules, dtype=torch.float64).index_add(0, batch.batch, self.atomref[batch.numbers])
+            energy = e_nn + ref
+            (g,) = torch.autograd.grad(energy.sum(), pos, create_graph=training)
+        if not training:
+            return energy.detach(), -g.detach()
+        return energy, -g
+
+
+def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
+             autocast: Any = None) -> dict[str, float]:
+    """Energy MAE (eV/molecule, and per atom) and force MAE (eV/Å) over ``records``."""
+    import contextlib
+
+    import torch
+
+    from convergent.models.batching import batches_by_atom_budget, collate_records
+
+    pot.train(False)
+    de, de_atom, df_sum, n_f = [], [], 0.0, 0
+    t = time.perf_counter()
+    for idx in batches_by_atom_budget([len(r["numbers"]) for r in records], batch_atoms):
+        b = collate_records([records[i] for i in idx])
+        ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with ctx:
+            e, f = pot.predict(b, training=False)
+        err = (e.double() - b.energy).abs()
+        de += err.tolist()
+        de_atom += (err / b.n_atoms.double()).tolist()
+        df_sum += float((f.float() - b.forces).abs().sum())
+        n_f += b.forces.numel()
+    return {"energy_mae": float(np.mean(de)), "energy_mae_per_atom": float(np.mean(de_atom)),
+            "force_mae": df_sum / n_f, "seconds_per_structure": (time.perf_counter() - t) / len(records)}
+
+
+def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: float = 1e-3,
+              batch_atoms: int = 256, force_weight: float = 10.0, seed: int = 0,
+              autocast: Any = None, opt: Any = None, sched_fn: Any = None,
+              max_steps: int | None = None) -> dict[str, Any]:
+    """Train ``pot`` until ``budget_cpu_s`` seconds of this thread's CPU time are used.
+
+    Loss: mean (ΔE/n_atoms)² + force_weight · mean ΔF²; Adam; cosine LR over the budget
+    (or ``sched_fn(fraction) -> factor``). CPU time rather than wall time makes the budget
+    fair on a CPU shared with other jobs; wall time is reported too.
+    """
+    import contextlib
+    import math
+
+    import torch
+
+    from convergent.models.batching import batches_by_atom_budget, collate_records
+    from convergent.models.losses import energy_force_loss
+
+    torch.manual_seed(seed)
+    params = pot.parameters()
+    opt = opt or torch.optim.Adam(params, lr=lr)
+    base = [g["lr"] for g in opt.param_groups]
+    sched_fn = sched_fn or (lambda x: 0.5 * (1 + math.cos(math.pi * min(1.0, x))))
+    counts = [len(r["numbers"]) for r in records]
+    c0, w0 = time.thread_time(), time.perf_counter()
+    step, epoch, structures = 0, 0, 0
+    losses = []
+    pot.train(True)
+    done = False
+    while not done:
+        for idx in batches_by_atom_budget(counts, batch_atoms, shuffle_seed=seed * 100003 + epoch):
+            frac = (time.thread_time() - c0) / budget_cpu_s
+            if frac >= 1.0 or (max_steps is not None and step >= max_steps):
+                done = True
+                break
+            for g, b0 in zip(opt.param_groups, base, strict=True):
+                g["lr"] = b0 * sched_fn(frac)
+            b = collate_records([records[i] for i in idx])
+            ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+            with ctx:
+                e, f = pot.predict(b, training=True)
+            loss, _ = energy_force_loss(e, f, b, force_weight=force_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 10.0)
+            opt.step()
+            losses.append(float(loss.detach()))
+            step += 1
+            structures += len(idx)
+        epoch += 1
+    pot.train(False)
+    cpu = time.thread_time() - c0
+    return {"steps": step, "epochs_started": epoch, "structures_seen": structures,
+            "cpu_seconds": cpu, "wall_seconds": time.perf_counter() - w0,
+            "structures_per_cpu_second": structures / max(cpu, 1e-9),
+            "final_loss_avg20": float(np.mean(losses[-20:])) if losses else None}

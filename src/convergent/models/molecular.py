@@ -1,0 +1,358 @@
+"""The molecular surrogate: a Transformer over atoms with edge-wise (neighbour) attention.
+
+Energy in eV, forces in eV/Å, distances in Å.
+
+Architecture (read top to bottom in ten minutes):
+
+* ``embedding``: element embedding ``h_i = E[Z_i]`` (``hidden`` wide).
+* ``rbf``: Gaussian radial basis of the distance ``r_ij`` on ``[0, cutoff]``.
+* ``layers``: L pre-norm Transformer blocks. Atom ``i`` attends to its neighbours ``j``
+  only (the edges of the cutoff graph from :func:`~convergent.models.atoms.neighbor_list`):
+  ``s_ij = <q_i, k_j> / sqrt(d) + b(r_ij)`` per head (distance bias), weights
+  ``a_ij = φ(r_ij) exp(s_ij) / (1 + Σ_j' φ(r_ij') exp(s_ij'))`` with the cosine cutoff
+  ``φ`` (the 1 is a zero-score sink slot: weights fade smoothly as atoms cross the cutoff), message ``Σ_j a_ij v_j ⊙ f_v(r_ij)``, then an
+  MLP. Only distances enter, so the energy is invariant to rotation, translation and
+  permutation; cost is O(N·k) for k neighbours per atom.
+* ``energy_head``: per-atom MLP -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
+  summed per molecule with ``index_add_`` (fp32 for the network part, fp64 for the sum and
+  the element reference energies, which are large in eV).
+* forces ``F = -dE/dpositions`` by autograd (:func:`energy_and_forces`).
+
+``attention="topk"`` scores every atom pair of a structure and keeps the ``topk`` best
+per atom (the O(N²) recipe this model improves on); ``attention="dense"`` attends over
+every pair. Both drop the cutoff envelope and exist for comparison (bench/model_scaling).
+
+Under bf16/fp16 autocast, sub-modules whose names match ``keep_fp32`` (fnmatch patterns,
+default ``["energy_head"]``) run with autocast disabled on fp32 inputs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from convergent.models.atoms import all_pairs, neighbor_list
+from convergent.models.batching import AtomsBatch
+from convergent.models.config import ModelConfig
+
+
+class RadialBasis(nn.Module):
+    """Gaussian radial basis on [0, cutoff] Å: ``exp(-γ (r - μ_k)²)``, k = 1..num_rbf."""
+
+    def __init__(self, num_rbf: int, cutoff: float) -> None:
+        super().__init__()
+        centers = torch.linspace(0.0, cutoff, num_rbf)
+        self.register_buffer("centers", centers, persistent=False)
+        width = cutoff / max(1, num_rbf - 1)
+        self.gamma = 0.5 / (width * width)
+
+    def forward(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.exp(-self.gamma * (r.unsqueeze(-1) - self.centers) ** 2)
+
+
+def cosine_cutoff(r: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """Smooth envelope ``0.5 (cos(π r / rc) + 1)`` for r < rc, else 0."""
+    return torch.where(r < cutoff, 0.5 * (torch.cos(math.pi * r / cutoff) + 1.0), torch.zeros_like(r))
+
+
+class EdgeAttentionBlock(nn.Module):
+    """One pre-norm Transformer block whose attention runs over an edge list."""
+
+    def __init__(self, hidden: int, heads: int, num_rbf: int, mlp_ratio: int) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
+        self.hidden, self.heads = hidden, heads
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.edge = nn.Linear(num_rbf, heads + hidden)  # score bias per head + value filter
+        self.out = nn.Linear(hidden, hidden)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, mlp_ratio * hidden), nn.SiLU(), nn.Linear(mlp_ratio * hidden, hidden)
+        )
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        rbf: torch.Tensor,
+        env: torch.Tensor,
+        topk: tuple[int, torch.Tensor] | None = None,
+        edge_chunk: int = 0,
+    ) -> torch.Tensor:
+        """``h`` [N, hidden]; edges ``src -> dst`` (centre, neighbour) with ``rbf`` [E, R]
+        and envelope ``env`` [E]. ``topk=(k, rows)`` keeps the k best-scoring edges per
+        centre, where ``rows`` int64[B, 3] = (first edge, centres, edges per centre) of each
+        molecule's row-major all-pairs block. Edge tensors are processed in chunks of
+        ``edge_chunk`` edges (0 = all at once): same result, smaller allocations."""
+        n, hd, nh = h.shape[0], self.hidden, self.heads
+        d = hd // nh
+        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
+        acc = torch.promote_types(h.dtype, torch.float32)  # softmax in >= fp32
+        n_edges = src.numel()
+        step = n_edges if (topk is not None or edge_chunk <= 0) else edge_chunk
+        bounds = [(c, min(n_edges, c + step)) for c in range(0, n_edges, max(step, 1))] or [(0, 0)]
+        scores, fvs = [], []
+        for c0, c1 in bounds:
+            fe = self.edge(rbf[c0:c1])  # [e, heads + hidden]: score bias, value filter
+            qk = (q[src[c0:c1]] * k[dst[c0:c1]]).view(-1, nh, d).sum(-1)
+            scores.append(qk.to(acc) / math.sqrt(d) + fe[:, :nh].to(acc))
+            fvs.append(fe[:, nh:])
+        score = torch.cat(scores) if len(scores) != 1 else scores[0]
+        if topk is not None:
+            keep = _topk_edges(score.mean(-1), topk[0], topk[1])
+            src, dst, score, env = src[keep], dst[keep], score[keep], env[keep]
+            fvs = [fvs[0][keep]]
+            bounds = [(0, keep.numel())]
+        # Softmax over each centre's neighbours weighted by the smooth envelope, plus a
+        # zero-score "sink" slot so a lone neighbour's weight also fades at the cutoff.
+        m = torch.zeros((n, nh), dtype=score.dtype, device=h.device)  # sink score 0
+        m = m.scatter_reduce(0, src.unsqueeze(1).expand(-1, nh), score.detach(), "amax")
+        w = torch.exp(score - m[src]) * env.to(score.dtype).unsqueeze(1)  # [E, H]
+        denom = torch.exp(-m).index_add_(0, src, w)
+        a = w / denom[src]
+        agg = torch.zeros(n, nh, d, dtype=acc, device=h.device)
+        for (c0, c1), fv in zip(bounds, fvs, strict=True):
+            vals = (v[dst[c0:c1]] * fv).view(-1, nh, d).to(acc)
+            agg = agg.index_add(0, src[c0:c1], a[c0:c1].unsqueeze(-1) * vals)
+        h = h + self.out(agg.view(n, hd).to(h.dtype))
+        return h + self.mlp(self.norm2(h))
+
+
+def _topk_edges(score: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
+    """Indices of the ``k`` best-scoring edges per centre in all-pairs blocks."""
+    keep = []
+    for start, n_center, per in rows.tolist():
+        if per == 0:
+            continue
+        block = score[start : start + n_center * per].view(n_center, per)
+        kk = min(k, per)
+        idx = torch.topk(block, kk, dim=1).indices
+        keep.append((idx + torch.arange(n_center, device=score.device).unsqueeze(1) * per + start).flatten())
+    if not keep:
+        return torch.zeros(0, dtype=torch.int64, device=score.device)
+    return torch.cat(keep)
+
+
+class MolecularTransformer(nn.Module):
+    """Energy model E(numbers, positions) in eV; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = nn.Embedding(cfg.max_z + 1, cfg.hidden)
+        self.rbf = RadialBasis(cfg.num_rbf, cfg.cutoff)
+        self.layers = nn.ModuleList(
+            EdgeAttentionBlock(cfg.hidden, cfg.heads, cfg.num_rbf, cfg.mlp_ratio)
+            for _ in range(cfg.layers)
+        )
+        self.energy_head = nn.Sequential(
+            nn.LayerNorm(cfg.hidden),
+            nn.Linear(cfg.hidden, cfg.hidden // 2),
+            nn.SiLU(),
+            nn.Linear(cfg.hidden // 2, 1),
+        )
+        # Normalisation: per-atom energy = head * scale + shift + atomref[Z] (eV).
+        self.register_buffer("atomref", torch.zeros(cfg.max_z + 1, dtype=torch.float64))
+        self.register_buffer("scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("shift", torch.zeros((), dtype=torch.float32))
+        self.keep_fp32: list[str] = list(cfg.keep_fp32)
+        self.last_neighbors: Any = None  # NeighborList of the last forward (diagnostics)
+
+    # -- precision ---------------------------------------------------------------------
+    def set_keep_fp32(self, patterns: Iterable[str]) -> None:
+        """Set the fnmatch patterns of sub-modules run in fp32 under autocast."""
+        self.keep_fp32 = list(patterns)
+
+    def _run(self, name: str, module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        dev = args[0].device.type
+        if torch.is_autocast_enabled(dev) and any(fnmatch.fnmatch(name, p) for p in self.keep_fp32):
+            with torch.autocast(device_type=dev, enabled=False):
+                return module(*[a.float() if a.is_floating_point() else a for a in args])
+        return module(*args)
+
+    # -- reference energies ------------------------------------------------------------
+    def set_reference(self, ref: ReferenceEnergies) -> None:
+        """Install fitted element reference energies (eV) and the per-atom scale/shift."""
+        atomref = torch.zeros_like(self.atomref)
+        for z, e in ref.energies.items():
+            if z > self.cfg.max_z:
+                raise ValueError(f"element Z={z} above model.max_z={self.cfg.max_z}")
+            atomref[z] = e
+        self.atomref.copy_(atomref)
+        self.scale.fill_(ref.scale)
+        self.shift.fill_(ref.shift)
+
+    # -- forward -----------------------------------------------------------------------
+    def _edges(self, batch: AtomsBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        cfg = self.cfg
+        if cfg.attention == "neighbor":
+            nl = neighbor_list(
+                batch.positions, cfg.cutoff, batch.batch, batch.n_molecules, batch.cell,
+                batch.pbc, cfg.max_neighbors, cfg.neighbor_overflow,
+            )
+            self.last_neighbors = nl
+            return nl.edge_index, nl.shifts, None
+        edge_index, shifts = all_pairs(batch.positions, batch.batch, batch.n_molecules, batch.cell, batch.pbc)
+        rows = None
+        if cfg.attention == "topk":
+            counts = batch.n_atoms.tolist()
+            r, start = [], 0
+            for m in counts:
+                per = max(m - 1, 0)
+                r.append((start, m if per else 0, per))
+                start += m * per
+            rows = torch.tensor(r, dtype=torch.int64).reshape(-1, 3)
+        return edge_index, shifts, rows
+
+    def forward(self, batch: AtomsBatch, per_atom: bool = False) -> Any:
+        """Energies float64[B] eV (and per-atom energies float64[N] if ``per_atom``)."""
+        cfg = self.cfg
+        z = batch.numbers
+        if z.numel() and (int(z.min()) < 1 or int(z.max()) > cfg.max_z):
+            raise ValueError(f"atomic numbers must be in [1, {cfg.max_z}]")
+        pos = batch.positions
+        edge_index, shifts, rows = self._edges(batch)
+        src, dst = edge_index[0], edge_index[1]
+        vec = pos[dst] - pos[src] + shifts.to(pos.dtype)
+        r = torch.sqrt((vec * vec).sum(-1) + 1e-12)
+        rbf = self._run("rbf", self.rbf, r)
+        if cfg.attention == "neighbor":
+            env = cosine_cutoff(r, cfg.cutoff)
+        else:
+            env = torch.ones_like(r)
+        topk = (cfg.topk, rows) if rows is not None else None
+        h = self._run("embedding", self.embedding, z)
+        for i, layer in enumerate(self.layers):
+            name = f"layers.{i}"
+            if torch.is_autocast_enabled(pos.device.type) and any(
+                fnmatch.fnmatch(name, p) for p in self.keep_fp32
+            ):
+                with torch.autocast(device_type=pos.device.type, enabled=False):
+                    h = layer(h.float(), src, dst, rbf.float(), env, topk, cfg.edge_chunk)
+            else:
+                h = layer(h, src, dst, rbf, env, topk, cfg.edge_chunk)
+        eps = self._run("energy_head", self.energy_head, h).squeeze(-1)
+        eps = eps.to(torch.promote_types(eps.dtype, torch.float32))
+        atom_e = eps * self.scale + self.shift  # fp32, network part
+        atom_e64 = atom_e.double() + self.atomref[z]
+        energy = torch.zeros(batch.n_molecules, dtype=torch.float64, device=pos.device)
+        energy = energy.index_add(0, batch.batch, atom_e64)
+        return (energy, atom_e64) if per_atom else energy
+
+
+def build_model(cfg: ModelConfig | None = None) -> MolecularTransformer:
+    """A freshly initialised :class:`MolecularTransformer` from ``cfg`` (defaults if None)."""
+    cfg = cfg or ModelConfig()
+    if cfg.kind != "molecular":
+        raise ValueError(f"build_model builds the molecular model, not kind={cfg.kind!r}")
+    return MolecularTransformer(cfg)
+
+
+def energy_and_forces(
+    model: nn.Module, batch: AtomsBatch, training: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Energies float64[B] (eV) and forces float32[N,3] (eV/Å) = -dE/dpositions.
+
+    With ``training=True`` the graph is kept (``create_graph``) so a force loss can be
+    back-propagated to the parameters; otherwise results are detached. Works under
+    ``torch.no_grad()`` (gradients are enabled locally), not under ``inference_mode``.
+    """
+    with torch.enable_grad():
+        pos = batch.positions.detach().clone().requires_grad_(True)
+        energy = model(batch.with_positions(pos))
+        (grad,) = torch.autograd.grad(energy.sum(), pos, create_graph=training)
+    forces = -grad
+    if not training:
+        return energy.detach(), forces.detach()
+    return energy, forces
+
+
+# -- element reference energies -------------------------------------------------------
+
+
+@dataclass
+class ReferenceEnergies:
+    """Per-element reference energies (eV per atom), per-atom ``scale`` and ``shift`` (eV)."""
+
+    energies: dict[int, float]
+    scale: float = 1.0
+    shift: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"energies": {str(k): v for k, v in self.energies.items()}, "scale": self.scale, "shift": self.shift}
+
+
+def fit_reference_energies(
+    records: Iterable[Mapping[str, Any]], limit: int | None = None, ridge: float = 1e-6
+) -> ReferenceEnergies:
+    """Fit ``E ≈ Σ_atoms ref[Z]`` by (ridge-regularised) least squares over records.
+
+    Returns the per-element energies and a per-atom ``scale``: the RMS force (eV/Å·Å ->
+    eV) when forces are present, else the std of the per-atom residual (floor 0.01 eV).
+    ``limit`` caps the number of records read.
+    """
+    comps: list[dict[int, int]] = []
+    energies: list[float] = []
+    sq_force, n_force = 0.0, 0
+    for i, rec in enumerate(records):
+        if limit is not None and i >= limit:
+            break
+        e = rec.get("energy")
+        if e is None or not math.isfinite(float(e)):
+            continue
+        z = np.asarray(rec["numbers"], dtype=np.int64)
+        u, c = np.unique(z, return_counts=True)
+        comps.append(dict(zip(u.tolist(), c.tolist(), strict=True)))
+        energies.append(float(e))
+        f = rec.get("forces")
+        if f is not None and np.isfinite(np.asarray(f, dtype=np.float64)).all():
+            f = np.asarray(f, dtype=np.float64)
+            sq_force += float((f * f).sum())
+            n_force += f.size
+    if not energies:
+        raise ValueError("no labelled records to fit reference energies")
+    elements = sorted({z for c in comps for z in c})
+    a = np.zeros((len(comps), len(elements)))
+    col = {z: k for k, z in enumerate(elements)}
+    for row, c in enumerate(comps):
+        for z, cnt in c.items():
+            a[row, col[z]] = cnt
+    y = np.asarray(energies)
+    # Ridge toward the mean energy per atom keeps collinear compositions well defined.
+    n_atoms = a.sum(1)
+    mu = float((y / n_atoms).mean())
+    lam = ridge * max(1.0, float((a * a).sum() / len(y)))
+    coef = np.linalg.solve(a.T @ a + lam * np.eye(len(elements)), a.T @ (y - n_atoms * mu)) + mu
+    resid = (y - a @ coef) / n_atoms
+    if n_force:
+        scale = math.sqrt(sq_force / n_force)
+    else:
+        scale = float(resid.std())
+    return ReferenceEnergies(
+        energies={z: float(coef[col[z]]) for z in elements}, scale=max(scale, 0.01), shift=0.0
+    )
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+__all__: Sequence[str] = (
+    "MolecularTransformer",
+    "ReferenceEnergies",
+    "build_model",
+    "count_parameters",
+    "energy_and_forces",
+    "fit_reference_energies",
+)

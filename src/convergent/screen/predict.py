@@ -1,0 +1,243 @@
+"""Batched prediction with an ensemble of surrogates: energies, forces, uncertainty.
+
+Units: energies eV, forces eV/Å. The uncertainty of a structure is the spread of the
+ensemble (sample std over models): ``energy_std`` (eV, and per atom) and ``force_std``
+(mean over atoms of the norm of the per-atom force std, eV/Å). A single model gives NaN
+uncertainty.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from convergent.errors import InputError
+from convergent.fsutil import atomic_write_text
+from convergent.models.batching import batches_by_atom_budget, collate_records
+
+
+@dataclass
+class PredictionResult:
+    """Per-structure predictions (arrays of length S, one entry per structure).
+
+    ``energy_pred`` ensemble mean (eV); ``energy_true`` label or NaN; ``energy_std``
+    ensemble std (eV, NaN for one model); ``force_std`` mean per-atom force spread
+    (eV/Å); ``force_mae`` per structure (eV/Å, NaN without labels); ``n_atoms``;
+    ``force_mae_total`` over all labelled atoms; ``seconds_per_structure`` wall time of
+    the whole prediction divided by S.
+    """
+
+    keys: list[str]
+    molecule_ids: list[str]
+    n_atoms: np.ndarray
+    energy_pred: np.ndarray
+    energy_true: np.ndarray
+    energy_std: np.ndarray
+    force_std: np.ndarray
+    force_mae: np.ndarray
+    n_models: int
+    seconds: float
+    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def seconds_per_structure(self) -> float:
+        return self.seconds / max(1, len(self.keys))
+
+    @property
+    def energy_mae(self) -> float:
+        """Mean |E_pred - E_true| over labelled structures (eV); NaN if none."""
+        ok = np.isfinite(self.energy_true)
+        return float(np.abs(self.energy_pred[ok] - self.energy_true[ok]).mean()) if ok.any() else float("nan")
+
+    @property
+    def force_mae_total(self) -> float:
+        """Force MAE over all labelled atoms and components (eV/Å); NaN if none."""
+        ok = np.isfinite(self.force_mae)
+        if not ok.any():
+            return float("nan")
+        w = self.n_atoms[ok]
+        return float((self.force_mae[ok] * w).sum() / w.sum())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "structures": len(self),
+            "models": self.n_models,
+            "energy_mae_eV": self.energy_mae,
+            "force_mae_eV_per_A": self.force_mae_total,
+            "mean_energy_std_eV": float(np.nanmean(self.energy_std)) if self.n_models > 1 else float("nan"),
+            "mean_force_std_eV_per_A": float(np.nanmean(self.force_std)) if self.n_models > 1 else float("nan"),
+            "seconds_per_structure": self.seconds_per_structure,
+        }
+
+    def rows(self) -> Iterable[dict[str, Any]]:
+        for s in range(len(self)):
+            yield {
+                "key": self.keys[s],
+                "molecule_id": self.molecule_ids[s],
+                "n_atoms": int(self.n_atoms[s]),
+                "energy_pred": float(self.energy_pred[s]),
+                "energy_true": _num(self.energy_true[s]),
+                "energy_std": _num(self.energy_std[s]),
+                "force_std": _num(self.force_std[s]),
+                "force_mae": _num(self.force_mae[s]),
+            }
+
+    def save_jsonl(self, path: str | Path) -> Path:
+        """Write one JSON object per structure (atomically)."""
+        text = "".join(json.dumps(r) + "\n" for r in self.rows())
+        atomic_write_text(path, text)
+        return Path(path)
+
+
+def _num(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def load_ensemble(model_dirs: str | Path | Sequence[str | Path], device: str = "cpu") -> list[torch.nn.Module]:
+    """Load one or several saved models (see :func:`convergent.models.io.load_model`)."""
+    from convergent.models.io import load_model
+
+    dirs = [model_dirs] if isinstance(model_dirs, str | Path) else list(model_dirs)
+    if not dirs:
+        raise InputError("no model given", hint="pass --model DIR (repeat it for an ensemble)")
+    return [load_model(d, device)[0] for d in dirs]
+
+
+def predict_records(
+    models: Sequence[torch.nn.Module],
+    records: Sequence[Mapping[str, Any]],
+    batch_atoms: int = 2048,
+    device: str = "cpu",
+    indices: Sequence[int] | None = None,
+) -> PredictionResult:
+    """Predict energies/forces of in-memory ``records`` with every model (atom-budget batches)."""
+    n_atoms = [len(r["numbers"]) for r in records]
+    keys = [str(r.get("key", i)) for i, r in enumerate(records)]
+    mids = [str(r.get("molecule_id", "") or "") for r in records]
+    return _predict(models, lambda idx: [records[i] for i in idx], n_atoms, keys, mids,
+                    batch_atoms, device, indices)
+
+
+def _predict(
+    models: Sequence[torch.nn.Module],
+    fetch: Any,
+    n_atoms_list: Sequence[int],
+    keys: list[str],
+    mids: list[str],
+    batch_atoms: int,
+    device: str,
+    indices: Sequence[int] | None,
+) -> PredictionResult:
+    """Core loop: ``fetch(positions) -> records``; only one batch is in memory at a time."""
+    t0 = time.perf_counter()
+    s = len(n_atoms_list)
+    n_atoms = np.asarray(n_atoms_list, dtype=np.int64)
+    e_all = np.full((len(models), s), np.nan)
+    f_std = np.full(s, np.nan)
+    f_mae = np.full(s, np.nan)
+    e_true = np.full(s, np.nan)
+    for idx in batches_by_atom_budget(n_atoms, batch_atoms):
+        recs = fetch(idx)
+        batch = collate_records(recs).to(device)
+        forces = []
+        for m_i, model in enumerate(models):
+            with torch.enable_grad():
+                pos = batch.positions.detach().clone().requires_grad_(True)
+                e = model(batch.with_positions(pos))
+                (g,) = torch.autograd.grad(e.sum(), pos)
+            e_all[m_i, idx] = e.detach().cpu().numpy()
+            forces.append((-g).detach().cpu().double().numpy())
+        fa = np.stack(forces)  # [M, Ntot, 3]
+        seg = batch.batch.cpu().numpy()
+        counts = np.bincount(seg, minlength=len(idx))
+        if len(models) > 1:
+            per_atom = np.linalg.norm(fa.std(0, ddof=1), axis=1)
+            f_std[idx] = np.bincount(seg, weights=per_atom, minlength=len(idx)) / counts
+        for k, i in enumerate(idx):
+            ev = recs[k].get("energy")
+            if ev is not None and np.isfinite(float(ev)):
+                e_true[i] = float(ev)
+        if batch.forces is not None:
+            err = np.abs(fa.mean(0) - batch.forces.cpu().double().numpy()).mean(1)
+            f_mae[idx] = np.bincount(seg, weights=err, minlength=len(idx)) / counts
+    e_std = e_all.std(0, ddof=1) if len(models) > 1 else np.full(s, np.nan)
+    return PredictionResult(
+        keys=keys,
+        molecule_ids=mids,
+        n_atoms=n_atoms,
+        energy_pred=e_all.mean(0),
+        energy_true=e_true,
+        energy_std=e_std,
+        force_std=f_std,
+        force_mae=f_mae,
+        n_models=len(models),
+        seconds=time.perf_counter() - t0,
+        indices=np.asarray(indices if indices is not None else np.arange(s), np.int64),
+    )
+
+
+def read_structures(path: str | Path) -> list[dict[str, Any]]:
+    """Records from a dataset directory (convergent.data store) or an ASE-readable file."""
+    from convergent.models.batching import atoms_to_record
+
+    p = Path(path)
+    if p.is_dir():
+        from convergent.data.reader import open_dataset
+
+        ds = open_dataset(p)
+        return [ds[i] for i in range(len(ds))]
+    if not p.is_file():
+        raise InputError(f"{p}: no such dataset directory or structure file",
+                         hint="pass a dataset written by 'convergent data' or an .extxyz file")
+    import ase.io
+
+    try:
+        frames = ase.io.read(str(p), index=":")
+    except Exception as exc:  # ASE raises many types for malformed files
+        raise InputError(f"{p}: cannot read structures ({type(exc).__name__}: {exc})") from None
+    frames = frames if isinstance(frames, list) else [frames]
+    recs = []
+    for i, a in enumerate(frames):
+        rec = atoms_to_record(a, key=str(a.info.get("key", f"{p.stem}-{i}")))
+        recs.append(rec)
+    return recs
+
+
+def predict_dataset(
+    model_dirs: str | Path | Sequence[str | Path],
+    dataset_path: str | Path,
+    batch_atoms: int = 2048,
+    device: str = "cpu",
+    indices: Sequence[int] | None = None,
+) -> PredictionResult:
+    """Predict every structure of a dataset directory or structure file.
+
+    ``model_dirs``: one saved model or several (ensemble -> uncertainty). ``indices``
+    restricts to a subset of the dataset (e.g. the validation split).
+    """
+    models = load_ensemble(model_dirs, device)
+    p = Path(dataset_path)
+    if p.is_dir():  # stream from the dataset store: one batch of records in memory
+        from convergent.data.reader import open_dataset
+
+        ds = open_dataset(p)
+        idx = np.arange(len(ds)) if indices is None else np.asarray(indices, np.int64)
+        counts = np.asarray(ds.column("n_atoms"), np.int64)[idx]
+        all_keys, all_mids = ds.keys(), ds.molecule_ids()
+        keys = [all_keys[i] for i in idx]
+        mids = [all_mids[i] for i in idx]
+        return _predict(models, lambda pos: [ds[int(idx[j])] for j in pos], counts.tolist(),
+                        keys, mids, batch_atoms, device, idx)
+    records = read_structures(p)
+    sel = list(range(len(records))) if indices is None else [int(i) for i in indices]
+    return predict_records(models, [records[i] for i in sel], batch_atoms, device, sel)

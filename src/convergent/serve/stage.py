@@ -1,0 +1,189 @@
+"""Pipeline stages: each owns a contiguous slice of layers and the K/V blocks of them.
+
+:class:`StageRunner` runs one micro-batch through its layers (and, on the last stage,
+the LM head and sampling). :func:`stage_main` is a stage *process*: it joins a
+``torch.distributed`` group (gloo on CPU, NCCL on GPU), receives batch metadata from the
+engine through a queue, receives activations point to point from the previous stage,
+and sends its output to the next stage (or sampled tokens back to the engine).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["BatchMeta", "StageRunner", "split_layers", "stage_main", "StageSpec"]
+
+
+def split_layers(n_layers: int, stages: int) -> list[list[int]]:
+    """Contiguous, near-equal layer slices (earlier stages take the remainder)."""
+    if stages < 1 or stages > n_layers:
+        raise ValueError(f"cannot split {n_layers} layers over {stages} stages")
+    base, extra = divmod(n_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+@dataclass
+class BatchMeta:
+    """What the engine sends every stage for one micro-batch (plain lists: cheap to pickle)."""
+
+    bid: int
+    input_ids: list[int]  # packed new tokens (used by stage 0)
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # packed row of the last token of each sampled item
+    sample_rids: list[int]
+    temperatures: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)  # per sampled row (request seed + position)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class StageSpec:
+    """How to build one stage."""
+
+    model_dir: str
+    stage: int
+    num_stages: int
+    num_blocks: int
+    block_size: int
+    dtype: str = "float32"
+    threads: int = 1
+    device: str = "cpu"  # "cpu" or "cuda" (stage s uses cuda:s mod device count)
+
+
+class StageRunner:
+    """One stage's model slice and KV cache; :meth:`run` processes one micro-batch."""
+
+    def __init__(self, spec: StageSpec) -> None:
+        import torch
+
+        from convergent.models.llama import load_pretrained, read_config
+        from convergent.serve.kv_cache import KVCache
+
+        self.spec = spec
+        self.torch = torch
+        self.dtype = getattr(torch, spec.dtype)
+        cfg = read_config(spec.model_dir)
+        self.config = cfg
+        self.layers = split_layers(cfg.num_hidden_layers, spec.num_stages)[spec.stage]
+        self.first = spec.stage == 0
+        self.last = spec.stage == spec.num_stages - 1
+        if spec.device.startswith("cuda"):
+            self.device = torch.device("cuda", spec.stage % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.model = load_pretrained(
+            spec.model_dir, self.layers, embed=self.first, head=self.last, dtype=self.dtype
+        ).to(self.device)
+        self.model.model.rotary.to(self.device)
+        self.kv = KVCache(
+            len(self.layers),
+            spec.num_blocks,
+            spec.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+
+    def run(self, meta: BatchMeta, x=None):
+        """Stage 0 takes ``meta.input_ids``; others the previous stage's hidden ``x``.
+
+        Returns the hidden states (``[T, hidden]``) or, on the last stage, a dict
+        ``rid -> sampled token``.
+        """
+        torch = self.torch
+        from convergent.models.llama import PagedBatch
+
+        with torch.inference_mode():
+            if self.first:
+                x = torch.tensor(meta.input_ids, dtype=torch.int64, device=self.device)
+            batch = PagedBatch(
+                torch.tensor(meta.positions, dtype=torch.int64, device=self.device),
+                torch.tensor(meta.slots, dtype=torch.int64, device=self.device),
+                meta.query_lens,
+                meta.context_lens,
+                meta.block_tables,
+                self.spec.block_size,
+            )
+            h = self.model.model.forward_paged(x, batch, self.kv.layers)
+            if not self.last:
+                return h
+            rows = torch.tensor(meta.sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.logits(h.index_select(0, rows)).float()
+            return dict(zip(meta.sample_rids, self._sample(logits, meta), strict=True))
+
+    def _sample(self, logits, meta: BatchMeta) -> list[int]:
+        torch = self.torch
+        toks = logits.argmax(-1).tolist()
+        temps = meta.temperatures or [0.0] * len(toks)
+        for i, t in enumerate(temps):
+            if t and t > 0:
+                g = torch.Generator().manual_seed(meta.seeds[i] & 0x7FFFFFFF)
+                p = torch.softmax(logits[i].cpu() / t, -1)
+                toks[i] = int(torch.multinomial(p, 1, generator=g))
+        return toks
+
+
+def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
+    """Entry point of a stage process (``multiprocessing`` spawn target).
+
+    Messages to ``out_q``: ``("ready", stage, kv_bytes)``, ``("busy", stage, bid, t0, t1)``,
+    ``("result", bid, {rid: token}, t0, t1)``, ``("error", stage, traceback)``.
+    """
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(max(1, spec.threads))
+        runner = StageRunner(spec)
+        p = spec.num_stages
+        device_gpu = runner.device.type == "cuda"
+        if p > 1:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(port)
+            dist.init_process_group("nccl" if device_gpu else "gloo", rank=spec.stage, world_size=p)
+        out_q.put(("ready", spec.stage, runner.kv.nbytes))
+        hidden = runner.config.hidden_size
+        pending: deque = deque()
+        while True:
+            meta = in_q.get()
+            if meta is None:
+                break
+            x = None
+            if not runner.first:
+                x = torch.empty(meta.num_tokens, hidden, dtype=runner.dtype, device=runner.device)
+                dist.recv(x, src=spec.stage - 1)
+            t0 = time.monotonic()
+            out = runner.run(meta, x)
+            t1 = time.monotonic()
+            if runner.last:
+                out_q.put(("result", meta.bid, out, t0, t1))
+            else:
+                out = out.contiguous()
+                pending.append((dist.isend(out, dst=spec.stage + 1), out))
+                while len(pending) > 8:
+                    pending.popleft()[0].wait()
+                out_q.put(("busy", spec.stage, meta.bid, t0, t1))
+        while pending:
+            pending.popleft()[0].wait()
+        if p > 1:
+            dist.destroy_process_group()
+    except Exception:  # report instead of hanging the engine
+        out_q.put(("error", spec.stage, traceback.format_exc()))

@@ -1,0 +1,268 @@
+"""Launching training: torchrun on one machine, ``srun ... torchrun`` inside Slurm.
+
+:func:`launch_training` is the stage API (used by ``convergent train`` and the demo):
+it writes the resolved config into the run directory, runs torchrun with the entry
+point :mod:`convergent.train.main`, blocks, and returns a :class:`TrainResult`; on
+failure it raises :class:`~convergent.errors.ConvergentError` with the failing rank's
+last log lines.
+
+Command shapes (see :func:`build_command`):
+
+* one machine: ``python -m torch.distributed.run --standalone --nnodes 1
+  --nproc-per-node N --max-restarts K -m convergent.train.main --config C --run-dir D``
+  (``--standalone`` picks a free port, so parallel runs never collide);
+* Slurm with ``--nnodes M > 1``: ``srun --nodes M --ntasks-per-node 1 --kill-on-bad-exit=1
+  python -m torch.distributed.run --nnodes M --nproc-per-node N --rdzv-backend c10d
+  --rdzv-endpoint <first node>:29500 --rdzv-id <job id> ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convergent.config import ConvergentConfig, dump_config
+from convergent.errors import ConfigError, ConvergentError
+from convergent.fsutil import atomic_write_text
+from convergent.runs import RunDir
+from convergent.train.topology import expand_hostlist
+
+DEFAULT_RDZV_PORT = 29500
+
+
+@dataclass
+class TrainResult:
+    """Outcome of a training run (rank 0's summary plus what the launcher saw)."""
+
+    steps: int
+    final: dict[str, Any] | None  # last train_step record
+    val: dict[str, Any] | None  # last val record
+    seconds: float
+    restarts: int
+    checkpoint: Path | None  # last DCP checkpoint directory
+    final_dir: Path | None  # safetensors export (models.io layout), or None
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> float | None:
+        return None if self.final is None else self.final.get("loss")
+
+
+def in_slurm(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return "SLURM_JOB_ID" in env and "SLURM_JOB_NODELIST" in env
+
+
+def entry_args(config_path: Path, run_dir: Path) -> list[str]:
+    return ["-m", "convergent.train.main", "--config", str(config_path), "--run-dir", str(run_dir)]
+
+
+def build_command(
+    config_path: Path,
+    run_dir: Path,
+    nproc: int,
+    nnodes: int = 1,
+    max_restarts: int = 0,
+    rdzv_endpoint: str | None = None,
+    env: Mapping[str, str] | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The launch command (see the module doc); Slurm form when ``nnodes > 1``."""
+    env = os.environ if env is None else env
+    py = python or sys.executable
+    if nproc < 1 or nnodes < 1:
+        raise ConfigError(f"--nproc ({nproc}) and --nnodes ({nnodes}) must be >= 1")
+    torchrun = [py, "-m", "torch.distributed.run"]
+    common = [f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
+    if nnodes == 1 and rdzv_endpoint is None:
+        return [*torchrun, "--standalone", "--nnodes=1", *common, *entry_args(config_path, run_dir)]
+    if rdzv_endpoint is None:
+        if not in_slurm(env):
+            raise ConfigError(
+                f"--nnodes {nnodes} needs a Slurm allocation or parallel.rdzv_endpoint",
+                hint="run inside salloc/sbatch, or set parallel.rdzv_endpoint=host:port "
+                "and start the printed command on every node",
+            )
+        head = expand_hostlist(env["SLURM_JOB_NODELIST"])[0]
+        rdzv_endpoint = f"{head}:{DEFAULT_RDZV_PORT}"
+    rdzv_id = env.get("SLURM_JOB_ID", "convergent")
+    cmd = [
+        *torchrun,
+        f"--nnodes={nnodes}",
+        *common,
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv_endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        *entry_args(config_path, run_dir),
+    ]
+    if in_slurm(env):
+        srun = [
+            "srun",
+            f"--nodes={nnodes}",
+            f"--ntasks={nnodes}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+        ]
+        cpus = env.get("SLURM_CPUS_ON_NODE")
+        if cpus:
+            srun.append(f"--cpus-per-task={cpus}")
+        return [*srun, *cmd]
+    return cmd
+
+
+def resolved_config_path(cfg: ConvergentConfig, run: RunDir) -> Path:
+    """The run's config file if it equals ``cfg``, else a written ``train_config.yaml``."""
+    text = dump_config(cfg)
+    if run.config.exists() and run.config.read_text(encoding="utf-8") == text:
+        return run.config
+    path = run.path / "train_config.yaml"
+    atomic_write_text(path, text)
+    return path
+
+
+def child_env(cfg: ConvergentConfig, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(cfg.train.threads)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TORCHELASTIC_ERROR_FILE", "")
+    env.pop("TORCHELASTIC_ERROR_FILE")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _tail(path: Path, n: int = 15) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def failure_lines(run: RunDir, launcher_log: Path, n: int = 15) -> tuple[str, list[str]]:
+    """(where, last lines) of the rank that failed first, else of the launcher log."""
+    logdir = run.logs / "train"
+    failed = []
+    for p in sorted(logdir.glob("rank*.log")):
+        text = p.read_text(encoding="utf-8", errors="replace") if p.exists() else ""
+        idx = text.rfind("FAILED:")
+        if idx >= 0:
+            failed.append((p.stat().st_mtime, p))
+    if failed:
+        failed.sort()
+        p = failed[0][1]
+        return p.stem, _tail(p, n)
+    return "torchrun", _tail(launcher_log, n)
+
+
+def _count_restarts(run: RunDir) -> int:
+    attempts = set()
+    for p in (run.logs / "train").glob("rank*.log"):
+        for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+            i = line.find(" attempt")
+            if i >= 0:
+                tok = line[i + 8 :].split(" ", 1)[0]
+                if tok.isdigit():
+                    attempts.add(int(tok))
+    return max(attempts) if attempts else 0
+
+
+def launch_training(
+    cfg: ConvergentConfig,
+    run: RunDir,
+    nproc: int | None = None,
+    max_restarts: int = 0,
+    nnodes: int | None = None,
+    print_only: bool = False,
+    env: Mapping[str, str] | None = None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Run training with torchrun (or srun+torchrun inside Slurm) and wait for it.
+
+    ``nproc`` defaults to ``cfg.parallel.nproc`` (1 for ``strategy: single``), ``nnodes``
+    to ``cfg.parallel.nnodes``. ``progress`` is called with each new metrics record
+    (rank 0's ``train_step``/``val`` lines) while the job runs. ``print_only`` returns at
+    once with the command in ``TrainResult.command``. Raises ConvergentError naming the
+    failing rank and showing its last log lines.
+    """
+    nproc = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
+    nnodes = nnodes or cfg.parallel.nnodes
+    for sub in (run.logs, run.ckpt):
+        sub.mkdir(parents=True, exist_ok=True)
+    config_path = resolved_config_path(cfg, run)
+    cmd = build_command(
+        config_path, run.path, nproc, nnodes, max_restarts, cfg.parallel.rdzv_endpoint
+    )
+    if print_only:
+        return TrainResult(0, None, None, 0.0, 0, None, None, cmd)
+    launcher_log = run.logs / "torchrun.log"
+    result_file = run.logs / "train_result.json"
+    if result_file.exists():
+        result_file.unlink()
+    offset = run.metrics.stat().st_size if run.metrics.exists() else 0
+    t0 = time.time()
+    with launcher_log.open("a", encoding="utf-8") as fh:
+        fh.write(f"$ {shlex.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, env=child_env(cfg, env),
+            cwd=os.getcwd(),
+        )
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                if progress is not None:
+                    offset = _feed_progress(run.metrics, offset, progress)
+        except BaseException:
+            proc.terminate()  # torchrun forwards SIGTERM to its workers
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    if progress is not None:
+        _feed_progress(run.metrics, offset, progress)
+    if proc.returncode != 0 or not result_file.exists():
+        where, lines = failure_lines(run, launcher_log)
+        shown = "\n  ".join(lines) if lines else "(no log lines)"
+        raise ConvergentError(
+            f"training failed (exit code {proc.returncode}); last lines of {where}:\n  {shown}",
+            hint=f"full logs in {run.logs / 'train'} and {launcher_log}",
+        )
+    summary = json.loads(result_file.read_text())
+    return TrainResult(
+        steps=int(summary["steps"]),
+        final=summary.get("final"),
+        val=summary.get("val"),
+        seconds=time.time() - t0,
+        restarts=_count_restarts(run),
+        checkpoint=Path(summary["last_checkpoint"]) if summary.get("last_checkpoint") else None,
+        final_dir=Path(summary["final_dir"]) if summary.get("final_dir") else None,
+        command=cmd,
+    )
+
+
+def _feed_progress(path: Path, offset: int, progress: Callable[[dict[str, Any]], None]) -> int:
+    if not path.exists():
+        return offset
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        data = fh.read()
+    end = data.rfind(b"\n")
+    if end < 0:
+        return offset
+    for line in data[: end + 1].splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") in ("train_step", "val"):
+            progress(rec)
+    return offset + end + 1

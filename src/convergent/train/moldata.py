@@ -1,0 +1,148 @@
+"""Molecular task internals: dataset access, batch plan, sum-form loss, export.
+
+Kept apart from :mod:`convergent.train.tasks` so the LM path never imports the
+molecular model or the dataset store.
+
+Loss (mirrors :func:`convergent.models.losses.energy_force_loss`)::
+
+    loss = mean_molecules((ΔE / n_atoms)^2) + force_weight * mean_components(ΔF^2)
+
+computed from sums over a rank's micro-batch divided by the *global* molecule and
+atom counts of the step, so the rank shares add up to the global-batch loss exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from convergent.errors import DataError
+from convergent.train.tasks import MicroBatch
+
+STAT_KEYS = ["e_sq", "f_sq", "e_abs", "e_abs_pa", "f_abs", "molecules", "atoms"]
+
+
+class MoleculeSource:
+    """Labelled records of a dataset directory (records with a finite energy), cached."""
+
+    def __init__(self, path: str | Path) -> None:
+        from convergent.data.reader import open_dataset
+
+        self.path = Path(path)
+        if not self.path.exists():
+            raise DataError(f"dataset not found: {self.path}", hint="set train.dataset")
+        self.ds = open_dataset(self.path)
+        n_atoms = np.asarray(self.ds.column("n_atoms"), dtype=np.int64)
+        try:
+            energy = np.asarray(self.ds.column("energy"), dtype=np.float64)
+            ok = np.isfinite(energy)
+        except DataError:
+            ok = np.ones(len(n_atoms), bool)
+        self.index = np.nonzero(ok)[0]
+        if len(self.index) == 0:
+            raise DataError(f"{self.path}: no labelled records (every energy is missing)")
+        self.atom_counts = [int(n) for n in n_atoms[self.index]]
+        self._cache: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def record(self, i: int) -> dict[str, Any]:
+        rec = self._cache.get(i)
+        if rec is None:
+            rec = self.ds[int(self.index[i])]
+            self._cache[i] = rec
+        return rec
+
+    def records(self, idx: list[int]) -> list[dict[str, Any]]:
+        return [self.record(i) for i in idx]
+
+
+def build(cfg: Any, source: MoleculeSource) -> nn.Module:
+    """The molecular model with element reference energies fitted on the training set."""
+    from convergent.models.molecular import build_model, fit_reference_energies
+
+    model = build_model(cfg.model)
+    n = min(len(source), 5000)
+    ref = fit_reference_energies(source.record(i) for i in range(n))
+    model.set_reference(ref)
+    return model
+
+
+def plan_epoch(
+    atom_counts: list[int], budget: int, parts: int, seed: int | None
+) -> list[list[int]]:
+    """Global batches of one epoch by atom budget (seeded shuffle); each has >= ``parts``
+    molecules (a short tail batch is dropped)."""
+    from convergent.models.batching import batches_by_atom_budget
+
+    batches = batches_by_atom_budget(atom_counts, budget, shuffle_seed=seed)
+    return [b for b in batches if len(b) >= parts]
+
+
+def micro_batch(source: MoleculeSource, idx: list[int], norm: dict[str, float]) -> MicroBatch:
+    from convergent.models.batching import collate_records
+
+    batch = collate_records(source.records(idx))
+    return MicroBatch(batch, len(idx), batch.num_atoms, norm)
+
+
+def loss(
+    model: nn.Module, mb: MicroBatch, dp_world: int, force_weight: float, training: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scaled loss, sum statistics) of one micro-batch (see the module doc)."""
+    from convergent.models.molecular import energy_and_forces
+
+    batch = mb.data
+    energy, forces = energy_and_forces(model, batch, training=training)
+    de = energy.to(torch.float64) - batch.energy.to(torch.float64)
+    n = batch.n_atoms.to(torch.float64)
+    de_pa = de / n
+    e_sq = (de_pa * de_pa).sum()
+    stats = {
+        "e_abs": de.detach().abs().sum(),
+        "e_abs_pa": de_pa.detach().abs().sum(),
+        "molecules": torch.tensor(float(batch.n_molecules)),
+        "atoms": torch.tensor(float(batch.num_atoms)),
+    }
+    loss_t = e_sq / mb.norm["molecules"]
+    stats["e_sq"] = e_sq.detach()
+    if batch.forces is not None:
+        df = forces.float() - batch.forces.float()
+        f_sq = (df * df).sum()
+        stats["f_sq"] = f_sq.detach().double()
+        stats["f_abs"] = df.detach().abs().sum().double()
+        if force_weight > 0:
+            loss_t = loss_t + force_weight * f_sq.double() / (3.0 * mb.norm["atoms"])
+    else:
+        stats["f_sq"] = torch.zeros((), dtype=torch.float64)
+        stats["f_abs"] = torch.zeros((), dtype=torch.float64)
+    return (loss_t * dp_world).to(torch.float32), stats
+
+
+def finalize(sums: dict[str, float], force_weight: float) -> dict[str, float]:
+    mol = max(sums.get("molecules", 0.0), 1.0)
+    comps = max(3.0 * sums.get("atoms", 0.0), 1.0)
+    e_term = sums.get("e_sq", 0.0) / mol
+    f_term = sums.get("f_sq", 0.0) / comps
+    return {
+        "loss": e_term + force_weight * f_term,
+        "energy_mae": sums.get("e_abs", 0.0) / mol,
+        "energy_mae_per_atom": sums.get("e_abs_pa", 0.0) / mol,
+        "force_mae": sums.get("f_abs", 0.0) / comps,
+    }
+
+
+def export(model: nn.Module, cfg: Any, directory: Path) -> None:
+    from convergent.models.io import save_model
+
+    save_model(
+        model,
+        cfg.model,
+        directory,
+        extra={"dataset": cfg.train.dataset, "steps": cfg.train.steps},
+    )

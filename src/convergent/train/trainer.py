@@ -1,0 +1,396 @@
+"""The training loop (one process of a torchrun job, or a plain single process).
+
+One optimizer step:
+
+1. **data** — this rank's micro-batches of the global batch (``data_wait_s``);
+2. **forward/backward** per micro-step under autocast, gradient sync skipped on all
+   but the last micro-step (``no_sync`` / FSDP ``set_requires_gradient_sync``);
+   ``compute_s`` is forward+backward minus the exposed communication ``comm_s``
+   (DDP: time from the last gradient bucket being ready to ``backward()`` returning,
+   plus the metrics all-reduce; pipeline: the whole schedule is ``compute_s``);
+3. **optimizer** — unscale (fp16), clip, step, LR schedule (``optimizer_s``);
+4. metrics to metrics.jsonl / TensorBoard / Prometheus (rank 0), validation and DCP
+   checkpoints at their intervals (and at the end).
+
+Throughput and MFU are global: samples (molecules or sequences) and units (atoms or
+tokens) of the global batch per second; MFU = counted model FLOPs of the step / step
+time / (peak FLOP/s per process x processes).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from convergent.monitor.flops import count_flops, device_peak_flops, mfu
+from convergent.monitor.sinks import MetricSinks
+from convergent.monitor.timers import StepTimer, peak_memory_bytes
+from convergent.train import precision
+from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
+from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
+from convergent.train.tasks import MicroBatch, Task, make_task
+
+log = logging.getLogger("convergent.train")
+
+FAULT_ENV = "CONVERGENT_TRAIN_FAULT"  # "rank=R,step=S": SIGKILL rank R at step S, attempt 0
+
+
+def pick_device(pref: str, local_rank: int) -> torch.device:
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def lr_lambda(cfg: Any) -> Any:
+    t = cfg.train
+
+    def f(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        span = max(1, t.steps - t.warmup_steps)
+        prog = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+    return f
+
+
+def _maybe_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kv = dict(item.split("=", 1) for item in spec.split(","))
+    if int(kv.get("rank", -1)) == rank and int(kv.get("step", -1)) == step:
+        log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _reduce_sums(sums: dict[str, float], keys: list[str]) -> dict[str, float]:
+    t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return dict(zip(keys, t.tolist(), strict=True))
+
+
+class Trainer:
+    """Builds everything from the config and runs ``train.steps`` optimizer steps."""
+
+    def __init__(self, cfg: Any, run: Any) -> None:
+        self.cfg = cfg
+        self.run = run
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = pick_device(cfg.train.device, local_rank)
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        torch.manual_seed(cfg.train.seed)
+        self.task: Task = make_task(cfg)
+        torch.manual_seed(cfg.train.seed)
+        model = self.task.build_model().to(self.device)
+        self.flops_per_unit = self._count_flops(model)
+        self.par: Parallelized = parallelize(model, self.task, cfg, self.device)
+        t = cfg.train
+        self.optims = [
+            torch.optim.AdamW(
+                p.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=False
+            )
+            for p in self.par.parts
+        ]
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in self.optims]
+        self.scaler = precision.grad_scaler(
+            cfg.precision.dtype, self.device.type, cfg.precision.init_scale
+        )
+        self.ckpt = CheckpointManager(
+            run.ckpt, cfg.checkpoint.keep, cfg.checkpoint.async_save, self.rank, self.world
+        )
+        self.start_step = 0
+        self.resumed_from: str | None = None
+        if cfg.checkpoint.resume:
+            self._resume()
+        self.sinks = None
+        if self.rank == 0:
+            self.sinks = MetricSinks(
+                jsonl=run.metrics,
+                tensorboard_dir=(run.logs / "tensorboard") if cfg.metrics.tensorboard else None,
+                prometheus_port=cfg.metrics.prometheus_port,
+            )
+        self.peak = device_peak_flops(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
+        self.timer = StepTimer(self.device)
+        self.history: list[dict[str, Any]] = []
+        self.val_history: list[dict[str, Any]] = []
+
+    # -- setup helpers
+
+    def _count_flops(self, model: torch.nn.Module) -> float | None:
+        """FLOPs per atom/token of one training micro-step, counted on a model copy."""
+        try:
+            rng = torch.get_rng_state()
+            mb = self.task.micro_batches(0, 0, 1, 1)[0]
+            mb = self.task.to(mb, self.device)
+            clone = copy.deepcopy(model)
+
+            def step() -> None:
+                with precision.autocast(self.cfg.precision.dtype, self.device.type):
+                    loss, _ = self.task.loss(clone, mb, 1)
+                loss.backward()
+
+            _, flops = count_flops(step)
+            del clone
+            torch.set_rng_state(rng)
+            return flops / max(mb.units, 1)
+        except Exception as exc:  # noqa: BLE001 - MFU is optional, training is not
+            log.warning("FLOP counting failed (%s); MFU will be null", exc)
+            return None
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run.ckpt) if self.rank == 0 else None
+        box = [str(path) if path else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        extra = self.ckpt.load(Path(box[0]), self.par.parts, self.optims)
+        self.start_step = int(extra["step"])
+        for s, sd in zip(self.scheds, extra["schedulers"], strict=True):
+            s.load_state_dict(sd)
+        if self.scaler is not None and extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])
+        self.resumed_from = box[0]
+        log.info("resumed from %s at step %d", box[0], self.start_step)
+
+    def _extra(self, step: int) -> dict[str, Any]:
+        return {
+            "step": step,
+            "schedulers": [s.state_dict() for s in self.scheds],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "data": {"step": step, "seed": self.cfg.train.seed},  # global plan position
+            "strategy": self.cfg.parallel.strategy,
+            "world": self.world,
+        }
+
+    # -- one step
+
+    def _forward_backward(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        par, task, cfg = self.par, self.task, self.cfg
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            with par.no_sync(not last):
+                t0 = time.perf_counter()
+                with precision.autocast(cfg.precision.dtype, self.device.type, par.autocast):
+                    loss, stats = task.loss(par.forward_model, mb, par.loss_scale)
+                if self.scaler is not None:
+                    self.scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+                t1 = time.perf_counter()
+            exposed = 0.0
+            if last and par.comm.last_ready is not None:
+                exposed = max(0.0, t1 - max(par.comm.last_ready, t0))
+            self.timer.add("compute", (t1 - t0) - exposed)
+            self.timer.add("comm", exposed)
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            sums["samples"] = sums.get("samples", 0.0) + mb.samples
+            sums["units"] = sums.get("units", 0.0) + mb.units
+        return sums
+
+    def _pipeline_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
+        par = self.par
+        sched = par.schedule
+        first = 0 in par.stage_ids
+        last = par.n_stages - 1 in par.stage_ids
+        sums = {"ce_sum": 0.0, "tokens": 0.0, "samples": 0.0, "units": 0.0}
+        t0 = time.perf_counter()
+        for mb in mbs:
+            x, y = self.task.pipeline_io(mb)
+            par.hook_state["norm"] = mb.norm["tokens"]
+            losses: list[torch.Tensor] = []
+            args = (x,) if first else ()
+            kwargs: dict[str, Any] = {"target": y, "losses": losses} if last else {}
+            with precision.autocast(self.cfg.precision.dtype, self.device.type):
+                sched.step(*args, **kwargs)
+            if last:
+                sums["ce_sum"] += float(sum(float(v) for v in losses)) * mb.norm["tokens"]
+                sums["samples"] += mb.samples
+                sums["units"] += mb.units
+                sums["tokens"] += mb.units
+        self.timer.add("compute", time.perf_counter() - t0)
+        return sums
+
+    def _optimizer_step(self) -> float:
+        with self.timer.section("optimizer"):
+            if self.scaler is not None:
+                for o in self.optims:
+                    self.scaler.unscale_(o)
+            norm = clip_grad_norm(self.par, self.cfg.train.grad_clip)
+            for o in self.optims:
+                if self.scaler is not None:
+                    self.scaler.step(o)
+                else:
+                    o.step()
+                o.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.update()
+            for s in self.scheds:
+                s.step()
+        return norm
+
+    def validate(self, step: int) -> dict[str, Any] | None:
+        """Validation metrics over the held-out set (all ranks share the batches)."""
+        mbs = self.task.val_batches(self.par.dp_rank, self.par.dp_world)
+        if self.par.strategy == "pipeline":
+            return self._pipeline_validate(step)
+        if not mbs and self.task.kind == "molecular" and self.task.val is None:
+            return None
+        model = self.par.parts[0] if self.par.strategy == "ddp" else self.par.forward_model
+        sums: dict[str, float] = {}
+        n = len(mbs)
+        if self.par.fsdp and dist.is_initialized():
+            # sharded forwards are collective: every rank runs the same number of them
+            t = torch.tensor([n])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            n = int(t)
+        filler = mbs[0] if mbs else (self.task.val_batches(0, 1) or [None])[0]
+        for i in range(n):
+            mb = self.task.to(mbs[i] if i < len(mbs) else filler, self.device)
+            with precision.autocast(self.cfg.precision.dtype, self.device.type, self.par.autocast):
+                stats = self.task.val_stats(model, mb)
+            if i >= len(mbs):
+                continue  # padding forward, not counted
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        if self.task.kind == "lm":
+            keys = ["ce_sum", "tokens"]
+        else:
+            from convergent.train.moldata import STAT_KEYS
+
+            keys = STAT_KEYS
+        sums = _reduce_sums(sums, keys)
+        rec = {"kind": "val", "step": step, **self.task.finalize_stats(sums)}
+        return rec
+
+    def _pipeline_validate(self, step: int) -> dict[str, Any]:
+        par = self.par
+        first = 0 in par.stage_ids
+        last = par.n_stages - 1 in par.stage_ids
+        sums = {"ce_sum": 0.0, "tokens": 0.0}
+        for mb in self.task.val_batches(0, 1):
+            x, y = mb.data
+            par.hook_state["norm"] = 1.0
+            losses: list[torch.Tensor] = []
+            args = (x,) if first else ()
+            kwargs: dict[str, Any] = {"target": y, "losses": losses} if last else {}
+            with torch.no_grad():
+                par.schedule.eval(*args, **kwargs)
+            if last:
+                sums["ce_sum"] += float(sum(float(v) for v in losses))
+                sums["tokens"] += mb.units
+        sums = _reduce_sums(sums, ["ce_sum", "tokens"])
+        return {"kind": "val", "step": step, **self.task.finalize_stats(sums)}
+
+    # -- the loop
+
+    def train(self) -> dict[str, Any]:
+        cfg, task, par = self.cfg, self.task, self.par
+        t_start = time.time()
+        steps = cfg.train.steps
+        accum = 1 if par.strategy == "pipeline" else cfg.train.grad_accum
+        sum_keys: list[str] | None = None
+        last_ckpt = self.start_step
+        for step in range(self.start_step, steps):
+            _maybe_fault(self.rank, step)
+            self.timer.reset()
+            par.comm.reset()
+            with self.timer.section("data_wait"):
+                mbs = [
+                    task.to(mb, self.device)
+                    for mb in task.micro_batches(step, par.dp_rank, par.dp_world, accum)
+                ]
+            if par.strategy == "pipeline":
+                sums = self._pipeline_step(mbs)
+            else:
+                sums = self._forward_backward(mbs)
+            lr = self.scheds[0].get_last_lr()[0]
+            grad_norm = self._optimizer_step()
+            if sum_keys is None:
+                sum_keys = sorted(sums)
+            t_red = time.perf_counter()
+            tot = _reduce_sums(sums, sum_keys)
+            self.timer.add("comm", time.perf_counter() - t_red)
+            step_s = self.timer.elapsed()
+            done = step + 1
+            rec: dict[str, Any] = {
+                "kind": "train_step",
+                "step": done,
+                **task.finalize_stats(tot),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "data_wait_s": self.timer.get("data_wait"),
+                "compute_s": self.timer.get("compute"),
+                "comm_s": self.timer.get("comm"),
+                "optimizer_s": self.timer.get("optimizer"),
+                "step_s": step_s,
+                "samples_per_s": tot["samples"] / step_s,
+                f"{task.unit}_per_s": tot["units"] / step_s,
+                "mfu": mfu(
+                    (self.flops_per_unit or 0.0) * tot["units"],
+                    step_s,
+                    (self.peak or 0.0) * self.world,
+                )
+                if self.flops_per_unit
+                else None,
+                "peak_mem_bytes": peak_memory_bytes(self.device),
+                # gradient payload counted by the DDP comm hook (None: not instrumented)
+                "comm_bytes": par.comm.bytes if par.strategy == "ddp" else None,
+                "strategy": par.strategy,
+                "world": self.world,
+                "attempt": self.attempt,
+            }
+            if self.scaler is not None:
+                rec["loss_scale"] = float(self.scaler.get_scale())
+            self.history.append(rec)
+            if self.sinks is not None:
+                self.sinks.write(rec)
+                if done % max(1, cfg.metrics.log_every) == 0 or done == steps:
+                    log.info(
+                        "step %d/%d loss %.5g %s/s %.0f mfu %s",
+                        done, steps, rec["loss"], task.unit, rec[f"{task.unit}_per_s"],
+                        f"{rec['mfu']:.3%}" if rec["mfu"] is not None else "n/a",
+                    )
+            val_every = cfg.train.val_every
+            if done == steps or (val_every and done % val_every == 0):
+                vrec = self.validate(done)
+                if vrec is not None:
+                    self.val_history.append(vrec)
+                    if self.sinks is not None:
+                        self.sinks.write(vrec)
+            if done == steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
+                self.ckpt.save(done, par.parts, self.optims, self._extra(done))
+                last_ckpt = done
+        self.ckpt.wait()
+        if self.sinks is not None:
+            self.sinks.close()
+        return {
+            "steps": steps,
+            "start_step": self.start_step,
+            "resumed_from": self.resumed_from,
+            "last_checkpoint": str(self.ckpt.path_for(self.run.ckpt, last_ckpt)),
+            "seconds": time.time() - t_start,
+            "final": self.history[-1] if self.history else None,
+            "val": self.val_history[-1] if self.val_history else None,
+            "world": self.world,
+            "strategy": par.strategy,
+        }

@@ -1,0 +1,83 @@
+"""Timers, FLOP counting / MFU and the metric sinks (JSONL, TensorBoard, Prometheus)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+
+import pytest
+import torch
+
+from convergent.monitor.flops import count_flops, gpu_peak_flops, measure_gemm_flops, mfu
+from convergent.monitor.sinks import MetricSinks
+from convergent.monitor.timers import StepTimer, peak_memory_bytes
+
+
+def test_step_timer_accumulates_sections():
+    t = StepTimer()
+    with t.section("compute"):
+        sum(range(10000))
+    with t.section("compute"):
+        sum(range(10000))
+    t.add("comm", 0.25)
+    t.add("comm", -1.0)  # negative durations are clamped
+    assert t.get("compute") > 0
+    assert t.get("comm") == 0.25
+    assert t.get("missing") == 0.0
+    assert t.elapsed() >= t.get("compute")
+    t.reset()
+    assert t.get("compute") == 0.0
+
+
+def test_peak_memory_is_positive():
+    assert peak_memory_bytes() > 1_000_000
+
+
+def test_count_flops_counts_matmul_forward_and_backward():
+    a = torch.randn(8, 16, requires_grad=True)
+    b = torch.randn(16, 4)
+
+    def step():
+        (a @ b).sum().backward()
+
+    _, flops = count_flops(step)
+    # forward 2*8*16*4, backward grad_a = grad_out @ b^T: another 2*8*4*16
+    assert flops == 2 * (2 * 8 * 16 * 4)
+
+
+def test_measured_gemm_and_mfu():
+    peak = measure_gemm_flops("fp32", n=128, repeats=2)
+    assert peak > 1e6
+    assert mfu(peak, 1.0, peak) == pytest.approx(1.0)
+    assert mfu(1.0, 0.0, peak) is None
+    assert mfu(1.0, 1.0, None) is None
+
+
+def test_gpu_table_matches_longest_name():
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3 SXM", "bf16") == pytest.approx(989.4e12)
+    assert gpu_peak_flops("NVIDIA A100-SXM4-40GB", "bf16") == pytest.approx(312e12)
+    assert gpu_peak_flops("Some Unknown GPU", "bf16") is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sinks_write_jsonl_tensorboard_and_prometheus(tmp_path):
+    port = _free_port()
+    sinks = MetricSinks(tmp_path / "m.jsonl", tmp_path / "tb", port)
+    try:
+        sinks.write({"kind": "train_step", "step": 3, "loss": 1.5, "mfu": None, "strategy": "ddp"})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        text = body.decode()
+        assert "convergent_train_step_loss 1.5" in text
+        assert "convergent_train_step_step 3.0" in text
+    finally:
+        sinks.close()
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == 1.5 and rows[0]["step"] == 3 and "time" in rows[0]
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

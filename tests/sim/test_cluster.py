@@ -1,0 +1,47 @@
+"""The cluster factory: local worker count from the affinity mask, Slurm job options."""
+
+from __future__ import annotations
+
+import pytest
+
+from convergent.cluster import local_workers, make_cluster
+from convergent.errors import ConfigError
+from convergent.resources import usable_cpus
+from convergent.sim.config import ClusterConfig, SlurmConfig
+
+
+def test_local_default_is_one_worker_per_usable_core(monkeypatch):
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    assert local_workers(ClusterConfig()) == usable_cpus()
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "6")
+    assert local_workers(ClusterConfig()) == 6
+    assert local_workers(ClusterConfig(n_workers=3)) == 3
+
+
+def test_address_kind_needs_an_address():
+    with pytest.raises(ConfigError, match="cluster.address"):
+        make_cluster(ClusterConfig(kind="address"))
+
+
+def test_slurm_cluster_job_script_and_adapt():
+    pytest.importorskip("dask_jobqueue")
+    cfg = ClusterConfig(
+        kind="slurm",
+        dashboard_address=None,
+        slurm=SlurmConfig(queue="debug", account="chem", cores=4, memory="16GB",
+                          walltime="00:30:00", job_extra_directives=["--qos=short"],
+                          job_script_prologue=["module load xtb"], adapt_min=0, adapt_max=8),
+    )
+    cluster = make_cluster(cfg)
+    try:
+        script = cluster.job_script()
+        assert "#SBATCH -p debug" in script
+        assert "#SBATCH -A chem" in script
+        assert "#SBATCH --qos=short" in script
+        assert "#SBATCH -t 00:30:00" in script
+        assert "--nworkers 4" in script and "--nthreads 1" in script
+        assert "export OMP_NUM_THREADS=1" in script and "module load xtb" in script
+        adaptive = cluster._adaptive
+        assert (adaptive.minimum, adaptive.maximum) == (0, 8)
+    finally:
+        cluster.close()

@@ -1,0 +1,79 @@
+"""`convergent train`: the launch command it prints, and a real 2-process run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import LM_BASE
+from convergent.cli import main
+
+
+def _sets(items):
+    out = []
+    for item in items:
+        out += ["--set", item]
+    return out
+
+
+def test_print_launch_standalone(tmp_path, capsys):
+    code = main(["train", "--print-launch", "--nproc", "3", "--max-restarts", "2",
+                 "--run-dir", str(tmp_path / "r")])
+    assert code == 0
+    line = capsys.readouterr().out.strip()
+    assert "torch.distributed.run --standalone" in line
+    assert "--nproc-per-node=3" in line and "--max-restarts=2" in line
+    assert "convergent.train.main" in line and not (tmp_path / "r").exists()
+
+
+def test_print_launch_inside_slurm(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[10-11]")
+    assert main(["train", "--print-launch", "--nnodes", "2", "--run-dir", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("srun ") and "--rdzv-endpoint=node10:29500" in line
+
+
+def test_train_command_runs_two_processes(tmp_path, capsys):
+    run_dir = tmp_path / "lm"
+    code = main(["train", *_sets([*LM_BASE, "parallel.strategy=ddp", "metrics.log_every=1"]),
+                 "--nproc", "2", "--run-dir", str(run_dir)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "step 5/5" in out and "trained 5 steps" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "train_step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert {"tokens_per_s", "mfu", "comm_s", "peak_mem_bytes"} <= set(steps[0])
+    assert (run_dir / "ckpt" / "final" / "model.safetensors").exists()
+    # a second invocation without --resume refuses to touch the run
+    assert main(["train", *_sets([*LM_BASE, "parallel.strategy=ddp", "metrics.log_every=1"]),
+                 "--run-dir", str(run_dir)]) == 2
+
+
+def test_bad_dataset_reports_error(tmp_path, capsys):
+    code = main(["train", "--set", f"train.dataset={tmp_path / 'nope'}", "--set",
+                 "train.steps=1", "--nproc", "1", "--set", "parallel.strategy=single",
+                 "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "training failed" in err and "nope" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.strategy=ddp", "checkpoint.async_save=true", "checkpoint.interval=2"],
+        ["parallel.strategy=fsdp", "precision.dtype=fp16"],
+        ["parallel.strategy=single", "train.compile=true"],
+    ],
+)
+def test_train_options_run(tmp_path, extra):
+    nproc = "1" if "parallel.strategy=single" in extra else "2"
+    code = main(["train", *_sets([*LM_BASE, *extra]), "--nproc", nproc,
+                 "--run-dir", str(tmp_path / "r")])
+    assert code == 0
+    done = sorted(p.name for p in (tmp_path / "r" / "ckpt").glob("step_*") if (p / "COMPLETE").exists())
+    assert done[-1] == "step_00000005"
