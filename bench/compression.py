@@ -47,11 +47,11 @@ def main() -> None:
     ap.add_argument("--molecules", type=int, default=300)
     args = ap.parse_args()
     import torch
+    from train_throughput import make_dataset
 
     from convergent.config import load_config
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
-    from train_throughput import make_dataset
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_comp_"))
     t0 = time.time()
@@ -93,7 +93,7 @@ def main() -> None:
             print(f"  bytes/step {entry['bytes_per_step_median']:.0f} "
                   f"final loss {entry['final_loss_mean_last10']:.4g}", flush=True)
         base = results[mname].get("none", {}).get("bytes_per_step_median")
-        for meth, e in results[mname].items():
+        for e in results[mname].values():
             if base and "bytes_per_step_median" in e:
                 e["compression_ratio_vs_none"] = base / max(e["bytes_per_step_median"], 1)
     out = {

@@ -6,18 +6,25 @@ a torch DataLoader with the same settings (batch size, workers, list collate) by
 
 * ``loose``       one file per record (map-style dataset, ``DataLoader(shuffle=True)``)
 * ``convergent``  ``convergent data pack`` shards + ``StreamingDataset`` (block shuffle)
+* ``convergent_cached``  the same through the node-local cache tier (empty at start,
+  budget half the dataset: checked copies, prefetch, eviction by next use)
 * ``webdataset``  WebDataset 1.0.2 tar shards (our ``data export --to webdataset``)
 * ``mds``         mosaicml-streaming 0.13.0 (``MDSWriter`` / ``StreamingDataset``)
 * ``litdata``     litdata (``optimize`` / ``StreamingDataset``)
 
+Each system is read ``--repeats`` times (default 3), round-robin over the systems so
+load bursts on a shared machine hit all alike; the median-throughput run is reported.
 Measured per system in a fresh subprocess: samples/s, MB/s, time to first batch (from
 dataset construction, incl. any directory scan), peak RSS (main process and the sum over
-the process tree incl. DataLoader workers, sampled every 50 ms), and, in a second run
-under ``strace -f -c``, the number of open and stat system calls.
+the process tree incl. DataLoader workers, sampled every 50 ms; RSS and private memory),
+and, in a second run under ``strace -f`` (without the memory sampler), the number of open
+and stat system calls: in total (incl. Python imports) and on the data files.
 
 Writes bench/results/data_read.json with versions and the machine. Full scale:
 ``python bench/data_read.py --records 1000000`` (~5.4 GB per format). The peers may live
-in another interpreter (``--peer-python``; default: bench/data/peers-venv if present).
+in another interpreter (``--peer-python``; default: bench/data/peers-venv if present,
+made by ``--setup-peers``: mosaicml-streaming 0.13.0 pins numpy<2.2, which conflicts with
+the project's environment).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
-SYSTEMS = ("loose", "convergent", "webdataset", "mds", "litdata")
+SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata")
 PEERS = ("webdataset", "mds", "litdata")
 SHARD_BYTES = 128 * 2**20
 MEDIAN_BYTES = 4096
@@ -153,6 +160,19 @@ def make_loader(system: str, data: Path, batch: int, workers: int, seed: int):
         ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
                               rank=0, world_size=1, transform=lambda r: r["payload"])
         return DataLoader(ds, **common)
+    if system == "convergent_cached":
+        from convergent.data.cache import ShardCache
+        from convergent.data.manifest import read_manifest
+        from convergent.data.stream import StreamingDataset
+
+        cache_dir = data / "node-local-cache"
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        m = read_manifest(data / "convergent")
+        budget = max(m.bytes // 2, 3 * max(s.bytes for s in m.shards))
+        ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
+                              rank=0, world_size=1, transform=lambda r: r["payload"],
+                              cache=ShardCache(cache_dir, budget_bytes=budget), prefetch_shards=1)
+        return DataLoader(ds, **common)
     if system == "webdataset":
         import webdataset as wds
 
@@ -184,33 +204,58 @@ def make_loader(system: str, data: Path, batch: int, workers: int, seed: int):
     raise SystemExit(f"unknown system {system}")
 
 
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                out.extend(int(x) for x in fh.read().split())
+    except OSError:
+        pass
+    return out
+
+
+def _mem(pid: int) -> tuple[int, int]:
+    """(RSS, private bytes) of a process; private excludes shared and file-cache pages."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            rss = priv = 0
+            for line in fh:
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith(("Private_Clean:", "Private_Dirty:")):
+                    priv += int(line.split()[1]) * 1024
+            return rss, priv
+    except OSError:
+        return 0, 0
+
+
 class RssSampler:
-    """Peak RSS of this process and of its whole process tree, sampled every 50 ms."""
+    """Peak memory of this process and of its process tree (DataLoader workers), every 50 ms.
+
+    RSS counts mapped file pages (page cache of memory-mapped shards) too; ``private``
+    (Private_Clean + Private_Dirty from smaps_rollup) is the memory the readers own.
+    Only this process's descendants are read (no scan of the whole /proc).
+    """
 
     def __init__(self) -> None:
-        import psutil
-
-        self.proc = psutil.Process()
-        self.peak_main = self.peak_tree = 0
+        self.pid = os.getpid()
+        self.peak_main = self.peak_tree = self.peak_private_tree = 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
-        import psutil
-
         while not self._stop.is_set():
-            try:
-                main = self.proc.memory_info().rss
-                tree = main
-                for c in self.proc.children(recursive=True):
-                    try:
-                        tree += c.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak_main, self.peak_tree = max(self.peak_main, main), max(self.peak_tree, tree)
-            except psutil.Error:
-                pass
+            pids, todo = [], [self.pid]
+            while todo:
+                p = todo.pop()
+                pids.append(p)
+                todo.extend(_children(p))
+            mems = [_mem(p) for p in pids]
+            self.peak_main = max(self.peak_main, mems[0][0])
+            self.peak_tree = max(self.peak_tree, sum(m[0] for m in mems))
+            self.peak_private_tree = max(self.peak_private_tree, sum(m[1] for m in mems))
             self._stop.wait(0.05)
 
     def stop(self) -> None:
@@ -218,9 +263,10 @@ class RssSampler:
         self._t.join()
 
 
-def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limit: int | None) -> dict:
+def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limit: int | None,
+              sample_memory: bool = True) -> dict:
     """Read every sample once; returns the measurements."""
-    sampler = RssSampler()
+    sampler = RssSampler() if sample_memory else None
     t0 = time.perf_counter()
     loader = make_loader(system, data, batch, workers, seed)
     first = None
@@ -233,6 +279,8 @@ def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limi
         if limit and n >= limit:
             break
     dt = time.perf_counter() - t0
+    if sampler is None:
+        return {"samples": n, "bytes": nbytes}
     sampler.stop()
     return {
         "samples": n, "bytes": nbytes, "seconds": dt,
@@ -241,10 +289,39 @@ def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limi
         # (ru_maxrss is not used: Linux keeps the parent's high-water mark across exec)
         "peak_rss_main_MiB": sampler.peak_main / 2**20,
         "peak_rss_tree_MiB": sampler.peak_tree / 2**20,
+        "peak_private_tree_MiB": sampler.peak_private_tree / 2**20,
     }
 
 
 # ---------------------------------------------------------------------------- driver
+
+
+PEER_PACKAGES = (
+    "mosaicml-streaming==0.13.0 webdataset==1.0.2 braceexpand==0.1.7 litdata==0.2.76 "
+    "lightning-utilities==0.15.3 zstd==1.5.7.2 python-snappy==0.7.3 cramjam==2.14.0 brotli==1.2.1 "
+    "catalogue==2.0.10 boto3==1.44.5 botocore==1.44.5 jmespath==1.1.0 s3transfer==0.19.3 "
+    "requests==2.34.2 urllib3==2.8.0"
+).split()
+
+
+def setup_peers(venv: Path) -> str:
+    """Make a venv for the peers that sees the project venv's packages (torch, numpy, ...).
+
+    mosaicml-streaming 0.13.0 pins numpy<2.2, transformers<5 and xxhash<4, which conflict
+    with the project's environment; its code runs with the project's versions, so the
+    peers are installed without dependencies into their own venv, which adds the project
+    venv's site-packages through a .pth file. Nothing in the project venv changes.
+    """
+    import site
+    import sysconfig
+
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    pyver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (venv / "lib" / pyver / "site-packages" / "_project_venv.pth").write_text(
+        "\n".join([*site.getsitepackages(), sysconfig.get_paths()["purelib"]]) + "\n")
+    subprocess.run([str(venv / "bin" / "pip"), "install", "--no-deps", *PEER_PACKAGES], check=True)
+    return str(venv / "bin" / "python")
 
 
 def install_torchvision_stub() -> None:
@@ -286,7 +363,8 @@ def child_main(args: argparse.Namespace) -> None:
     if args.build:
         print(json.dumps({"build_seconds": build(args.build, data, args.records, args.workers)}))
         return
-    res = read_once(args.system, data, args.batch_size, args.workers, args.seed, args.limit)
+    res = read_once(args.system, data, args.batch_size, args.workers, args.seed, args.limit,
+                    sample_memory=not args.no_memory)
     print("RESULT " + json.dumps(res))
 
 
@@ -298,13 +376,13 @@ def run_child(py: str, system: str, args: argparse.Namespace, strace: bool = Fal
         cmd += ["--limit", str(args.limit)]
     env = dict(os.environ, PYTHONPATH=str(ROOT.parent / "src"))
     if strace:
-        with tempfile.NamedTemporaryFile("r", suffix=".strace") as tf:
-            cmd = ["strace", "-f", "-c", "-o", tf.name,
-                   "-e", "trace=open,openat,openat2,creat,stat,lstat,fstat,newfstatat,statx,access,faccessat,faccessat2"] + cmd
+        with tempfile.TemporaryDirectory() as td:
+            trace = Path(td) / "trace"
+            cmd = ["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=" + ",".join(TRACED)] + cmd + ["--no-memory"]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
             if out.returncode != 0:
                 return {"error": out.stderr[-2000:]}
-            return parse_strace(Path(tf.name).read_text())
+            return count_syscalls(trace, Path(args.data_dir))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     if out.returncode != 0 or not line:
@@ -323,15 +401,36 @@ def drop_caches() -> bool:
         return False
 
 
-def parse_strace(text: str) -> dict:
-    counts: dict[str, int] = {}
-    for row in text.splitlines():
-        m = re.match(r"\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:\d+\s+)?(\w+)\s*$", row)
-        if m:
-            counts[m.group(2)] = int(m.group(1))
-    opens = sum(v for k, v in counts.items() if k.startswith("open") or k == "creat")
-    stats = sum(v for k, v in counts.items() if "stat" in k or "access" in k)
-    return {"open_calls": opens, "stat_calls": stats, "by_call": counts}
+TRACED = ("open", "openat", "openat2", "creat", "stat", "lstat", "fstat", "newfstatat", "statx",
+          "access", "faccessat", "faccessat2")
+_CALL = re.compile(r"^\d+\s+(\w+)\((.*)")
+
+
+def count_syscalls(trace: Path, data_dir: Path) -> dict:
+    """Open and stat calls of a whole run (all processes), and those on the data files.
+
+    ``fstat`` has no path and counts in the totals only; "data" calls name a path under
+    the data directory (relative paths resolved against it are rare and not counted).
+    """
+    data = str(data_dir.resolve())
+    tot = {"open": 0, "stat": 0}
+    on_data = {"open": 0, "stat": 0}
+    by_call: dict[str, int] = {}
+    with open(trace, errors="replace") as fh:
+        for line in fh:
+            m = _CALL.match(line)
+            if not m:
+                continue
+            name, rest = m.group(1), m.group(2)
+            kind = "open" if name.startswith("open") or name == "creat" else "stat"
+            tot[kind] += 1
+            by_call[name] = by_call.get(name, 0) + 1
+            q = rest.find('"')
+            if q >= 0 and rest[q + 1 :].startswith(data):
+                on_data[kind] += 1
+    return {"open_calls": tot["open"], "stat_calls": tot["stat"],
+            "open_calls_on_data": on_data["open"], "stat_calls_on_data": on_data["stat"],
+            "by_call": by_call}
 
 
 def versions(py: str) -> dict:
@@ -375,7 +474,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "data_read.json")
     ap.add_argument("--peer-python", default=None, help="interpreter with the peer packages")
     ap.add_argument("--no-strace", action="store_true", help="skip the syscall-count runs")
+    ap.add_argument("--setup-peers", action="store_true",
+                    help="create bench/data/peers-venv with the peer packages first")
     ap.add_argument("--limit", type=int, default=None, help="stop each reader after N samples")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per system (median reported)")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache before each read (needs root; machine-wide)")
@@ -383,6 +485,7 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--build", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-memory", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child_main(args)
@@ -390,6 +493,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT.parent / "src"))
     systems = [s for s in args.systems.split(",") if s]
     peer_py = args.peer_python
+    if args.setup_peers:
+        peer_py = setup_peers(ROOT / "data" / "peers-venv")
     if peer_py is None:
         cand = ROOT / "data" / "peers-venv" / "bin" / "python"
         peer_py = str(cand) if cand.exists() else sys.executable
@@ -416,17 +521,32 @@ def main() -> None:
                 continue
             builds[s] = json.loads(out.stdout.strip().splitlines()[-1])["build_seconds"]
         print(f"built {s}: {builds[s]:.1f} s", flush=True)
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for rep in range(args.repeats):
+        # round-robin over the systems, so a burst of load on the shared machine hits all
+        for s in systems:
+            py = peer_py if s in PEERS else sys.executable
+            print(f"reading {s} (run {rep + 1}/{args.repeats}) ...", flush=True)
+            cold = drop_caches() if args.cold else False
+            r = run_child(py, s, args)
+            r["cold_page_cache"] = cold
+            runs[s].append(r)
+            print(f"  {s}: " + json.dumps(r)[:300], flush=True)
     results: dict[str, dict] = {}
     for s in systems:
-        py = peer_py if s in PEERS else sys.executable
-        print(f"reading {s} ...", flush=True)
-        cold = drop_caches() if args.cold else False
-        r = run_child(py, s, args)
-        r["cold_page_cache"] = cold
-        if not args.no_strace and "error" not in r:
+        ok = [r for r in runs[s] if "error" not in r]
+        if not ok:
+            results[s] = runs[s][-1]
+            continue
+        # the run with the median throughput; all runs' throughputs alongside
+        ok.sort(key=lambda r: r["samples_per_s"])
+        r = dict(ok[len(ok) // 2])
+        r["runs_samples_per_s"] = [x["samples_per_s"] for x in runs[s] if "error" not in x]
+        r["peak_rss_tree_MiB_max"] = max(x["peak_rss_tree_MiB"] for x in ok)
+        if not args.no_strace:
+            py = peer_py if s in PEERS else sys.executable
             r["syscalls"] = run_child(py, s, args, strace=True)
         results[s] = r
-        print(f"  {s}: " + json.dumps({k: v for k, v in r.items() if k != 'syscalls'})[:400], flush=True)
     base = results.get("loose", {}).get("samples_per_s")
     ours = results.get("convergent", {}).get("samples_per_s")
     summary = {}
@@ -442,6 +562,7 @@ def main() -> None:
         "settings": {"records": args.records, "size_distribution": f"log-normal, median {MEDIAN_BYTES} B, sigma {SIGMA}, clipped 64 B..1 MiB",
                      "batch_size": args.batch_size, "num_workers": args.workers, "shuffle": True,
                      "shard_bytes": SHARD_BYTES, "limit": args.limit, "seed": args.seed,
+                     "repeats": args.repeats, "reported": "median-throughput run of the repeats",
                      "page_cache": "cold (dropped before each read)" if args.cold else "warm (data just written/built on the same machine)"},
         "generation": gen, "build_seconds": builds, "results": results, "summary": summary,
         "versions": {"ours": versions(sys.executable), "peers": versions(peer_py)},

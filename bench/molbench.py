@@ -199,20 +199,48 @@ def _json_default(x: Any) -> Any:
     raise TypeError(type(x))
 
 
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "label-dft":
+    import ase.io
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    todo, w, k, out = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    frames = ase.io.read(todo, index=":")[w::k]
+    write_extxyz(out, label_frames(frames, "dft"))
+    sys.exit(0)
+
 if __name__ == "__main__":
     t = time.perf_counter()
     recs = xtb_dataset()
     print(len(recs), "xTB records in", round(time.perf_counter() - t, 1), "s")
 
 
-def dft_dataset(max_atoms: int = 7, n_conf: int = 4, seed: int = 1) -> list[dict[str, Any]]:
-    """The cached B3LYP/6-31G* dataset: small G2 molecules, rattled (built on first use)."""
-    path = DATA / f"dft_g2_{max_atoms}_{n_conf}_{seed}.extxyz"
+def dft_dataset(max_atoms: int = 7, n_conf: int = 3, seed: int = 1, workers: int = 4,
+                no_fluorine: bool = True) -> list[dict[str, Any]]:
+    """The cached B3LYP/6-31G* dataset: small G2 molecules, rattled (built on first use,
+    labelled by ``workers`` processes, each writing its own part file so work survives)."""
+    import subprocess
+
+    tag = f"dft_g2_{max_atoms}_{n_conf}_{seed}{'_noF' if no_fluorine else ''}"
+    path = DATA / f"{tag}.extxyz"
     if not path.exists():
+        names = [n for n in closed_shell_g2(max_atoms=max_atoms) if not (no_fluorine and "F" in n)]
         frames = []
-        for i, name in enumerate(closed_shell_g2(max_atoms=max_atoms)):
+        for i, name in enumerate(names):
             frames += conformers(name, n_conf, seed * 1000 + i)
-        write_extxyz(path, label_frames(frames, "dft"))
+        todo = DATA / f"{tag}.todo.extxyz"
+        write_extxyz(todo, frames)
+        parts = [DATA / f"{tag}.part{w}.extxyz" for w in range(workers)]
+        procs = [subprocess.Popen([sys.executable, __file__, "label-dft", str(todo), str(w), str(workers), str(parts[w])])
+                 for w in range(workers) if not parts[w].exists()]
+        for p in procs:
+            if p.wait() != 0:
+                raise RuntimeError("DFT labelling worker failed")
+        import ase.io
+
+        done = [a for part in parts for a in ase.io.read(part, index=":")]
+        order = {a.info["key"]: i for i, a in enumerate(frames)}
+        done.sort(key=lambda a: order[a.info["key"]])
+        write_extxyz(path, done)
     return read_records(path)
 
 

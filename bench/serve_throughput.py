@@ -133,10 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=128, help="chunked-prefill budget")
     ap.add_argument("--hf-requests", type=int, default=64, help="requests for the HF peer")
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument(
+        "--hf-threads",
+        type=int,
+        default=1,
+        help="torch threads of the HF peer (1: oversubscribed CPUs punish more)",
+    )
+    ap.add_argument("--no-projection", action="store_true", help="skip the GPU projection")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--only", default="", help="comma list of run names")
     ap.add_argument("--quick", action="store_true", help="skip the HF peer and projection")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the configurations this many times, alternating the order; "
+        "report the median (the CPU is shared: load changes over time)",
+    )
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
     args = ap.parse_args(argv)
 
     import torch
@@ -153,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from convergent.serve.workload import make_trace, scale_trace, trace_stats
 
     torch.set_num_threads(1)
+    machine = _machine()  # load average at the start
     model_dir = args.model_dir or Path(tempfile.gettempdir()) / "convergent-serve-30m"
     ensure_random_model(model_dir, "30m", seed=0)
     mcfg = read_config(model_dir)
@@ -204,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         keep = set(args.only.split(","))
         runs_spec = {k: v for k, v in runs_spec.items() if k in keep}
-    results: dict[str, dict] = {}
     calib: dict[str, CostTable] = {}
-    for name, (cfg, pred_name) in runs_spec.items():
+
+    def _one_run(name, spec, rep):
+        cfg, pred_name = spec
         pred = predictors[pred_name] if pred_name else None
         t = time.monotonic()
         res = run_trace(model_dir, cfg, trace, predictor=pred, costs=costs)
@@ -238,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         sim_own = simulate(cfg.scheduler, reqs, own, nb, 16, scfg)
         res["sim_self_calibrated"] = sim_own.to_dict()
         res["sim_self_calibrated_error"] = abs(sim_own.makespan_s - res["wall_s"]) / res["wall_s"]
-        if name == "interleaved":
+        if name == "interleaved" and "pipeline" not in calib:
             calib["pipeline"] = own
         if cfg.scheduler != "sequential" and "pipeline" in calib:
             sim_x = simulate(cfg.scheduler, reqs, calib["pipeline"], nb, 16, scfg)
@@ -248,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         res["_reqs"] = reqs
         res["_scfg"] = scfg
-        results[name] = res
         st = ", ".join(f"s{s['stage']} busy {s['busy_fraction']:.0%}" for s in res["stages"])
         print(
             f"{name:20s} {res['output_tok_s']:7.1f} out tok/s  {res['req_s']:.2f} req/s  "
@@ -259,11 +275,26 @@ def main(argv: list[str] | None = None) -> int:
             f"({time.monotonic() - t:.0f} s)",
             flush=True,
         )
+        return res
+
+    results: dict[str, dict] = {}
+    reps: dict[str, list[dict]] = {k: [] for k in runs_spec}
+    order = list(runs_spec)
+    for rep in range(max(1, args.repeat)):
+        names = order if rep % 2 == 0 else order[::-1]
+        for name in names:
+            res = _one_run(name, runs_spec[name], rep)
+            reps[name].append(res)
+    for name, lst in reps.items():
+        lst.sort(key=lambda r: r["output_tok_s"])
+        med = dict(lst[(len(lst) - 1) // 2])  # lower median: conservative
+        med["repeats_output_tok_s"] = [r["output_tok_s"] for r in lst]
+        results[name] = med
 
     peer = None
     if not args.quick and args.hf_requests > 0:
         peer = hf_generate_peer(
-            model_dir, trace[: args.hf_requests], args.hf_batch, threads=args.stages
+            model_dir, trace[: args.hf_requests], args.hf_batch, threads=args.hf_threads
         )
         print(
             f"transformers generate: {peer['output_tok_s']:.1f} out tok/s "
@@ -271,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     projection = None
-    if not args.quick:
+    if not args.quick and not args.no_projection:
         projection = project_gpu(
             [(r.input_len, r.output_len, r.output_len) for r in make_trace(1000, seed=args.seed)]
         )
@@ -287,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         b = results["interleaved"]["output_tok_s"]
         ratios = {k: v["output_tok_s"] / b for k, v in results.items()}
     args.out.mkdir(parents=True, exist_ok=True)
-    png = plot_kv_timeline({k: v for k, v in results.items()}, args.out / "serve_kv_usage.png")
+    png = plot_kv_timeline(
+        {k: v for k, v in results.items()}, args.out / f"serve_kv_usage{args.tag}.png"
+    )
     summary_keys = (
         "req_s",
         "input_tok_s",
@@ -318,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "serve_throughput",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": _versions(),
-        "machine": {**_machine(), "loadavg_end": os.getloadavg()},
+        "machine": {**machine, "loadavg_end": os.getloadavg()},
         "note": (
             "CPU shared with other jobs (load average above the 2 usable cores), so "
             "absolute numbers and ratios are noisy; lengths scaled by --scale to fit "
@@ -364,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_projection": projection,
         "kv_usage_plot": str(png),
     }
-    path = args.out / "serve_throughput.json"
+    path = args.out / f"serve_throughput{args.tag}.json"
     atomic_write_text(path, json.dumps(out, indent=1, default=str))
     print(f"wrote {path} and {png}")
     for k, r in ratios.items():

@@ -16,7 +16,11 @@ atom) x atoms/s / (measured single-thread GEMM peak for the dtype x processes; f
 1x2 run the 2-thread peak). The machine is shared (other jobs run), so numbers are noisy;
 the load average before/after is in the JSON.
 
-Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400]``
+Every configuration runs ``--repeats`` times round-robin (default 2) and the best
+repeat is reported (all repeats' samples/s are listed) to damp the noise of the shared
+machine.
+
+Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400] [--repeats 2]``
 (writes ``bench/results/train_throughput.json``).
 """
 
@@ -180,7 +184,8 @@ def run_peer(kind: str, data: Path, steps: int, dtype: str, tmp: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        lines = [x for x in proc.stderr.splitlines() if "Error" in x or "error" in x]
+        lines = [x.split("]:", 1)[-1].strip() for x in proc.stderr.splitlines()
+                 if "Error:" in x and "[rank0]" in x] or proc.stderr.splitlines()[-3:]
         raise RuntimeError(f"{kind} {dtype} failed: {' | '.join(lines[-3:])}")
     return json.loads(out.read_text())
 
@@ -276,6 +281,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--molecules", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     if args.worker:
         peer_worker(args.worker, args.data, args.steps, args.dtype, args.out)
@@ -300,23 +306,29 @@ def main() -> None:
         for d in ("fp32", "bf16"):
             plan.append((f"{kind}_ddp_2x1_{d}",
                          lambda k=kind, dd=d: run_peer(k, data, args.steps, dd, tmp), d, 1))
-    for name, fn, dtype, threads in plan:
-        print(f"running {name} ...", flush=True)
-        try:
-            raw = fn()
-            results[name] = summarize(raw, args.warmup, fpa[dtype], peaks[(dtype, threads)],
-                                      threads)
-            results[name]["dtype"] = dtype
-            print(f"  {results[name]['samples_per_s']:.1f} samples/s, "
-                  f"{results[name]['atoms_per_s']:.0f} atoms/s, mfu {results[name]['mfu']:.2%}",
-                  flush=True)
-        except Exception as exc:  # noqa: BLE001 - record and go on
-            results[name] = {"error": repr(exc)}
-            print(f"  failed: {exc!r}", flush=True)
+    for rep in range(args.repeats):  # round-robin repeats; the best of each is kept
+        for name, fn, dtype, threads in plan:
+            if "error" in results.get(name, {}):
+                continue
+            print(f"[{rep + 1}/{args.repeats}] running {name} ...", flush=True)
+            try:
+                raw = fn()
+                res = summarize(raw, args.warmup, fpa[dtype], peaks[(dtype, threads)], threads)
+                res["dtype"] = dtype
+                prev = results.get(name)
+                seen = (prev or {}).get("samples_per_s_each_repeat", []) + [res["samples_per_s"]]
+                if prev is None or res["samples_per_s"] > prev["samples_per_s"]:
+                    results[name] = res
+                results[name]["samples_per_s_each_repeat"] = seen
+                print(f"  {res['samples_per_s']:.1f} samples/s, {res['atoms_per_s']:.0f} atoms/s,"
+                      f" mfu {res['mfu']:.2%}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                results[name] = {"error": str(exc)[:400]}
+                print(f"  failed: {exc!r}", flush=True)
     out = {
         "benchmark": "train_throughput",
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "settings": {"steps": args.steps, "warmup_steps_excluded": args.warmup,
+        "settings": {"steps": args.steps, "repeats_best_of": args.repeats, "warmup_steps_excluded": args.warmup,
                      "molecules": args.molecules, "model": "molecular default (hidden 64, 3 layers)",
                      "global_batch_atoms": 1024, "loss": "energy+forces (double backward)"},
         "flops_per_atom": fpa,

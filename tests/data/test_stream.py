@@ -200,3 +200,18 @@ def test_weighted_mixing(tmp_path, ds_path):
     assert not (epoch - delivered) and sum((delivered - epoch).values()) == 3 * 134 - 400
     with pytest.raises(DataError, match="weight"):
         MixedStreamingDataset([ds_path], weights=[0.0])
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("world, workers, batch", [(2, 3, 5), (3, 4, 7)])
+def test_real_dataloaders_cover_the_epoch_exactly_once(ds_path, world, workers, batch):
+    keys = open_dataset(ds_path).keys()
+    got = []
+    for r in range(world):
+        sd = StreamingDataset(ds_path, seed=9, rank=r, world_size=world, block_size=16, drop_last=True)
+        loader = StreamingLoader(sd, batch_size=batch, num_workers=workers,
+                                 collate_fn=lambda b: [x["key"] for x in b])
+        seq = [k for b in loader for k in b]
+        assert seq == [keys[i] for i in sd.rank_ids()] and len(seq) == 157 // world
+        got.extend(seq)
+    assert len(got) == len(set(got)) == (157 // world) * world

@@ -177,12 +177,12 @@ def test_killed_worker_mid_campaign(sim_client, tmp_path):
 
 
 def test_timeout_kills_the_task_and_quarantines(sim_client, tmp_path):
-    sim = SimulateConfig(sampler="md", frames=2, md_frames=1, md_interval=2000, md_warmup=0,
-                         max_atoms=3, max_molecules=2, timeout_s=0.5, retries=0,
+    sim = SimulateConfig(sampler="md", frames=1, md_frames=1, md_interval=5000, md_warmup=0,
+                         max_atoms=3, max_molecules=1, timeout_s=0.5, retries=0,
                          flush_every_s=0.0)
     out = tmp_path / "ds"
     s = run_campaign(sim, ClusterConfig(), out, progress=False, client=sim_client)
-    assert s.done == 0 and s.quarantined == 2
+    assert s.done == 0 and s.quarantined == 1
     q = [json.loads(x) for x in (out / "quarantine.jsonl").read_text().splitlines()]
     assert all(e["reason"].startswith("timeout") for e in q), q
     sim_client.wait_for_workers(2, timeout=120)
@@ -200,7 +200,7 @@ _DRIVER = textwrap.dedent(
 
     if __name__ == "__main__":
         sim = SimulateConfig.model_validate_json(sys.argv[2])
-        run_campaign(sim, ClusterConfig(n_workers=2), Path(sys.argv[1]), progress=False,
+        run_campaign(sim, ClusterConfig(n_workers=1), Path(sys.argv[1]), progress=False,
                      on_task=report)
         print("FINISHED", flush=True)
     """
@@ -210,7 +210,7 @@ _DRIVER = textwrap.dedent(
 def test_sigkill_driver_then_rerun(sim_client, tmp_path):
     """SIGKILL of the driver mid-campaign, then rerun: finished tasks are not recomputed
     and the dataset equals an uninterrupted run with the same seed."""
-    sim = SimulateConfig(frames=300, max_atoms=5, chunk_size=10, flush_every_s=0.0, seed=3)
+    sim = SimulateConfig(frames=200, max_atoms=5, chunk_size=10, flush_every_s=0.0, seed=3)
     out = tmp_path / "interrupted"
     script = tmp_path / "driver.py"
     script.write_text(_DRIVER)
@@ -240,7 +240,7 @@ def test_sigkill_driver_then_rerun(sim_client, tmp_path):
                 child.kill()
     assert proc.returncode == -signal.SIGKILL
     before = _records(out)
-    assert 0 < len(before) < 300, "the driver was not killed mid-campaign"
+    assert 0 < len(before) < 200, "the driver was not killed mid-campaign"
 
     mols, _ = load_molecules(sim.source, sim.elements, sim.min_atoms, sim.max_atoms)
     tasks = {t.task_id: t for t in plan_tasks(sim, mols)}
@@ -250,7 +250,7 @@ def test_sigkill_driver_then_rerun(sim_client, tmp_path):
     s = run_campaign(sim, ClusterConfig(), out, progress=False, client=sim_client,
                      on_task=lambda task, res, summ: ran.append(task.task_id))
     assert not complete & set(ran), "a finished task was recomputed"
-    assert s.skipped == len(before) and s.done == 300 - len(before)
+    assert s.skipped == len(before) and s.done == 200 - len(before)
 
     ref = tmp_path / "uninterrupted"
     run_campaign(sim, ClusterConfig(), ref, progress=False, client=sim_client)
@@ -333,7 +333,7 @@ def _cli(args: list[str]) -> int:
 def test_cli_simulate_into_run_dir(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["simulate", "--frames", "20", "--run-dir", str(run), "--set",
-            "simulate.max_atoms=4", "--chunk-size", "5", "--workers", "2", "--no-progress"]
+            "simulate.max_atoms=4", "--chunk-size", "5", "--workers", "1", "--no-progress"]
     assert _cli(args) == 0
     err = capsys.readouterr().err
     assert "simulate: done 20" in err and "frames/s" in err

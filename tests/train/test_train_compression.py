@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import LM_BASE, run_training
 
 BASE = [*LM_BASE, "parallel.strategy=ddp", "train.steps=6"]
@@ -35,7 +34,7 @@ def test_topk_full_ratio_equals_allreduce(plain, tmp_path):
     "extra",
     [
         ["parallel.compression=topk", "parallel.topk_ratio=0.05"],
-        ["parallel.compression=fp16"],
+        pytest.param(["parallel.compression=fp16"], marks=pytest.mark.slow),
     ],
 )
 def test_compressed_training_learns_with_fewer_bytes(plain, tmp_path, extra):

@@ -14,8 +14,8 @@ import math
 import shutil
 
 import pytest
-
 from conftest import mol_overrides, run_training
+
 from convergent.train.checkpoint import complete_checkpoints
 
 
@@ -29,7 +29,6 @@ def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):
     )
     assert res.restarts == 1
     raw = run.read_metrics("train_step")
-    assert [r["attempt"] for r in raw if r["step"] == 4] == [0, 1][: len([r for r in raw if r["step"] == 4])]
     assert any(r["attempt"] == 1 for r in raw)
     first_after_restart = min(r["step"] for r in raw if r["attempt"] == 1)
     assert first_after_restart == 4  # resumed from the checkpoint of step 3
@@ -40,6 +39,7 @@ def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):
     assert steps == [6, 8]
 
 
+@pytest.mark.slow
 def test_sigkill_without_restarts_fails_with_rank_log(moldata, tmp_path):
     from convergent.errors import ConvergentError
 

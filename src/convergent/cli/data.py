@@ -26,7 +26,7 @@ def _data_config(config: Path | None, sets: list[str] | None):  # noqa: ANN202
 @data_app.command("pack")
 def pack(
     src: Path = typer.Argument(..., help="Directory tree of small files (any files, or xyz/extxyz)."),
-    out: Path = typer.Argument(..., help="Dataset directory to write."),
+    out: Path | None = typer.Argument(None, help="Dataset directory to write (default DIR.dataset next to DIR)."),
     schema: str = typer.Option("auto", help="auto | bytes | molecular"),
     workers: int = typer.Option(0, help="Parallel parts on a local Dask cluster (0: one process)."),
     overwrite: bool = typer.Option(False, help="Replace an existing dataset at OUT."),
@@ -37,6 +37,8 @@ def pack(
     from convergent.data.pack import pack_directory
 
     cfg = _data_config(config, sets)
+    if out is None:
+        out = src.parent / f"{src.resolve().name}.dataset"
     client = cluster = None
     if workers > 0:
         from dask.distributed import Client, LocalCluster

@@ -70,11 +70,13 @@ class ShardCache:
             marker.write_text("convergent node-local shard cache; safe to delete when idle\n")
         self._next_use: dict[tuple[str, str], int] = {}
         self._plock = threading.Lock()
+        self._copy_locks: dict[str, threading.Lock] = {}
         self.stats = {"hits": 0, "misses": 0, "bypass": 0, "evicted": 0, "copied_bytes": 0}
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["_plock"] = None
+        d["_copy_locks"] = {}
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -125,6 +127,21 @@ class ShardCache:
         with contextlib.suppress(FileNotFoundError):
             if local.stat().st_size == info.bytes:
                 os.utime(local)  # LRU clock shared by all processes
+                self.stats["hits"] += 1
+                return local
+        with self._copy_lock(local):  # one copy per shard in this process (prefetch vs read)
+            return self._get_miss(info, src_dir, src, local)
+
+    @contextlib.contextmanager
+    def _copy_lock(self, local: Path) -> Iterator[None]:
+        with self._plock:
+            lock = self._copy_locks.setdefault(str(local), threading.Lock())
+        with lock:
+            yield
+
+    def _get_miss(self, info: ShardInfo, src_dir: Path, src: Path, local: Path) -> Path:
+        with contextlib.suppress(FileNotFoundError):
+            if local.stat().st_size == info.bytes:
                 self.stats["hits"] += 1
                 return local
         self.stats["misses"] += 1

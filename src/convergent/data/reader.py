@@ -42,6 +42,9 @@ class ShardReader:
         self._view: memoryview | None = None
         self._pid = -1
         self._dctx: Any = None
+        # map the whole shard up front (one sequential read instead of page faults);
+        # set by the streaming reader when it reads most of the shard's records
+        self.populate = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -100,7 +103,8 @@ class ShardReader:
                     size = os.fstat(fh.fileno()).st_size
                     if size != self.info.bytes:
                         self._check_size(Path(path))
-                    self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self.populate else 0)
+                    self._mm = mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
                     self._view = memoryview(self._mm)
                 break
             self._pid = os.getpid()

@@ -235,6 +235,11 @@ class StreamingDataset(_StreamBase):
             if len(self.indices) and (self.indices.min() < 0 or self.indices.max() >= n):
                 raise DataError(f"{self.dataset.path}: an index is outside 0..{n - 1}")
         self._shard_of = self.dataset.shard_of(self.indices) if len(self.indices) else np.zeros(0, np.int64)
+        used, count = np.unique(self._shard_of, return_counts=True)
+        for s, c in zip(used.tolist(), count.tolist(), strict=True):
+            sh = self.dataset.shards[s]
+            sh.meta  # noqa: B018 - check and load the index once; DataLoader workers inherit it
+            sh.populate = c >= 0.5 * sh.info.records
         self.block_size = int(block_size)
         super().__init__(seed=seed, shuffle=shuffle, rank=rank, world_size=world_size,
                          drop_last=drop_last, batch_size=batch_size, transform=transform,

@@ -11,10 +11,12 @@ How it works:
   Every frame depends only on (seed, molecule, frame index), never on chunking or order.
 * **Run.** Tasks are Dask futures (a bounded number in flight). Each task runs a watchdog:
   past ``timeout_s`` it reports a timeout and ends its worker process (the nanny restarts
-  it). A failure that belongs to one structure (SCF not converged, bad geometry) is
-  quarantined inside the task; a task that fails as a whole (worker crash, timeout,
-  unexpected error) is retried ``retries`` times, then split into single frames, and what
-  still fails is quarantined with its reason. The campaign never stops on a failure.
+  it); a driver-side :class:`Backstop` restarts a worker whose task is wedged so hard that
+  the watchdog cannot run (native code holding the GIL). A failure that belongs to one
+  structure (SCF not converged, bad geometry) is quarantined inside the task; a task that
+  fails as a whole (worker crash, timeout, unexpected error) is retried ``retries`` times,
+  then split into single frames, and what still fails is quarantined with its reason.
+  The campaign never stops on a failure.
 * **Stream.** Results go into :class:`~convergent.data.writer.DatasetWriter` as tasks
   complete (no file per calculation); the writer is flushed (shard sealed, manifest
   committed) at most every ``flush_every_s`` seconds and at the end. Quarantined frames go
@@ -32,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import socket
 import threading
 import time
@@ -294,6 +297,15 @@ def execute_task(task: Task, dask_key: str = "") -> TaskResult:
     finally:
         if timer is not None:
             timer.cancel()
+
+
+def execute_task_packed(task: Task, dask_key: str = "") -> bytes:
+    """:func:`execute_task`, its result pickled on the worker into one in-band blob.
+
+    One bytes frame per task instead of hundreds of small out-of-band numpy frames: the
+    driver's event loop (which also runs the scheduler of a LocalCluster) stays idle.
+    """
+    return pickle.dumps(execute_task(task, dask_key), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 # ============================================================================ planning
@@ -647,7 +659,7 @@ class _Farm:
         while self.queue and len(self.inflight) < self.limit:
             task, attempt = self.queue.popleft()
             key = f"{self.tag}-{task.task_id}-a{attempt}"
-            fut = self.client.submit(execute_task, task, key, key=key, pure=False)
+            fut = self.client.submit(execute_task_packed, task, key, key=key, pure=False)
             self.inflight[fut] = (task, attempt, key)
             self.ac.add(fut)
 
@@ -656,6 +668,8 @@ class _Farm:
         while self.inflight:
             fut, value = next(self.ac)
             task, attempt, key = self.inflight.pop(fut)
+            if fut.status == "finished" and isinstance(value, bytes):
+                value = pickle.loads(value)
             if fut.status == "finished" and isinstance(value, TaskResult):
                 self._accept(task, value)
             else:

@@ -7,6 +7,13 @@
   root, over a 1-D mesh of all ranks; ``reshard_after_forward`` configurable.
 * ``hsdp``     — the same on a 2-D ``DeviceMesh`` (replicate x shard) whose shard groups
   follow the node/rack topology (:mod:`convergent.train.topology`).
+
+  Force training (the molecular task) needs a double backward, which FSDP2's hooks do
+  not support (they free unsharded parameters after the first backward); for it the
+  ``fully_shard``'ed parameters are gathered explicitly (:class:`GatheredForward`):
+  sharded storage, sharded optimizer state and checkpoints are the same, the gradient
+  reduce-scatter happens in every micro-step, and precision comes from autocast (the
+  MixedPrecisionPolicy applies to the hook path used by the LM).
 * ``pipeline`` — ``torch.distributed.pipelining``: the model's blocks are cut into
   stages (one per rank, or ``stages_per_rank`` per rank for the interleaved schedule),
   micro-batched with GPipe, 1F1B or interleaved 1F1B.
@@ -209,7 +216,8 @@ def parallelize(
 
         skeleton = copy.deepcopy(model).to("meta")
     target = skeleton if skeleton is not None else model
-    if prec.dtype != "fp32" and strategy not in ("fsdp", "hsdp"):
+    sharded = strategy in ("fsdp", "hsdp") and world > 1
+    if prec.dtype != "fp32" and not sharded:
         precision.keep_in_fp32(model, keep, device.type)
     if cfg.train.activation_checkpointing and not gathered:
         apply_activation_checkpointing(target)

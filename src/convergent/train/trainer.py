@@ -147,7 +147,7 @@ class Trainer:
                 loss.backward()
 
             _, flops = count_flops(step)
-            del clone
+            clone = None  # free the copy
             torch.set_rng_state(rng)
             return flops / max(mb.units, 1)
         except Exception as exc:  # noqa: BLE001 - MFU is optional, training is not
@@ -303,6 +303,38 @@ class Trainer:
 
     # -- the loop
 
+    _pending: tuple[Any, torch.Tensor, list[str], dict[str, Any]] | None = None
+
+    def _flush(self) -> None:
+        """Finish the pending metrics reduction and write that step's record."""
+        if self._pending is None:
+            return
+        work, stats, keys, partial = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        tot = dict(zip(keys, stats.tolist(), strict=True))
+        task, step_s = self.task, partial["step_s"]
+        rec = {
+            **{k: partial[k] for k in ("kind", "step")},
+            **task.finalize_stats(tot),
+            **{k: v for k, v in partial.items() if k not in ("kind", "step")},
+            "samples_per_s": tot["samples"] / step_s,
+            f"{task.unit}_per_s": tot["units"] / step_s,
+            "mfu": mfu((self.flops_per_unit or 0.0) * tot["units"], step_s,
+                       (self.peak or 0.0) * self.world) if self.flops_per_unit else None,
+        }
+        self.history.append(rec)
+        if self.sinks is not None:
+            self.sinks.write(rec)
+            done, steps = rec["step"], self.cfg.train.steps
+            if done % max(1, self.cfg.metrics.log_every) == 0 or done == steps:
+                log.info(
+                    "step %d/%d loss %.5g %s/s %.0f mfu %s",
+                    done, steps, rec["loss"], task.unit, rec[f"{task.unit}_per_s"],
+                    f"{rec['mfu']:.3%}" if rec["mfu"] is not None else "n/a",
+                )
+
     def train(self) -> dict[str, Any]:
         cfg, task, par = self.cfg, self.task, self.par
         t_start = time.time()
@@ -327,15 +359,17 @@ class Trainer:
             grad_norm = self._optimizer_step()
             if sum_keys is None:
                 sum_keys = sorted(sums)
-            t_red = time.perf_counter()
-            tot = _reduce_sums(sums, sum_keys)
-            self.timer.add("comm", time.perf_counter() - t_red)
+            # metrics reduction is asynchronous: it completes behind the next step's
+            # compute and the record is written then (or before validation/checkpoint)
+            stats = torch.tensor([float(sums.get(k, 0.0)) for k in sum_keys], dtype=torch.float64)
+            work = None
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                work = dist.all_reduce(stats, async_op=True)
             step_s = self.timer.elapsed()
             done = step + 1
-            rec: dict[str, Any] = {
+            partial: dict[str, Any] = {
                 "kind": "train_step",
                 "step": done,
-                **task.finalize_stats(tot),
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "data_wait_s": self.timer.get("data_wait"),
@@ -343,15 +377,6 @@ class Trainer:
                 "comm_s": self.timer.get("comm"),
                 "optimizer_s": self.timer.get("optimizer"),
                 "step_s": step_s,
-                "samples_per_s": tot["samples"] / step_s,
-                f"{task.unit}_per_s": tot["units"] / step_s,
-                "mfu": mfu(
-                    (self.flops_per_unit or 0.0) * tot["units"],
-                    step_s,
-                    (self.peak or 0.0) * self.world,
-                )
-                if self.flops_per_unit
-                else None,
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 # gradient payload counted by the DDP comm hook (None: not instrumented)
                 "comm_bytes": par.comm.bytes if par.strategy == "ddp" else None,
@@ -360,26 +385,26 @@ class Trainer:
                 "attempt": self.attempt,
             }
             if self.scaler is not None:
-                rec["loss_scale"] = float(self.scaler.get_scale())
-            self.history.append(rec)
-            if self.sinks is not None:
-                self.sinks.write(rec)
-                if done % max(1, cfg.metrics.log_every) == 0 or done == steps:
-                    log.info(
-                        "step %d/%d loss %.5g %s/s %.0f mfu %s",
-                        done, steps, rec["loss"], task.unit, rec[f"{task.unit}_per_s"],
-                        f"{rec['mfu']:.3%}" if rec["mfu"] is not None else "n/a",
-                    )
+                partial["loss_scale"] = float(self.scaler.get_scale())
+            self._flush()
+            self._pending = (work, stats, sum_keys, partial)
             val_every = cfg.train.val_every
-            if done == steps or (val_every and done % val_every == 0):
+            is_val = done == steps or (val_every and done % val_every == 0)
+            is_ckpt = done == steps or (
+                cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0
+            )
+            if is_val or is_ckpt:
+                self._flush()
+            if is_val:
                 vrec = self.validate(done)
                 if vrec is not None:
                     self.val_history.append(vrec)
                     if self.sinks is not None:
                         self.sinks.write(vrec)
-            if done == steps or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0):
+            if is_ckpt:
                 self.ckpt.save(done, par.parts, self.optims, self._extra(done))
                 last_ckpt = done
+        self._flush()
         self.ckpt.wait()
         if self.sinks is not None:
             self.sinks.close()

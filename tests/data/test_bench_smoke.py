@@ -1,0 +1,29 @@
+"""The read benchmark runs end to end at a tiny scale (slow: excluded by default)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "data_read.py"
+
+
+@pytest.mark.slow
+def test_data_read_bench_tiny(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--records", "2000", "--systems", "loose,convergent",
+         "--data-dir", str(tmp_path / "d"), "--out", str(out), "--no-strace", "--workers", "1", "--repeats", "1",
+         "--peer-python", sys.executable],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    for s in ("loose", "convergent"):
+        r = rep["results"][s]
+        assert r["samples"] == 2000 and r["bytes"] == rep["results"]["loose"]["bytes"]
+    assert rep["versions"]["ours"]["torch"] and rep["machine"]["usable_cpus"] >= 1
