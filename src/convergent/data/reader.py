@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from convergent.data.cache import ShardCache
 
 
+_PID = [os.getpid()]  # this process's pid, updated in forked children (no syscall per read)
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
 class ShardReader:
     """Reads records of one shard: index from the source file, data via the cache or mmap."""
 
@@ -87,7 +91,7 @@ class ShardReader:
         return self._meta
 
     def _map(self) -> mmap.mmap:
-        if self._mm is None or self._pid != os.getpid():
+        if self._mm is None or self._pid != _PID[0]:
             self.meta  # noqa: B018 - checks layout first
             for attempt in range(8):
                 path = self.cache.get(self.info, self.directory) if self.cache is not None else self.path
@@ -107,12 +111,12 @@ class ShardReader:
                     self._mm = mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
                     self._view = memoryview(self._mm)
                 break
-            self._pid = os.getpid()
+            self._pid = _PID[0]
         return self._mm
 
     def release(self) -> None:
         """Unmap the data (the next read maps it again)."""
-        if self._mm is not None and self._pid == os.getpid():
+        if self._mm is not None and self._pid == _PID[0]:
             try:
                 if self._view is not None:
                     self._view.release()
@@ -123,15 +127,17 @@ class ShardReader:
 
     def frame_body(self, i: int) -> bytes | memoryview:
         """Checked, decompressed frame body of local record ``i`` (empty if inlined)."""
-        meta = self.meta
         offs = self._offsets
-        assert offs is not None
+        if offs is None:
+            self.meta  # noqa: B018 - loads and checks the index
+            offs = self._offsets
+            assert offs is not None
         a, b = offs[i], offs[i + 1]
         if a == b:
             return b""
-        if self._pid != os.getpid() or self._view is None:
+        if self._pid != _PID[0] or self._view is None:
             self._map()
-        if self._dctx is None and meta.codec == 1:
+        if self._dctx is None and self._meta.codec == 1:  # type: ignore[union-attr]
             import zstandard
 
             self._dctx = zstandard.ZstdDecompressor()
@@ -139,9 +145,9 @@ class ShardReader:
 
     def record(self, i: int) -> dict[str, Any]:
         """Decode local record ``i`` into a record dict."""
-        meta = self.meta
         body = self.frame_body(i)
-        where = f"shard {self.name} record {i} at offset {self._offsets[i]}"  # type: ignore[index]
+        meta = self._meta
+        assert meta is not None
         try:
             if meta.schema == 1:
                 return fmt.decode_molecular(body)
@@ -155,7 +161,8 @@ class ShardReader:
             return fmt.decode_bytes(body)
         except DataError:
             raise
-        except Exception as exc:  # any decode failure of a CRC-valid frame
+        except Exception as exc:  # any decode failure of a checksum-valid frame
+            where = f"shard {self.name} record {i} at offset {self._offsets[i]}"  # type: ignore[index]
             raise DataError(f"{where}: malformed record body: {exc}") from None
 
 
