@@ -557,6 +557,17 @@ def main() -> None:
         best = max(peer_rates, key=peer_rates.get)
         summary["best_peer"] = best
         summary["convergent_vs_best_peer"] = ours / peer_rates[best]
+    # paired per round (the systems of one round ran back to back under similar load)
+    def paired(a: str, b: str) -> float | None:
+        ra, rb = runs.get(a, []), runs.get(b, [])
+        ratios = sorted(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(ra, rb, strict=False)
+                        if "error" not in x and "error" not in y)
+        return ratios[len(ratios) // 2] if ratios else None
+
+    if ours:
+        summary["convergent_vs_loose_paired_median"] = paired("convergent", "loose")
+        if peer_rates:
+            summary["convergent_vs_best_peer_paired_median"] = paired("convergent", summary["best_peer"])
     report = {
         "benchmark": "data_read",
         "settings": {"records": args.records, "size_distribution": f"log-normal, median {MEDIAN_BYTES} B, sigma {SIGMA}, clipped 64 B..1 MiB",

@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "outputs_digest",
         "setup_s",
         "finish_reasons",
+        "repeats_output_tok_s",
     )
     out = {
         "benchmark": "serve_throughput",

@@ -193,7 +193,8 @@ def run_peer(kind: str, data: Path, steps: int, dtype: str, tmp: Path) -> dict:
 # ----------------------------------------------------------------------------- ours
 
 
-def run_ours(data: Path, steps: int, dtype: str, tmp: Path, nproc: int, threads: int) -> dict:
+def run_ours(data: Path, steps: int, dtype: str, tmp: Path, nproc: int, threads: int,
+             rep: int = 0) -> dict:
     from convergent.config import load_config
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
@@ -201,7 +202,7 @@ def run_ours(data: Path, steps: int, dtype: str, tmp: Path, nproc: int, threads:
     strategy = "single" if nproc == 1 else "ddp"
     cfg = load_config(None, [*overrides(data, steps, dtype), f"parallel.strategy={strategy}",
                              f"train.threads={threads}"])
-    run = open_run(cfg, tmp / f"ours_{dtype}_{nproc}x{threads}")
+    run = open_run(cfg, tmp / f"ours_{dtype}_{nproc}x{threads}_rep{rep}")
     launch_training(cfg, run, nproc=nproc)
     recs = run.read_metrics("train_step")
     return {
@@ -298,21 +299,24 @@ def main() -> None:
     peaks = {(d, t): peak(d, t) for d in ("fp32", "bf16") for t in (1, 2)}
     results: dict[str, dict] = {}
     plan = [
-        ("ours_ddp_2x1_fp32", lambda: run_ours(data, args.steps, "fp32", tmp, 2, 1), "fp32", 1),
-        ("ours_ddp_2x1_bf16", lambda: run_ours(data, args.steps, "bf16", tmp, 2, 1), "bf16", 1),
-        ("ours_single_1x2_fp32", lambda: run_ours(data, args.steps, "fp32", tmp, 1, 2), "fp32", 2),
+        ("ours_ddp_2x1_fp32", lambda r: run_ours(data, args.steps, "fp32", tmp, 2, 1, r),
+         "fp32", 1),
+        ("ours_ddp_2x1_bf16", lambda r: run_ours(data, args.steps, "bf16", tmp, 2, 1, r),
+         "bf16", 1),
+        ("ours_single_1x2_fp32", lambda r: run_ours(data, args.steps, "fp32", tmp, 1, 2, r),
+         "fp32", 2),
     ]
     for kind in ("plain", "fabric", "accelerate"):
         for d in ("fp32", "bf16"):
             plan.append((f"{kind}_ddp_2x1_{d}",
-                         lambda k=kind, dd=d: run_peer(k, data, args.steps, dd, tmp), d, 1))
+                         lambda r, k=kind, dd=d: run_peer(k, data, args.steps, dd, tmp), d, 1))
     for rep in range(args.repeats):  # round-robin repeats; the best of each is kept
         for name, fn, dtype, threads in plan:
             if "error" in results.get(name, {}):
                 continue
             print(f"[{rep + 1}/{args.repeats}] running {name} ...", flush=True)
             try:
-                raw = fn()
+                raw = fn(rep)
                 res = summarize(raw, args.warmup, fpa[dtype], peaks[(dtype, threads)], threads)
                 res["dtype"] = dtype
                 prev = results.get(name)
@@ -323,7 +327,10 @@ def main() -> None:
                 print(f"  {res['samples_per_s']:.1f} samples/s, {res['atoms_per_s']:.0f} atoms/s,"
                       f" mfu {res['mfu']:.2%}", flush=True)
             except Exception as exc:  # noqa: BLE001 - record and go on
-                results[name] = {"error": str(exc)[:400]}
+                if name in results:
+                    results[name].setdefault("errors", []).append(str(exc)[:400])
+                else:
+                    results[name] = {"error": str(exc)[:400]}
                 print(f"  failed: {exc!r}", flush=True)
     out = {
         "benchmark": "train_throughput",

@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import IO
 
 
+def _umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename inside it is durable (no-op where unsupported)."""
     try:
@@ -40,6 +47,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; use the usual file mode
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
