@@ -336,7 +336,7 @@ def main() -> None:
     # (an underestimated peak would inflate MFU), then recompute every MFU with it
     for key in peaks:
         peaks[key] = max(peaks[key], peak(*key))
-    for name, res in results.items():
+    for res in results.values():
         if "atoms_per_s" in res:
             res["mfu"] = fpa[res["dtype"]] * res["atoms_per_s"] / (
                 peaks[(res["dtype"], res["threads_per_process"])] * res["processes"])
