@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-EXE = shutil.which("convergent") or str((__import__("pathlib").Path(sys.executable).parent / "convergent"))
+EXE = shutil.which("convergent") or str(__import__("pathlib").Path(sys.executable).parent / "convergent")
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import molecular_records
+from datarecords import molecular_records
 
 from convergent.data.cache import ShardCache
 from convergent.data.manifest import read_manifest

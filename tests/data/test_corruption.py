@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import bytes_records, molecular_records
+from datarecords import bytes_records, molecular_records
 
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset

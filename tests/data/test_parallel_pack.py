@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_same_record, molecular_records
+from datarecords import assert_same_record, molecular_records
 
 from convergent.data.manifest import read_manifest
 from convergent.data.pack import pack_directory

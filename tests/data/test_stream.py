@@ -7,7 +7,7 @@ import collections
 import numpy as np
 import pytest
 import torch
-from conftest import molecular_records
+from datarecords import molecular_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

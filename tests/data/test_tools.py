@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import bytes_records
+from datarecords import bytes_records
 
 from convergent.data.export import export_dataset
 from convergent.data.inspect import inspect_dataset

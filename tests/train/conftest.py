@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,61 +16,3 @@ from moldataset import make_dataset  # noqa: E402
 def moldata(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(train, val) dataset directories: 96 + 24 rattled small molecules, EMT labels."""
     return make_dataset(tmp_path_factory.mktemp("moldata"))
-
-
-MOL_BASE = [
-    "model.hidden=32",
-    "model.layers=2",
-    "model.heads=4",
-    "train.steps=6",
-    "train.global_batch_atoms=96",
-    "train.val_every=3",
-    "train.val_max_batches=2",
-    "train.warmup_steps=2",
-    "checkpoint.interval=3",
-    "metrics.tensorboard=false",
-]
-
-LM_BASE = [
-    "model.kind=llama",
-    "model.hidden=32",
-    "model.layers=2",
-    "model.heads=2",
-    "train.steps=5",
-    "train.seq_len=16",
-    "train.vocab_size=64",
-    "train.global_batch_seqs=8",
-    "train.val_every=0",
-    "train.val_max_batches=2",
-    "train.warmup_steps=2",
-    "train.lr=3e-3",
-    "checkpoint.interval=5",
-    "metrics.tensorboard=false",
-]
-
-
-def mol_overrides(moldata: tuple[Path, Path], *extra: str) -> list[str]:
-    train, val = moldata
-    return [f"train.dataset={train}", f"train.val_dataset={val}", *MOL_BASE, *extra]
-
-
-def run_training(
-    tmp: Path, overrides: list[str], nproc: int, name: str, **kw: Any
-) -> tuple[Any, list[dict[str, Any]], Any]:
-    """Launch a real torchrun job; returns (TrainResult, last record per step, run)."""
-    from convergent.config import load_config
-    from convergent.runs import open_run
-    from convergent.train.launch import launch_training
-
-    cfg = load_config(None, overrides)
-    run = open_run(cfg, tmp / name)
-    result = launch_training(cfg, run, nproc=nproc, **kw)
-    return result, last_per_step(run.read_metrics("train_step")), run
-
-
-def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last record of each step (a restarted job logs some steps twice)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in records:
-        by_step[r["step"]] = r
-    return [by_step[s] for s in sorted(by_step)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LM_BASE
+from trainhelpers import LM_BASE
 
 from convergent.cli import main
 

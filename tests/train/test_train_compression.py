@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import LM_BASE, run_training
+from trainhelpers import LM_BASE, run_training
 
 BASE = [*LM_BASE, "parallel.strategy=ddp", "train.steps=6"]
 

@@ -14,7 +14,7 @@ import math
 import shutil
 
 import pytest
-from conftest import mol_overrides, run_training
+from trainhelpers import mol_overrides, run_training
 
 from convergent.train.checkpoint import complete_checkpoints
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import LM_BASE, mol_overrides, run_training
+from trainhelpers import LM_BASE, mol_overrides, run_training
 
 RTOL = 1e-5
 
