@@ -44,8 +44,8 @@ def diagnose(stages: dict[str, Any], steps: list[dict[str, Any]]) -> list[Findin
             actions = {
                 "simulate": "add workers (cluster.kind=slurm with adapt max), or sample fewer "
                             "frames per molecule and let active learning choose the rest.",
-                "train": "use precision.dtype=bf16 (AMX/tensor cores), raise train.batch_atoms, "
-                         "or add processes.",
+                "train": "raise train.batch_atoms or add processes; try precision.dtype=bf16 on "
+                         "GPUs with tensor cores or CPUs with AMX (measure: it can be slower).",
                 "screen": "raise screen.batch_atoms so more structures share one forward pass.",
             }
             findings.append(Finding(
@@ -76,6 +76,6 @@ def diagnose(stages: dict[str, Any], steps: list[dict[str, Any]]) -> list[Findin
                     "compute-bound at low utilisation",
                     f"compute is {bd['compute']:.0%} of the step but MFU is {m:.1%}: the "
                     "model's matrices are too small to fill the cores.",
-                    "raise train.batch_atoms or the model width, and try precision.dtype=bf16.",
+                    "raise train.batch_atoms or the model width; measure precision.dtype=bf16.",
                 ))
     return findings

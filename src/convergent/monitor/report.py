@@ -62,20 +62,25 @@ def plot_losses(steps: list[dict], vals: list[dict], out: Path) -> str | None:
 
 
 def plot_parity(pred: dict[str, Any], out: Path) -> str | None:
-    """Predicted vs reference energy per atom (eV/atom), held-out molecules."""
+    """Predicted vs reference energy per atom (eV/atom), and the error distribution."""
     if not pred or not pred.get("energy_true"):
         return None
     plt = _plt()
     n = np.asarray(pred["n_atoms"], dtype=float)
     true = np.asarray(pred["energy_true"]) / n
     est = np.asarray(pred["energy_pred"]) / n
-    fig, ax = plt.subplots(figsize=(4.6, 4.4))
+    ref = pred.get("reference", "reference")
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9.2, 4.0))
     ax.scatter(true, est, s=6, alpha=0.6)
     lo, hi = float(min(true.min(), est.min())), float(max(true.max(), est.max()))
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-    ax.set_xlabel(f"{pred.get('reference', 'reference')} energy (eV/atom)")
+    ax.set_xlabel(f"{ref} energy (eV/atom)")
     ax.set_ylabel("surrogate energy (eV/atom)")
     ax.set_title("parity, held-out molecules")
+    ax2.hist((est - true) * 1e3, bins=40)
+    ax2.set_xlabel(f"surrogate - {ref} (meV/atom)")
+    ax2.set_ylabel("structures")
+    ax2.set_title("energy error")
     return _save(fig, out)
 
 
