@@ -50,3 +50,11 @@ def test_metrics_reader_skips_a_torn_last_line(tmp_path):
     with run.metrics.open("a") as fh:
         fh.write('{"kind": "train_st')
     assert [r["step"] for r in run.read_metrics("train_step")] == [1]
+
+
+def test_default_run_directory_is_named_after_the_command(tmp_path):
+    cfg = load_config(None, [f"run.root={tmp_path}"])
+    assert open_run(cfg, command="train").path == tmp_path / "train"
+    assert open_run(cfg, command="demo").path == tmp_path / "demo"  # no collision
+    named = load_config(None, [f"run.root={tmp_path}", "run.name=mine"])
+    assert open_run(named, command="train").path == tmp_path / "mine"

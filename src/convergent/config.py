@@ -28,7 +28,7 @@ from convergent.train.config import CheckpointConfig, ParallelConfig, PrecisionC
 class RunConfig(Section):
     """Naming of the run directory ``<root>/<name>``."""
 
-    name: str = "demo"
+    name: str | None = None  # None: the command's own name (demo, train, simulate, ...)
     root: str = "runs"
 
 

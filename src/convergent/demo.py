@@ -116,7 +116,7 @@ def screen_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
 def run_demo(cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False) -> Path:
     """Run every stage of the converged loop; returns the report path."""
     t0 = time.perf_counter()
-    run = open_run(cfg, run_dir, resume=resume)
+    run = open_run(cfg, run_dir, resume=resume, command="demo")
     console.print(f"run directory: [bold]{run.path}[/bold]")
     _stage(run, "simulate", simulate_stage, cfg, run)
     _stage(run, "data", split_stage, cfg, run)

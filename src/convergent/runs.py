@@ -90,16 +90,25 @@ class RunDir:
         return rows
 
 
+def run_path(cfg: ConvergentConfig, run_dir: str | Path | None, command: str) -> Path:
+    """``run_dir`` if given, else ``<run.root>/<run.name>`` with the command's name as default."""
+    if run_dir is not None:
+        return Path(run_dir)
+    return Path(cfg.run.root) / (cfg.run.name or command)
+
+
 def open_run(
-    cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False
+    cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False,
+    command: str = "run",
 ) -> RunDir:
     """Create a new run directory, or resume an existing one.
 
+    Without ``run_dir`` the directory is ``<run.root>/<run.name or command>``.
     An existing directory with a config is resumed only when ``resume`` is true and its
     config equals ``cfg`` (else :class:`RunDirError`); a non-empty directory without a
     config is refused.
     """
-    path = Path(run_dir) if run_dir is not None else Path(cfg.run.root) / cfg.run.name
+    path = run_path(cfg, run_dir, command)
     run = RunDir(path)
     if path.exists() and any(path.iterdir()):
         if not run.config.exists():

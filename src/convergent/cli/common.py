@@ -12,7 +12,7 @@ CONFIG_ARG = typer.Argument(None, help="YAML config file (defaults work without 
 SET_OPT = typer.Option(
     None, "--set", "-s", help="Override a config value: section.key=value (repeatable)."
 )
-RUN_DIR_OPT = typer.Option(None, "--run-dir", help="Run directory (default runs/<run.name>).")
+RUN_DIR_OPT = typer.Option(None, "--run-dir", help="Run directory (default runs/<run.name>, else runs/<command>).")
 RESUME_OPT = typer.Option(False, "--resume", help="Continue an existing run directory.")
 
 

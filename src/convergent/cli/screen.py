@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
             raise ConfigError("no model to screen with", hint="pass --model DIR or set screen.models")
         if not dataset:
             raise ConfigError("no dataset to screen", hint="pass --data PATH or set screen.dataset")
-        out_dir = out or Path(sc.output or Path(cfg.run.root) / cfg.run.name / "screen")
+        out_dir = out or Path(sc.output or Path(cfg.run.root) / (cfg.run.name or "screen"))
         k = sc.select if select is None else select
         set_torch_threads(usable_cpus())
         console = Console(stderr=True)

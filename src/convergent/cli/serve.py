@@ -25,7 +25,7 @@ def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
 
     path = model or (Path(cfg.serve.model) if cfg.serve.model else None)
     if path is None:
-        return ensure_random_model(Path(cfg.run.root) / cfg.run.name / f"serve-model-{size}", size)
+        return ensure_random_model(Path(cfg.run.root) / (cfg.run.name or "serve") / f"serve-model-{size}", size)
     if not (path / "config.json").is_file():
         raise InputError(
             f"{path}: not a Hugging Face checkpoint directory (config.json missing)",

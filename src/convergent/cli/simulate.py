@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
         if out is None:
             from convergent.runs import open_run
 
-            run = open_run(cfg, run_dir, resume=resume)
+            run = open_run(cfg, run_dir, resume=resume, command="simulate")
             out = run.data / "sim"
         on_task = None
         if run is not None:

@@ -31,12 +31,12 @@ def register(app: typer.Typer) -> None:
         """Train the molecular surrogate or a Llama LM (single|ddp|fsdp|hsdp|pipeline)."""
         import shlex
 
-        from convergent.runs import RunDir, open_run
+        from convergent.runs import RunDir, open_run, run_path
         from convergent.train.launch import build_command, launch_training
 
         cfg = config_from_cli(config, sets)
         if print_launch:
-            path = Path(run_dir) if run_dir else Path(cfg.run.root) / cfg.run.name
+            path = run_path(cfg, run_dir, "train")
             n = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
             cmd = build_command(
                 RunDir(path).config, path, n, nnodes or cfg.parallel.nnodes, max_restarts,
@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
             )
             typer.echo(shlex.join(cmd))
             return
-        run = open_run(cfg, run_dir, resume=resume)
+        run = open_run(cfg, run_dir, resume=resume, command="train")
 
         def show(rec: dict) -> None:
             if rec["kind"] == "val":
