@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from convergent.resources import cpu_name
+
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"
 RESULTS = ROOT / "results"
@@ -155,7 +157,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "torch_threads": torch.get_num_threads(),
         "load_avg_at_end": os.getloadavg(),
@@ -168,16 +170,6 @@ def machine() -> dict[str, Any]:
     except (OSError, IndexError):
         pass
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from convergent.resources import cpu_name
+
 HERE = Path(__file__).resolve().parent
 NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
          "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
@@ -349,7 +351,7 @@ def main() -> None:
         "flops_per_atom": fpa,
         "measured_gemm_peak_flops": {f"{d}_{t}threads": v for (d, t), v in peaks.items()},
         "results": results,
-        "machine": {"platform": platform.platform(), "cpu": _cpu(),
+        "machine": {"platform": platform.platform(), "cpu": cpu_name(),
                     "usable_cpus": len(os.sched_getaffinity(0)),
                     "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -363,16 +365,6 @@ def main() -> None:
     dest.write_text(json.dumps(out, indent=2))
     print(f"wrote {dest}")
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from convergent.resources import cpu_name
 
 # Dense peak FLOP/s per GPU (vendor datasheets, no structured sparsity).
 GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {
@@ -60,16 +61,6 @@ def _cache_file() -> Path:
     return root / "gemm_peak.json"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def measure_gemm_flops(dtype: str = "fp32", n: int = 512, repeats: int = 5) -> float:
     """Best achieved FLOP/s of an ``n x n @ n x n`` GEMM in ``dtype`` with current threads."""
     import torch
@@ -98,7 +89,7 @@ def measured_cpu_peak(dtype: str = "fp32", use_cache: bool = True) -> float:
     """
     import torch
 
-    key = f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    key = f"{cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
     path = _cache_file()
     cache: dict[str, float] = {}
     if use_cache and path.exists():
