@@ -183,11 +183,22 @@ class DatasetWriter:
             fmt.encode_molecular(record) if self._schema_id == 1
             else fmt.encode_bytes(record, self.inline_bytes)
         )
+        frame = fmt.pack_frame(enc.body, self._codec, compressor=self._zstd) if enc.body else b""
+        self.write_encoded(enc, frame)
+
+    def write_encoded(self, enc: fmt.Encoded, frame: bytes) -> None:
+        """Append one record encoded and framed elsewhere (e.g. on a Dask worker).
+
+        ``enc`` is the record's :class:`~convergent.data.format.Encoded` (its ``body`` may
+        be empty) and ``frame`` is ``format.pack_frame(body, codec)`` of this dataset's
+        schema and codec. DataError on a duplicate key.
+        """
+        if self._closed:
+            raise DataError(f"{self.path}: writer is closed")
         if self.check_unique:
             if enc.key in self._keys:
                 raise DataError(f"{self.path}: duplicate record key {enc.key!r}")
             self._keys.add(enc.key)
-        frame = fmt.pack_frame(enc.body, self._codec, compressor=self._zstd) if enc.body else b""
         sh = self._open
         index_estimate = 64 * (len(sh.encoded) + 1) + sh.inline_bytes + len(enc.payload or b"") if sh else 0
         if sh is not None and sh.encoded and sh.pos + len(frame) + index_estimate > self.shard_bytes:

@@ -235,18 +235,21 @@ def make_calculator(spec: CalcSpec, charge: int = 0, multiplicity: int = 1):
 
 def check_geometry(numbers: np.ndarray, positions: np.ndarray, min_distance: float = 0.5) -> None:
     """Raise :class:`BadGeometry` for non-finite coordinates or atoms closer than ``min_distance`` Å."""
+    positions = np.asarray(positions, dtype=np.float64)
     if not np.all(np.isfinite(positions)):
         raise BadGeometry("bad geometry: non-finite coordinates")
     n = len(numbers)
     if n < 2:
         return
-    d = np.linalg.norm(positions[:, None, :] - positions[None, :, :], axis=-1)
-    d[np.arange(n), np.arange(n)] = np.inf
-    i, j = np.unravel_index(np.argmin(d), d.shape)
-    if d[i, j] < min_distance:
+    diff = positions[:, None, :] - positions[None, :, :]
+    d2 = np.einsum("ijk,ijk->ij", diff, diff)  # squared distances: no sqrt per pair
+    d2.flat[:: n + 1] = np.inf
+    k = int(d2.argmin())
+    if d2.flat[k] < min_distance * min_distance:
+        i, j = divmod(k, n)
         raise BadGeometry(
-            f"bad geometry: atoms {min(i, j)} and {max(i, j)} are {d[i, j]:.3f} Å apart "
-            f"(< {min_distance} Å)"
+            f"bad geometry: atoms {min(i, j)} and {max(i, j)} are {np.sqrt(d2.flat[k]):.3f} Å "
+            f"apart (< {min_distance} Å)"
         )
 
 

@@ -104,7 +104,7 @@ class SimulateConfig(Section):
     xtb_max_iterations: int = 250
     xtb_electronic_temperature: float = 300.0  # K
     min_distance: float = 0.5  # Å; closer atom pairs are quarantined as bad geometry
-    chunk_size: int = Field(50, ge=1)  # frames per Dask task (rattle)
+    chunk_size: int = Field(100, ge=1)  # frames per Dask task (rattle); bench/sim_throughput.py
     timeout_s: float = 300.0  # per task
     retries: int = Field(2, ge=0)  # per task, before it is split / quarantined
     max_in_flight: int | None = None  # tasks submitted at once; None: 3 per worker

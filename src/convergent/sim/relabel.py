@@ -18,18 +18,13 @@ from pathlib import Path
 
 from convergent.errors import ConfigError
 from convergent.sim.calculators import CalcSpec
-from convergent.sim.campaign import (
-    CampaignSummary,
-    FrameItem,
-    FramesTask,
-    Task,
-    _check_fingerprint,
-    _finish,
-    _run_tasks,
-    run_nonce,
-)
 from convergent.sim.config import ClusterConfig, RelabelConfig
+from convergent.sim.farm import run_nonce
+from convergent.sim.resume import check_fingerprint
+from convergent.sim.runner import run_tasks
 from convergent.sim.sources import stable_int
+from convergent.sim.summary import CampaignSummary, finish
+from convergent.sim.tasks import FrameItem, FramesTask, Task
 
 
 def relabel_selection(keys: Iterable[str], fraction: float, seed: int) -> list[str]:
@@ -87,7 +82,7 @@ def relabel(
     # the target dataset
     fingerprint = {"source": str(source.resolve()), "seed": rel.seed,
                    "calculator": spec.to_dict()}
-    _check_fingerprint(target, fingerprint, "relabel campaign")
+    check_fingerprint(target, fingerprint, "relabel campaign")
     tasks: list[Task] = [
         FramesTask(f"x{c // rel.chunk_size:05d}", items[c:c + rel.chunk_size], spec,
                    min_distance, rel.timeout_s)
@@ -96,8 +91,8 @@ def relabel(
     summary = CampaignSummary()
     tag = "relabel-" + hashlib.blake2b(json.dumps(fingerprint, sort_keys=True).encode(),
                                        digest_size=4).hexdigest() + "-" + run_nonce()
-    _run_tasks(tasks, target, cluster, summary, retries=rel.retries, retry_quarantined=False,
-               max_in_flight=None, flush_every_s=flush_every_s, tag=tag, progress=progress,
-               client=client, console=console, description=f"relabel x {spec.level}",
-               backstop_s=2 * rel.timeout_s + 30 if rel.timeout_s > 0 else None)
-    return _finish(summary, t0)
+    run_tasks(tasks, target, cluster, summary, retries=rel.retries, retry_quarantined=False,
+              max_in_flight=None, flush_every_s=flush_every_s, tag=tag, progress=progress,
+              client=client, console=console, description=f"relabel x {spec.level}",
+              backstop_s=2 * rel.timeout_s + 30 if rel.timeout_s > 0 else None)
+    return finish(summary, t0)

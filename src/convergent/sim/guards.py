@@ -1,0 +1,123 @@
+"""Timeout guards of a campaign task and the reason string of a failed attempt.
+
+* :func:`watchdog` (worker side): past ``timeout_s`` the task reports a timeout event and
+  ends its worker process (the nanny restarts it); the driver then sees ``KilledWorker``.
+* :class:`Backstop` (driver side): restarts a worker whose task of this campaign has been
+  processing for too long, for when native code holding the GIL keeps the watchdog from
+  running.
+* :func:`failure_reason`: a readable reason (timeout, worker death, exception) for the
+  quarantine file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+TIMEOUT_TOPIC = "convergent-timeout"
+
+
+def watchdog(dask_key: str, timeout_s: float) -> threading.Timer | None:
+    """Arm a timer that reports a timeout and ends this worker process after ``timeout_s``.
+
+    Python cannot interrupt a calculation running in native code, so the only reliable
+    way to stop it is to end the process; the Dask nanny starts a fresh worker and the
+    scheduler reports the task as failed (``KilledWorker``) to the driver.
+    """
+    if not timeout_s or timeout_s <= 0:
+        return None
+    worker = None
+    with contextlib.suppress(Exception):  # get_worker() works only in the task's thread
+        from distributed import get_worker
+
+        worker = get_worker()
+
+    def fire() -> None:
+        if worker is not None:
+            with contextlib.suppress(Exception):
+                worker.log_event(TIMEOUT_TOPIC, {"key": dask_key, "timeout_s": timeout_s})
+                # let the batched stream deliver the event before the process ends
+                deadline = time.monotonic() + 5.0
+                stream = getattr(worker, "batched_stream", None)
+                while stream is not None and stream.buffer and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.2)
+        os._exit(75)
+
+    timer = threading.Timer(timeout_s, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def failure_reason(client, exc: BaseException, dask_key: str,
+                    backstop: Backstop | None = None) -> str:
+    """A readable reason for a failed task attempt (timeout, worker death, exception)."""
+    from distributed.scheduler import KilledWorker
+
+    if isinstance(exc, KilledWorker):
+        if backstop is not None and dask_key in backstop.restarted:
+            return (f"timeout: worker unresponsive for {backstop.restarted[dask_key]:.0f} s "
+                    "(restarted by the driver)")
+        with contextlib.suppress(Exception):
+            for _, msg in client.get_events(TIMEOUT_TOPIC):
+                if isinstance(msg, dict) and msg.get("key") == dask_key:
+                    return f"timeout: task exceeded {msg.get('timeout_s')} s (worker restarted)"
+        return "worker process died (KilledWorker)"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+class Backstop(threading.Thread):
+    """Driver-side guard behind the in-task watchdog: restart a worker whose task of this
+    campaign has been *processing* on it for more than ``limit_s`` seconds.
+
+    The in-task watchdog cannot fire while native code holds the GIL (or if the worker's
+    threads are wedged); this thread asks the worker's nanny for a restart instead. The
+    task then fails with ``KilledWorker`` and goes through the normal retry/quarantine
+    path with a timeout reason. ``limit_s`` should exceed the time a task may legitimately
+    wait behind another one on the same worker (default in the campaign:
+    ``2 * timeout_s + 30``).
+    """
+
+    def __init__(self, client, prefix: str, limit_s: float, interval_s: float = 5.0) -> None:
+        super().__init__(name="convergent-backstop", daemon=True)
+        self.client, self.prefix = client, prefix
+        self.limit_s, self.interval_s = limit_s, interval_s
+        self.first_seen: dict[str, float] = {}
+        self.restarted: dict[str, float] = {}  # key -> seconds it had been processing
+        self._halt = threading.Event()
+
+    def check(self, now: float | None = None) -> list[str]:
+        """One inspection; returns the workers it asked to restart."""
+        now = time.monotonic() if now is None else now
+        processing = self.client.processing()
+        seen: set[str] = set()
+        victims: list[str] = []
+        for worker, keys in processing.items():
+            for key in map(str, keys):
+                if not key.startswith(self.prefix):
+                    continue
+                seen.add(key)
+                age = now - self.first_seen.setdefault(key, now)
+                if age > self.limit_s and worker not in victims:
+                    victims.append(worker)
+                    self.restarted[key] = age
+        for key in list(self.first_seen):
+            if key not in seen:
+                del self.first_seen[key]
+        if victims:
+            with contextlib.suppress(Exception):
+                self.client.restart_workers(victims, raise_for_error=False)
+        return victims
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval_s):
+            with contextlib.suppress(Exception):
+                self.check()
+
+    def stop(self) -> None:
+        self._halt.set()
+
