@@ -9,22 +9,39 @@ a torch DataLoader with the same settings (batch size, workers, list collate) by
 * ``convergent_cached``  the same through the node-local cache tier (empty at start,
   budget half the dataset: checked copies, prefetch, eviction by next use)
 * ``webdataset``  WebDataset 1.0.2 tar shards (our ``data export --to webdataset``)
-* ``mds``         mosaicml-streaming 0.13.0 (``MDSWriter`` / ``StreamingDataset``)
+* ``mds``         mosaicml-streaming 0.13.0 ``StreamingDataset`` (our ``data export --to mds``)
 * ``litdata``     litdata (``optimize`` / ``StreamingDataset``)
 
-Each system is read ``--repeats`` times (default 3), round-robin over the systems so
-load bursts on a shared machine hit all alike; the median-throughput run is reported.
-Measured per system in a fresh subprocess: samples/s, MB/s, time to first batch (from
-dataset construction, incl. any directory scan), peak RSS (main process and the sum over
-the process tree incl. DataLoader workers, sampled every 50 ms; RSS and private memory),
-and, in a second run under ``strace -f`` (without the memory sampler), the number of open
-and stat system calls: in total (incl. Python imports) and on the data files.
+The page cache is cold and warm side by side (cold is the headline: the small-file
+problem is the metadata and I/O cost of a parallel or cold file system, which a warm
+page cache hides). Before each cold read every file of that system is evicted
+(sync + ``POSIX_FADV_DONTNEED``, plus the dentry/inode caches through
+/proc/sys/vm/drop_caches when writable); the warm read follows right after it, on the
+pages the cold read brought in. The resident fraction of the system's files (``mincore``
+on a sample of 2000 files) is recorded before every read.
 
-Writes bench/results/data_read.json with versions and the machine. Full scale:
-``python bench/data_read.py --records 1000000`` (~5.4 GB per format). The peers may live
-in another interpreter (``--peer-python``; default: bench/data/peers-venv if present,
-made by ``--setup-peers``: mosaicml-streaming 0.13.0 pins numpy<2.2, which conflicts with
-the project's environment).
+Each system is read ``--repeats`` times (cold then warm), round-robin over the systems
+so load bursts on a shared machine hit all alike; per mode the median-throughput run is
+reported, with every run's throughput and the load average. ``--limit`` stops each read
+after that many samples of the shuffled epoch (a full cold pass over 1M loose files takes
+~10 min alone). Measured per system in a fresh subprocess: samples/s, MB/s, time to
+first batch (from dataset construction, incl. any directory scan), peak RSS (main
+process and the sum over the process tree incl. DataLoader workers, sampled every 50 ms;
+RSS and private memory), and, in one more run under ``strace -f`` (``--strace-limit``
+samples, without the memory sampler), the number of open and stat system calls: in
+total (incl. Python imports) and on the data files.
+
+Writes bench/results/data_read.json with versions and the machine. Full scale (the
+default; data generated once into bench/data/data_read/ and reused, ~5.6 GB per format,
+~35 GB in all; generation and builds ~20 min the first time):
+``python bench/data_read.py --records 1000000 --limit 50000 --repeats 3 --strace-limit 10000``
+(~30 min of reads on the shared 2-core machine at load 13-23; a full 1M pass per read
+does not fit: mds alone reads ~1-3k samples/s). The peers
+mosaicml-streaming and litdata live in another interpreter (``--peer-python``; default:
+bench/data/peers-venv if present, made by ``--setup-peers``: mosaicml-streaming 0.13.0
+pins numpy<2.2, xxhash<4, transformers<5 and a CUDA torchvision, which conflict with the
+project's environment). The MDS and WebDataset copies are written by ``convergent data
+export`` (MDS without the streaming package) and read by the real peer libraries.
 """
 
 from __future__ import annotations
@@ -67,24 +84,40 @@ def loose_rel(i: int) -> str:
 
 
 def generate(data: Path, n: int, seed: int) -> dict:
-    """Loose files ``data/loose/DDDD/NNNNNNN.bin``; skipped if already made for (n, seed)."""
+    """Loose files ``data/loose/DDDD/NNNNNNN.bin``; skipped if already made for (n, seed).
+
+    Record ``i`` depends only on (i, seed), so a larger run reuses the files of a smaller
+    one (a file of the right size is kept) and files past ``n`` are removed.
+    """
     stamp = data / "loose.json"
     if stamp.exists() and json.loads(stamp.read_text()) == {"records": n, "seed": seed}:
         return {"generated": False}
-    shutil.rmtree(data / "loose", ignore_errors=True)
+    stamp.unlink(missing_ok=True)
     t0 = time.perf_counter()
     sizes = record_sizes(n, seed)
     rng = np.random.default_rng(seed + 1)
     pool = rng.bytes(4 * 2**20 + 2**20)
     offs = rng.integers(0, 4 * 2**20, n)
+    kept = 0
     for i in range(n):
         p = data / "loose" / loose_rel(i)
         if i % 1000 == 0:
             p.parent.mkdir(parents=True, exist_ok=True)
+            have = {e.name: e.stat().st_size for e in os.scandir(p.parent)}
+        if have.get(p.name) == sizes[i]:
+            kept += 1
+            continue
         # random bytes, a distinct window of a random pool per record (incompressible)
         p.write_bytes(i.to_bytes(8, "little") + pool[offs[i] : offs[i] + int(sizes[i]) - 8])
+    for d in (data / "loose").iterdir():  # directories of records >= n (a smaller run)
+        if d.is_dir() and int(d.name) * 1000 >= n:
+            shutil.rmtree(d)
+    last = data / "loose" / loose_rel(n - 1)
+    for e in os.scandir(last.parent):
+        if e.name > last.name:
+            os.unlink(e.path)
     stamp.write_text(json.dumps({"records": n, "seed": seed}))
-    return {"generated": True, "seconds": time.perf_counter() - t0, "bytes": int(sizes.sum())}
+    return {"generated": True, "seconds": time.perf_counter() - t0, "bytes": int(sizes.sum()), "kept": kept}
 
 
 def build(system: str, data: Path, n: int, workers: int) -> float:
@@ -390,15 +423,85 @@ def run_child(py: str, system: str, args: argparse.Namespace, strace: bool = Fal
     return json.loads(line[-1][7:])
 
 
-def drop_caches() -> bool:
-    """Drop the (machine-wide) page cache so the read starts cold; False if not allowed."""
+# ---------------------------------------------------------------------------- page cache
+
+
+def system_files(system: str, data: Path) -> list[str]:
+    """Every file a system reads (its data directory; the cached variant reads convergent's)."""
+    root = data / ("convergent" if system == "convergent_cached" else system)
+    out, todo = [], [str(root)]
+    while todo:
+        with os.scandir(todo.pop()) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    todo.append(e.path)
+                elif e.is_file(follow_symlinks=False):
+                    out.append(e.path)
+    return sorted(out)
+
+
+def evict(files: list[str]) -> dict:
+    """Drop ``files`` from the page cache: sync, then POSIX_FADV_DONTNEED (no root needed).
+
+    When /proc/sys/vm/drop_caches is writable, also free the kernel's dentry and inode
+    caches (``2``: metadata only, so other users' file data stays cached), so that the
+    metadata lookups of a cold parallel file system are paid too.
+    """
+    t0 = time.perf_counter()
+    os.sync()  # dirty pages (data written recently) cannot be dropped; one sync for all
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
     try:
-        os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return True
+            fh.write("2\n")
+        meta = True
     except OSError:
-        return False
+        meta = False
+    return {"evict_seconds": time.perf_counter() - t0, "dentry_inode_cache_dropped": meta}
+
+
+_libc = None
+
+
+def resident_fraction(files: list[str], sample: int = 2000, seed: int = 0) -> float:
+    """Fraction of the pages of (a random sample of) ``files`` in the page cache (mincore)."""
+    import ctypes
+    import ctypes.util
+
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long]
+        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    rng = np.random.default_rng(seed)
+    pick = files if len(files) <= sample else [files[i] for i in rng.choice(len(files), sample, replace=False)]
+    have = total = 0
+    for f in pick:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                continue
+            addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            if addr in (None, ctypes.c_void_p(-1).value):
+                continue
+            n = -(-size // page)
+            vec = ctypes.create_string_buffer(n)
+            _libc.mincore(addr, size, vec)
+            _libc.munmap(addr, size)
+            have += sum(b & 1 for b in vec.raw)
+            total += n
+        finally:
+            os.close(fd)
+    return have / total if total else 0.0
 
 
 TRACED = ("open", "openat", "openat2", "creat", "stat", "lstat", "fstat", "newfstatat", "statx",
@@ -446,7 +549,7 @@ def versions(py: str) -> dict:
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
-def machine() -> dict:
+def machine(load_at_start: tuple[float, float, float]) -> dict:
     import psutil
 
     from convergent import __version__
@@ -460,7 +563,44 @@ def machine() -> dict:
                 break
     return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
             "usable_cpus": usable_cpus(), "memory_GiB": round(psutil.virtual_memory().total / 2**30, 1),
-            "load_avg_at_start": os.getloadavg(), "convergent": __version__}
+            "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg(), "convergent": __version__}
+
+
+def summarize(runs: dict[str, list[dict]], systems: list[str]) -> dict[str, dict]:
+    """Per system: the median-throughput run, with every run's throughput alongside."""
+    results: dict[str, dict] = {}
+    for s in systems:
+        ok = sorted((r for r in runs[s] if "error" not in r), key=lambda r: r["samples_per_s"])
+        if not ok:
+            results[s] = runs[s][-1]
+            continue
+        r = dict(ok[len(ok) // 2])
+        r["runs_samples_per_s"] = [x["samples_per_s"] for x in runs[s] if "error" not in x]
+        r["peak_rss_tree_MiB_max"] = max(x["peak_rss_tree_MiB"] for x in ok)
+        results[s] = r
+    return results
+
+
+def compare(results: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
+    """Speed-ups of convergent over loose files and over the best peer (medians, and the
+    median of the per-round ratios: systems of one round ran back to back)."""
+    rate = {s: r["samples_per_s"] for s, r in results.items() if "samples_per_s" in r}
+    out: dict = {}
+
+    def paired(a: str, b: str) -> float | None:
+        ratios = sorted(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs[a], runs[b], strict=False)
+                        if "error" not in x and "error" not in y)
+        return ratios[len(ratios) // 2] if ratios else None
+
+    if "convergent" in rate and "loose" in rate:
+        out["convergent_vs_loose"] = rate["convergent"] / rate["loose"]
+        out["convergent_vs_loose_paired_median"] = paired("convergent", "loose")
+    peers = {p: rate[p] for p in PEERS if p in rate}
+    if "convergent" in rate and peers:
+        best = max(peers, key=peers.get)
+        out.update(best_peer=best, convergent_vs_best_peer=rate["convergent"] / peers[best],
+                   convergent_vs_best_peer_paired_median=paired("convergent", best))
+    return out
 
 
 def main() -> None:
@@ -479,8 +619,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="stop each reader after N samples")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per system (median reported)")
     ap.add_argument("--timeout", type=float, default=7200)
-    ap.add_argument("--cold", action="store_true",
-                    help="drop the page cache before each read (needs root; machine-wide)")
+    ap.add_argument("--cache", choices=("both", "cold", "warm"), default="both",
+                    help="page cache before each read: cold (the system's files evicted), warm "
+                         "(right after the cold read), or both side by side (default)")
+    ap.add_argument("--strace-limit", type=int, default=20000,
+                    help="samples read in the syscall-count run of each system")
     ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. CPU sharing)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
@@ -491,6 +634,7 @@ def main() -> None:
         child_main(args)
         return
     sys.path.insert(0, str(ROOT.parent / "src"))
+    load_start = os.getloadavg()
     systems = [s for s in args.systems.split(",") if s]
     peer_py = args.peer_python
     if args.setup_peers:
@@ -503,16 +647,11 @@ def main() -> None:
     gen = generate(args.data_dir, args.records, args.seed)
     builds = {}
     for s in ["convergent", *[p for p in PEERS if p in systems]]:
-        py = peer_py if s in ("mds", "litdata") else sys.executable
-        if s == "convergent":
+        if s != "litdata":  # ours, and the exports of webdataset and mds, run here
             builds[s] = build(s, args.data_dir, args.records, args.workers)
         else:
-            cmd = [py, str(Path(__file__).resolve()), "--child", "--build", s, "--data-dir", str(args.data_dir),
-                   "--records", str(args.records), "--workers", str(args.workers)]
-            if s == "webdataset":
-                builds[s] = build(s, args.data_dir, args.records, args.workers)
-                print(f"built {s}: {builds[s]:.1f} s", flush=True)
-                continue
+            cmd = [peer_py, str(Path(__file__).resolve()), "--child", "--build", s, "--data-dir",
+                   str(args.data_dir), "--records", str(args.records), "--workers", str(args.workers)]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                                  env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
             if out.returncode != 0:
@@ -521,70 +660,55 @@ def main() -> None:
                 continue
             builds[s] = json.loads(out.stdout.strip().splitlines()[-1])["build_seconds"]
         print(f"built {s}: {builds[s]:.1f} s", flush=True)
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    modes = {"both": ("cold", "warm"), "cold": ("cold",), "warm": ("warm",)}[args.cache]
+    files = {s: system_files(s, args.data_dir) for s in systems}
+    runs: dict[str, dict[str, list[dict]]] = {m: {s: [] for s in systems} for m in modes}
     for rep in range(args.repeats):
-        # round-robin over the systems, so a burst of load on the shared machine hits all
+        # round-robin over the systems, so a burst of load on the shared machine hits all;
+        # per system the cold read comes first and the warm one right after it (the cold
+        # read brought the same samples into the page cache)
         for s in systems:
             py = peer_py if s in PEERS else sys.executable
-            print(f"reading {s} (run {rep + 1}/{args.repeats}) ...", flush=True)
-            cold = drop_caches() if args.cold else False
-            r = run_child(py, s, args)
-            r["cold_page_cache"] = cold
-            runs[s].append(r)
-            print(f"  {s}: " + json.dumps(r)[:300], flush=True)
-    results: dict[str, dict] = {}
-    for s in systems:
-        ok = [r for r in runs[s] if "error" not in r]
-        if not ok:
-            results[s] = runs[s][-1]
-            continue
-        # the run with the median throughput; all runs' throughputs alongside
-        ok.sort(key=lambda r: r["samples_per_s"])
-        r = dict(ok[len(ok) // 2])
-        r["runs_samples_per_s"] = [x["samples_per_s"] for x in runs[s] if "error" not in x]
-        r["peak_rss_tree_MiB_max"] = max(x["peak_rss_tree_MiB"] for x in ok)
-        if not args.no_strace:
+            for mode in modes:
+                ev = evict(files[s]) if mode == "cold" else {}
+                ev["resident_before"] = resident_fraction(files[s], seed=rep)
+                print(f"reading {s} {mode} (run {rep + 1}/{args.repeats}) ...", flush=True)
+                r = run_child(py, s, args)
+                r.update(ev, load_avg=os.getloadavg())
+                runs[mode][s].append(r)
+                print(f"  {s} {mode}: " + json.dumps(r)[:300], flush=True)
+    results = {m: summarize(runs[m], systems) for m in modes}
+    if not args.no_strace:
+        # syscall counts (warm; one run per system under strace -f, --strace-limit samples)
+        slim = argparse.Namespace(**dict(vars(args), limit=args.strace_limit))
+        for s in systems:
             py = peer_py if s in PEERS else sys.executable
-            r["syscalls"] = run_child(py, s, args, strace=True)
-        results[s] = r
-    base = results.get("loose", {}).get("samples_per_s")
-    ours = results.get("convergent", {}).get("samples_per_s")
-    summary = {}
-    if base and ours:
-        summary["convergent_vs_loose"] = ours / base
-    peer_rates = {p: results[p]["samples_per_s"] for p in PEERS if p in results and "samples_per_s" in results[p]}
-    if ours and peer_rates:
-        best = max(peer_rates, key=peer_rates.get)
-        summary["best_peer"] = best
-        summary["convergent_vs_best_peer"] = ours / peer_rates[best]
-    # paired per round (the systems of one round ran back to back under similar load)
-    def paired(a: str, b: str) -> float | None:
-        ra, rb = runs.get(a, []), runs.get(b, [])
-        ratios = sorted(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(ra, rb, strict=False)
-                        if "error" not in x and "error" not in y)
-        return ratios[len(ratios) // 2] if ratios else None
-
-    if ours:
-        summary["convergent_vs_loose_paired_median"] = paired("convergent", "loose")
-        if peer_rates:
-            summary["convergent_vs_best_peer_paired_median"] = paired("convergent", summary["best_peer"])
+            sc = run_child(py, s, slim, strace=True)
+            for m in modes:
+                if s in results[m]:
+                    results[m][s]["syscalls"] = sc
+    summary = {m: compare(results[m], runs[m]) for m in modes}
     report = {
         "benchmark": "data_read",
         "settings": {"records": args.records, "size_distribution": f"log-normal, median {MEDIAN_BYTES} B, sigma {SIGMA}, clipped 64 B..1 MiB",
                      "batch_size": args.batch_size, "num_workers": args.workers, "shuffle": True,
                      "shard_bytes": SHARD_BYTES, "limit": args.limit, "seed": args.seed,
                      "repeats": args.repeats, "reported": "median-throughput run of the repeats",
-                     "page_cache": "cold (dropped before each read)" if args.cold else "warm (data just written/built on the same machine)"},
-        "generation": gen, "build_seconds": builds, "results": results, "summary": summary,
+                     "strace_limit": args.strace_limit,
+                     "page_cache": {"cold": "the system's files evicted (POSIX_FADV_DONTNEED; dentry/inode "
+                                            "caches dropped when /proc/sys/vm/drop_caches is writable) before the read",
+                                    "warm": "read right after the cold read of the same samples"}},
+        "generation": gen, "build_seconds": builds, "headline": "cold" if "cold" in modes else "warm",
+        "summary": summary, "results": results,
         "versions": {"ours": versions(sys.executable), "peers": versions(peer_py)},
-        "machine": machine(), "note": args.note, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(load_start), "note": args.note, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from convergent.fsutil import atomic_write_text
 
     atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} (load average now {os.getloadavg()})")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,15 @@ def test_data_read_bench_tiny(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
+    assert rep["headline"] == "cold" and set(rep["results"]) == {"cold", "warm"}
+    for mode in ("cold", "warm"):
+        for s in ("loose", "convergent"):
+            r = rep["results"][mode][s]
+            assert r["samples"] == 2000 and r["bytes"] == rep["results"]["cold"]["loose"]["bytes"]
+        assert rep["summary"][mode]["convergent_vs_loose"] > 0
+    # the eviction worked: nothing of the data was in the page cache before a cold read,
+    # and the warm read found what the cold read had just brought in
     for s in ("loose", "convergent"):
-        r = rep["results"][s]
-        assert r["samples"] == 2000 and r["bytes"] == rep["results"]["loose"]["bytes"]
+        assert rep["results"]["cold"][s]["resident_before"] < 0.05
+        assert rep["results"]["warm"][s]["resident_before"] > 0.5
     assert rep["versions"]["ours"]["torch"] and rep["machine"]["usable_cpus"] >= 1

@@ -1,4 +1,4 @@
-"""`data inspect` and `data export` (webdataset tar readable with tarfile; mds when installed)."""
+"""`data inspect` and `data export` (webdataset tar readable with tarfile; mds in test_mds.py)."""
 
 from __future__ import annotations
 
@@ -57,16 +57,6 @@ def test_export_webdataset_molecular(small_molecular, tmp_path):
         scal = json.loads(tf.extractfile("000000005.json").read())
     np.testing.assert_array_equal(arr["positions"], recs[5]["positions"])
     assert scal["key"] == "r5" and scal["energy"] == recs[5]["energy"]
-
-
-def test_export_mds_roundtrip_when_installed(tmp_path):
-    streaming = pytest.importorskip("streaming")
-    recs = bytes_records(30)
-    with DatasetWriter(tmp_path / "b", schema="bytes") as w:
-        w.write_many(recs)
-    export_dataset(tmp_path / "b", tmp_path / "mds", "mds")
-    ds = streaming.LocalDataset(str(tmp_path / "mds"))
-    assert [ds[i]["payload"] for i in range(len(ds))] == [r["payload"] for r in recs]
 
 
 def test_export_unknown_format_is_exit_2(small_molecular, tmp_path):

@@ -21,6 +21,7 @@ Modules (each with one job):
 * :mod:`~convergent.data.pack`      ``pack_directory`` (``convergent data pack``)
 * :mod:`~convergent.data.verify`, :mod:`~convergent.data.inspect`,
   :mod:`~convergent.data.export`    the ``data verify|inspect|export`` tools
+* :mod:`~convergent.data.mds`       MDS (mosaicml-streaming) writer for ``export --to mds``
 
 Molecular record (dict): ``key`` str (unique), ``molecule_id`` str, ``numbers``
 int64[N], ``positions`` float64[N, 3] (Å), ``energy`` float (eV), ``forces``

@@ -4,8 +4,9 @@
   library. Sample ``i`` has members ``<i:09d>.key`` (the original key, UTF-8) and
   ``<i:09d>.bin`` (bytes schema payload) or ``<i:09d>.npz`` + ``<i:09d>.json``
   (molecular arrays; scalars and meta). Readable by ``webdataset.WebDataset``.
-* ``mds``: mosaicml-streaming's MDS, written with its own ``MDSWriter`` (needs the
-  ``mosaicml-streaming`` package).
+* ``mds``: mosaicml-streaming's MDS (version 2, uncompressed, xxh3_64 shard hashes),
+  written by :mod:`convergent.data.mds` (no ``streaming`` package needed); read it with
+  ``streaming.StreamingDataset(local=OUT)``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from convergent.data.mds import write_mds
 from convergent.data.reader import open_dataset
-from convergent.errors import DataError, NotAvailableError
+from convergent.errors import DataError
 from convergent.fsutil import atomic_write_text
 
 _ARRAYS = ("numbers", "positions", "forces", "cell", "pbc")
@@ -82,28 +84,11 @@ def export_webdataset(path: str | os.PathLike[str], out: str | os.PathLike[str],
 
 
 def export_mds(path: str | os.PathLike[str], out: str | os.PathLike[str],
-               shard_bytes: int = 128 * 2**20, compression: str | None = None) -> int:
-    """Write the dataset as mosaicml-streaming MDS; returns the record count."""
-    try:
-        from streaming import MDSWriter
-    except ImportError:
-        raise NotAvailableError("export to mds needs the mosaicml-streaming package",
-                                hint="pip install 'mosaicml-streaming==0.13.0'") from None
+               shard_bytes: int = 128 * 2**20) -> int:
+    """Write the dataset as mosaicml-streaming MDS (see :mod:`convergent.data.mds`); returns
+    the record count."""
     ds = open_dataset(path)
-    if ds.schema == "bytes":
-        columns = {"key": "str", "payload": "bytes"}
-    else:
-        columns = {"key": "str", "molecule_id": "str", "numbers": "ndarray:int64",
-                   "positions": "ndarray:float64", "forces": "ndarray:float64",
-                   "cell": "ndarray:float64", "pbc": "ndarray:bool", "energy": "float64",
-                   "charge": "int", "multiplicity": "int", "meta": "json"}
-    n = 0
-    with MDSWriter(out=str(out), columns=columns, compression=compression,
-                   size_limit=shard_bytes) as w:
-        for rec in ds:
-            w.write(rec)
-            n += 1
-    return n
+    return write_mds(iter(ds), out, ds.schema, size_limit=shard_bytes)
 
 
 def export_dataset(path: str | os.PathLike[str], out: str | os.PathLike[str], to: str,

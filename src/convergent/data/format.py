@@ -243,6 +243,40 @@ def decode_bytes(body: bytes | memoryview) -> dict[str, Any]:
     return {"key": key, "payload": payload}
 
 
+def decode_plain_bytes_frames(view: memoryview, offsets: list[int], local: list[int]) -> list[dict[str, Any] | None]:
+    """Records ``local`` of a bytes shard whose frames are stored uncompressed, in one pass.
+
+    The fast path of the streaming reader: the same checks as :func:`unpack_frame` and
+    :func:`decode_bytes` (xxh3 with the header fields as seed, zero padding, lengths that
+    match the offset table) with no per-record call overhead. An entry is ``None`` where
+    the record is inlined, compressed or fails a check: the caller decodes that one with
+    the general path, which raises the precise error.
+    """
+    frame, head, xxh, seed0 = FRAME.unpack_from, _BYTES.unpack_from, _xxh3, 0x9E3779B97F4A7C15
+    hs = FRAME_SIZE + _BYTES.size
+    out: list[dict[str, Any] | None] = []
+    for i in local:
+        a, b = offsets[i], offsets[i + 1]
+        sl = b - a - FRAME_SIZE
+        if sl < _BYTES.size:
+            out.append(None)
+            continue
+        stored_len, raw_len, codec, pad1, pad2, digest = frame(view, a)
+        kl, pl = head(view, a + FRAME_SIZE)
+        o = a + hs + kl
+        if (stored_len != sl or raw_len != sl or codec or pad1 or pad2 or o + pl != b
+                or xxh(view[a + FRAME_SIZE : b], (sl << 32 | sl) ^ seed0) != digest):
+            out.append(None)
+            continue
+        try:
+            key = str(view[a + hs : o], "utf-8")
+        except UnicodeDecodeError:
+            out.append(None)
+            continue
+        out.append({"key": key, "payload": view[o:b].tobytes()})
+    return out
+
+
 # --------------------------------------------------------------------------- frames
 
 

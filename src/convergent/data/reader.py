@@ -46,8 +46,8 @@ class ShardReader:
         self._view: memoryview | None = None
         self._pid = -1
         self._dctx: Any = None
-        # map the whole shard up front (one sequential read instead of page faults);
-        # set by the streaming reader when it reads most of the shard's records
+        # read the whole shard ahead when mapping it (sequential I/O instead of one page
+        # fault per record); set by the streaming reader when it reads most of the records
         self.populate = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -107,8 +107,11 @@ class ShardReader:
                     size = os.fstat(fh.fileno()).st_size
                     if size != self.info.bytes:
                         self._check_size(Path(path))
-                    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if self.populate else 0)
-                    self._mm = mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+                    self._mm = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                    if self.populate and hasattr(mmap, "MADV_WILLNEED"):
+                        # read the whole shard ahead, asynchronously (large sequential I/O;
+                        # the first records are served while the rest arrives)
+                        self._mm.madvise(mmap.MADV_WILLNEED)
                     self._view = memoryview(self._mm)
                 break
             self._pid = _PID[0]
@@ -142,6 +145,18 @@ class ShardReader:
 
             self._dctx = zstandard.ZstdDecompressor()
         return fmt.unpack_frame(self._view[a:b], self.name, self._dctx, i, a)  # type: ignore[index]
+
+    def records(self, local: list[int]) -> list[dict[str, Any]]:
+        """Decode the local records ``local`` (one pass over the shard's map for the common
+        case of uncompressed bytes frames; same checks and errors as :meth:`record`)."""
+        if self._offsets is None:
+            self.meta  # noqa: B018 - loads and checks the index
+        if self._meta.schema != 2 or self._meta.codec != 0:  # type: ignore[union-attr]
+            return [self.record(i) for i in local]
+        if self._pid != _PID[0] or self._view is None:
+            self._map()
+        fast = fmt.decode_plain_bytes_frames(self._view, self._offsets, local)  # type: ignore[arg-type]
+        return [r if r is not None else self.record(i) for r, i in zip(fast, local, strict=True)]
 
     def record(self, i: int) -> dict[str, Any]:
         """Decode local record ``i`` into a record dict."""

@@ -103,6 +103,7 @@ class _StreamBase(IterableDataset):
         self._resolve_world()
         if int(epoch) != self.epoch:
             self.epoch, self._start, self._consumed = int(epoch), 0, 0
+        self._order(self.epoch)  # computed before DataLoader workers fork
 
     def __len__(self) -> int:
         """Samples this rank yields in the current iteration (equal on every rank)."""
@@ -244,6 +245,7 @@ class StreamingDataset(_StreamBase):
         super().__init__(seed=seed, shuffle=shuffle, rank=rank, world_size=world_size,
                          drop_last=drop_last, batch_size=batch_size, transform=transform,
                          prefetch_shards=prefetch_shards)
+        self._order(self.epoch)  # once here: DataLoader workers inherit it instead of each computing it
 
     @property
     def total(self) -> int:
@@ -266,8 +268,21 @@ class StreamingDataset(_StreamBase):
         shard = ds.shard_of(ids)
         local = ids - ds.starts[shard]
         readers = ds.shards
-        for s, j in zip(shard.tolist(), local.tolist(), strict=True):
-            yield readers[s].record(j)
+        # chunks of up to 256 samples, decoded shard by shard (one call per shard and chunk);
+        # through a cache, sample by sample, so shards are fetched in the prefetcher's order
+        step = 256 if ds.cache is None else 1
+        for c in range(0, len(ids), step):
+            sh, lo = shard[c : c + step], local[c : c + step]
+            first = int(sh[0])
+            if (sh == first).all():
+                yield from readers[first].records(lo.tolist())
+                continue
+            out: list[Any] = [None] * len(sh)
+            for s in np.unique(sh).tolist():
+                pos = np.flatnonzero(sh == s)
+                for p, rec in zip(pos.tolist(), readers[s].records(lo[pos].tolist()), strict=True):
+                    out[p] = rec
+            yield from out
 
     def _fingerprint(self) -> str:
         h = xxhash.xxh3_64()
