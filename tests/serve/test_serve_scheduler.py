@@ -162,7 +162,8 @@ def test_tdpipe_admission_bounded_by_predicted_peak():
 
 
 def test_tdpipe_switch_rule_uses_intensity():
-    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=4096)
+    # 256-token micro-batches: 40 prompts of 50 tokens make a round of 8 prefill batches
+    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256)
     # a cost table with a large fixed cost per micro-batch: small decode batches are slow
     costs = CostTable([5e-3, 1e-4, 0.0, 0.0], [0.0, 0.0], 0.0, 0.0, [2, 2], "test")
     sched = TDPipeScheduler(cfg, BlockManager(10_000, 4), 2, costs)
@@ -211,3 +212,22 @@ def test_simulator_replays_schedulers_and_tdpipe_avoids_preemption():
     assert res["tdpipe"].preemptions == 0
     # a single stage holding all layers: busy the whole time (no bubbles)
     assert res["sequential"].busy_s[0] == pytest.approx(res["sequential"].makespan_s, rel=1e-6)
+
+
+def test_tdpipe_queues_deeper_while_prefilling():
+    """Prefill micro-batches are independent: 2P in flight while prefilling, P in decode."""
+    cfg = SchedulerConfig(max_num_seqs=4, max_batched_tokens=64, ignore_eos=True)
+    sched = make_scheduler("tdpipe", cfg, BlockManager(400, 4), 2, COSTS)
+    for r in _reqs(40, seed=3, max_in=20):
+        sched.add(r)
+    assert sched.depth == 4
+    first = [sched.schedule() for _ in range(sched.depth)]
+    assert all(b is not None and b.kind == "prefill" for b in first)
+    _drive(sched, [])  # finish: the driver honours the changing depth
+    assert not sched.prefill_mode and sched.depth == 2
+    # the prefill-round estimate packs candidates into budget-sized micro-batches
+    cands = _reqs(10, seed=4, max_in=30)
+    shapes = sched._prefill_shapes(cands)
+    assert sum(s.prefill_tokens for s in shapes) == sum(r.total_len for r in cands)
+    assert all(s.prefill_tokens <= 64 or s.sampled == 1 for s in shapes)
+    assert all(s.sampled <= 4 for s in shapes) and len(shapes) >= 3

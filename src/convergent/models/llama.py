@@ -274,6 +274,54 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def pad_groups(
+    lengths: Sequence[int], min_size: int = 8, max_waste: float = 0.3
+) -> list[list[int]]:
+    """Split items into groups padded to their longest member (indices, longest first).
+
+    Items are sorted by length; a group is closed once it has ``min_size`` members and
+    adding the next item would pad more than ``max_waste`` of the group's slots. Few
+    groups keep the per-group kernel count low; the waste cap bounds padded work.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    width = total = 0
+    for i in order:
+        n = lengths[i]
+        slots = width * (len(cur) + 1)
+        if cur and len(cur) >= min_size and slots - (total + n) > max_waste * slots:
+            groups.append(cur)
+            cur, total = [], 0
+        if not cur:
+            width = n
+        cur.append(i)
+        total += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences attended together: keys gathered block-wise, padded to ``width`` blocks."""
+
+    rows: torch.Tensor  # [G] packed row of each sequence's query
+    blocks: torch.Tensor  # [G * width] block ids (padding: block 0, masked)
+    bias: torch.Tensor  # [G, width * block_size] 0 for valid keys, -inf for padding
+    width: int
+
+
+@dataclass
+class PrefillGroup:
+    """Fresh prefills (no cached prefix) attended together, padded to ``length`` tokens."""
+
+    gather: torch.Tensor  # [G * length] packed rows (padding: row 0)
+    valid: torch.Tensor  # [n valid] positions in the padded [G * length] layout
+    rows: torch.Tensor  # [n valid] packed rows they map to
+    length: int
+
+
 @dataclass
 class PagedBatch:
     """Metadata of one packed serving batch (all tensors on the model's device).
@@ -283,6 +331,11 @@ class PagedBatch:
     context_lens[i] - 1``. ``slot_mapping[t]`` is the KV slot (``block * block_size +
     offset``) where token ``t``'s key/value is written; ``block_tables[i]`` lists the
     blocks of sequence ``i`` in order.
+
+    :meth:`prepare` builds, once per batch, the index tensors every layer reuses: decode
+    sequences in padded groups that gather whole KV blocks (no per-sequence loop),
+    fresh prefills in padded causal groups, and only chunked prefills after a cached
+    prefix one at a time.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -291,19 +344,18 @@ class PagedBatch:
     context_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
-    # filled lazily by prepare(): gather indices for decode-only groups
-    _decode_idx: list[int] = field(default_factory=list)
-    _decode_gather: torch.Tensor | None = None
-    _decode_mask: torch.Tensor | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    chunked: list[int] = field(default_factory=list)  # sequences with a cached prefix
+    starts: list[int] = field(default_factory=list)  # packed row of each sequence's first token
     _rope: dict[str, Any] = field(default_factory=dict)
 
     def prepare(self, rotary: Rotary) -> None:
-        """Precompute per-batch gather indices and RoPE tables (shared by all layers)."""
+        """Precompute RoPE tables and attention groups (shared by all layers)."""
         if self._rope:
             return
         dev = self.positions.device
-        # RoPE cos/sin: per sequence for dynamic NTK (its length decides the frequencies)
-        if rotary.dynamic:
+        if rotary.dynamic:  # dynamic NTK: each sequence's length decides its frequencies
             cs, ss, off = [], [], 0
             for q, c in zip(self.query_lens, self.context_lens, strict=True):
                 co, si = rotary.cos_sin(self.positions[off : off + q], seq_len=c)
@@ -313,22 +365,54 @@ class PagedBatch:
             self._rope["cos"], self._rope["sin"] = torch.cat(cs), torch.cat(ss)
         else:
             self._rope["cos"], self._rope["sin"] = rotary.cos_sin(self.positions)
-        # decode (query_len == 1) sequences are batched with padded key gathers
-        self._decode_idx = [i for i, q in enumerate(self.query_lens) if q == 1]
-        if self._decode_idx:
-            bs = self.block_size
-            lens = [self.context_lens[i] for i in self._decode_idx]
-            lmax = max(lens)
-            gather = torch.zeros(len(lens), lmax, dtype=torch.int64)
-            mask = torch.zeros(len(lens), lmax, dtype=torch.bool)
-            for r, i in enumerate(self._decode_idx):
-                n = self.context_lens[i]
-                pos = torch.arange(n)
-                bt = torch.tensor(self.block_tables[i], dtype=torch.int64)
-                gather[r, :n] = bt[pos // bs] * bs + pos % bs
-                mask[r, :n] = True
-            self._decode_gather = gather.to(dev)
-            self._decode_mask = mask.to(dev)
+        starts, off = [], 0
+        for q in self.query_lens:
+            starts.append(off)
+            off += q
+        self.starts = starts
+        dec, fresh, self.chunked = [], [], []
+        for i, (q, c) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
+            (dec if q == 1 and c > 1 else fresh if q == c else self.chunked).append(i)
+        bs = self.block_size
+        nblk = [-(-self.context_lens[i] // bs) for i in dec]
+        for g in pad_groups(nblk):
+            seqs = [dec[j] for j in g]
+            width = nblk[g[0]]
+            blocks = []
+            for i in seqs:
+                bt = self.block_tables[i][:width]
+                blocks.extend(bt)
+                blocks.extend([0] * (width - len(bt)))
+            ctx = torch.tensor([self.context_lens[i] for i in seqs])
+            bias = torch.zeros(len(seqs), width * bs)
+            bias.masked_fill_(torch.arange(width * bs)[None, :] >= ctx[:, None], float("-inf"))
+            self.decode_groups.append(
+                DecodeGroup(
+                    torch.tensor([starts[i] for i in seqs], device=dev),
+                    torch.tensor(blocks, device=dev),
+                    bias.to(dev),
+                    width,
+                )
+            )
+        lens = [self.query_lens[i] for i in fresh]
+        for g in pad_groups(lens):
+            seqs = [fresh[j] for j in g]
+            length = lens[g[0]]
+            gather, valid, rows = [], [], []
+            for r, i in enumerate(seqs):
+                n, s0 = self.query_lens[i], starts[i]
+                gather.extend(range(s0, s0 + n))
+                gather.extend([0] * (length - n))
+                valid.extend(range(r * length, r * length + n))
+                rows.extend(range(s0, s0 + n))
+            self.prefill_groups.append(
+                PrefillGroup(
+                    torch.tensor(gather, device=dev),
+                    torch.tensor(valid, device=dev),
+                    torch.tensor(rows, device=dev),
+                    length,
+                )
+            )
 
     def seq_slots(self, i: int) -> torch.Tensor:
         """KV slots of positions ``0 .. context_lens[i]-1`` of sequence ``i``."""
@@ -379,53 +463,51 @@ class Attention(nn.Module):
         x [T, H]; k_cache / v_cache [num_slots, n_kv_heads, head_dim] (written in place).
         """
         t = x.shape[0]
+        nq, nkv, hd = self.nq, self.nkv, self.hd
+        rep = nq // nkv
         cos, sin = batch._rope["cos"], batch._rope["sin"]
-        q = apply_rope(self.q_proj(x).view(t, self.nq, self.hd), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.nkv, self.hd), cos, sin)
-        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        q = apply_rope(self.q_proj(x).view(t, nq, hd), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, nkv, hd), cos, sin)
+        v = self.v_proj(x).view(t, nkv, hd)
         k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-        out = torch.empty(t, self.nq, self.hd, dtype=x.dtype, device=x.device)
-        rep = self.nq // self.nkv
-        starts = [0]
-        for ql in batch.query_lens:
-            starts.append(starts[-1] + ql)
-        # decode group: one query per sequence, padded keys
-        if batch._decode_idx:
-            rows = torch.tensor([starts[i] for i in batch._decode_idx], device=x.device)
-            qd = q.index_select(0, rows)[:, :, None, :]  # [B, nq, 1, hd]
-            g = batch._decode_gather
-            kd = k_cache[g].to(x.dtype).permute(0, 2, 1, 3)  # [B, nkv, L, hd]
-            vd = v_cache[g].to(x.dtype).permute(0, 2, 1, 3)
-            if rep > 1:
-                kd = kd.repeat_interleave(rep, dim=1)
-                vd = vd.repeat_interleave(rep, dim=1)
-            m = batch._decode_mask[:, None, None, :]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=m, scale=self.scale)
-            out.index_copy_(0, rows, od[:, :, 0, :])
-        # prefill / chunked-prefill sequences: one attention call each
-        for i, ql in enumerate(batch.query_lens):
-            if ql == 1:
-                continue
-            s0 = starts[i]
-            n = batch.context_lens[i]
+        out = torch.empty(t, nq, hd, dtype=x.dtype, device=x.device)
+        bs = batch.block_size
+        kb = k_cache.view(-1, bs, nkv, hd)
+        vb = v_cache.view(-1, bs, nkv, hd)
+        for g in batch.decode_groups:  # one query per sequence: [G, nkv, rep, hd]
+            n, length = g.rows.numel(), g.width * bs
+            qd = q.index_select(0, g.rows).view(n, nkv, rep, hd)
+            kd = kb.index_select(0, g.blocks).view(n, length, nkv, hd).to(x.dtype)
+            vd = vb.index_select(0, g.blocks).view(n, length, nkv, hd).to(x.dtype)
+            s = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * self.scale  # [G, nkv, rep, L]
+            p = torch.softmax(s + g.bias.to(s.dtype)[:, None, None, :], dim=-1)
+            od = torch.matmul(p, vd.transpose(1, 2))  # [G, nkv, rep, hd]
+            out.index_copy_(0, g.rows, od.reshape(n, nq, hd))
+        for g in batch.prefill_groups:  # fresh prompts: causal over their own tokens
+            n, ln = g.gather.numel() // g.length, g.length
+            qp = q.index_select(0, g.gather).view(n, ln, nq, hd).transpose(1, 2)
+            kp = k.index_select(0, g.gather).view(n, ln, nkv, hd).transpose(1, 2)
+            vp = v.index_select(0, g.gather).view(n, ln, nkv, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=rep > 1
+            )
+            o = o.transpose(1, 2).reshape(n * ln, nq, hd).index_select(0, g.valid)
+            out.index_copy_(0, g.rows, o)
+        for i in batch.chunked:  # chunk after a cached prefix: query j sees keys <= n - ql + j
+            ql, s0, n = batch.query_lens[i], batch.starts[i], batch.context_lens[i]
             slots = batch.seq_slots(i)
             ks = k_cache[slots].to(x.dtype).transpose(0, 1)[None]  # [1, nkv, n, hd]
             vs = v_cache[slots].to(x.dtype).transpose(0, 1)[None]
-            if rep > 1:
-                ks = ks.repeat_interleave(rep, dim=1)
-                vs = vs.repeat_interleave(rep, dim=1)
             qs = q[s0 : s0 + ql].transpose(0, 1)[None]  # [1, nq, ql, hd]
-            if ql == n:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
-            else:  # chunk after a cached prefix: query j sees keys <= n - ql + j
-                qpos = torch.arange(n - ql, n, device=x.device)[:, None]
-                kpos = torch.arange(n, device=x.device)[None, :]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=(kpos <= qpos)[None, None], scale=self.scale
-                )
+            qpos = torch.arange(n - ql, n, device=x.device)[:, None]
+            kpos = torch.arange(n, device=x.device)[None, :]
+            mask = (kpos <= qpos)[None, None]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=rep > 1
+            )
             out[s0 : s0 + ql] = o[0].transpose(0, 1)
-        return self.o_proj(out.reshape(t, self.nq * self.hd))
+        return self.o_proj(out.reshape(t, nq * hd))
 
 
 class DecoderLayer(nn.Module):

@@ -33,7 +33,7 @@ class ServeConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
     torch_threads: int = 1  # per stage process
-    profile_costs: bool = True  # tdpipe: profile the stage cost table at start-up
+    profile_costs: bool = True  # tdpipe: profile the stage cost table in situ at start-up
     tdpipe_memory_fraction: float = 0.9  # predicted peak KV use allowed by prefill
     work_stealing: bool = True  # tdpipe: balance decode micro-batches
     default_max_tokens: int = 128  # API requests without max_tokens

@@ -178,6 +178,10 @@ class Engine:
     ``Engine(model_dir, cfg)``; :meth:`add_request`; then either :meth:`run` (offline:
     until all requests finish) or :meth:`start` (a background thread, for the HTTP API).
     ``on_token(req, token, finished)`` callbacks run on the engine thread.
+
+    Without ``costs``, the stage cost table is profiled in situ at start-up (a short
+    sweep through the stages, :mod:`convergent.serve.insitu`) when the scheduler is
+    ``tdpipe`` or ``profile`` is true, and ``cfg.profile_costs`` allows it.
     """
 
     def __init__(
@@ -187,6 +191,7 @@ class Engine:
         costs: CostTable | None = None,
         executor: str = "auto",
         ignore_eos: bool = False,
+        profile: bool = False,
     ) -> None:
         from convergent.models.llama import read_config
 
@@ -220,11 +225,7 @@ class Engine:
             )
         self.bm = BlockManager(num_blocks, cfg.block_size)
         layers = split_layers(self.mcfg.num_hidden_layers, p)
-        if costs is None and cfg.scheduler == "tdpipe" and cfg.profile_costs:
-            from convergent.serve.costs import profile_costs
-
-            costs = profile_costs(self.mcfg, [len(x) for x in layers], cfg.block_size)
-        elif costs is not None:
+        if costs is not None:
             costs = costs.with_stages([len(x) for x in layers])
         self.costs = costs
         scfg = SchedulerConfig(
@@ -253,6 +254,23 @@ class Engine:
         use_local = executor == "local" or (executor == "auto" and p == 1)
         self.executor = LocalExecutor(specs) if use_local else ProcessExecutor(specs)
         self.kv_bytes = self.executor.kv_bytes
+        self.profile_s = 0.0
+        if costs is None and cfg.profile_costs and (cfg.scheduler == "tdpipe" or profile):
+            from convergent.serve.insitu import profile_in_situ
+
+            t = time.monotonic()
+            self.costs = profile_in_situ(
+                self.executor,
+                self.sched.depth,
+                CostTable(layers_per_stage=[len(x) for x in layers]),
+                num_blocks,
+                cfg.block_size,
+                cfg.max_batched_tokens,
+                cfg.max_num_seqs,
+                cfg.max_model_len,
+            )
+            self.sched.costs = self.costs
+            self.profile_s = time.monotonic() - t
         self.stats = EngineStats(p, [[] for _ in range(p)])
         self.in_flight: dict[int, MicroBatch] = {}
         self.on_token: Callable[[Request, int, bool], None] | None = None

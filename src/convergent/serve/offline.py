@@ -59,11 +59,13 @@ def run_trace(
     predictor=None,
     costs=None,
     progress: bool = False,
+    profile: bool = False,
 ) -> dict:
     """Run every trace request (output length forced to the trace's, EOS ignored).
 
     Returns throughput, per-stage busy fraction and bubble time, KV peak, latency
-    percentiles and the KV timeline ``[(t_s, used_blocks)]``.
+    percentiles and the KV timeline ``[(t_s, used_blocks)]``. ``profile``: profile the
+    cost table in situ at start-up even if the scheduler does not need it.
     """
     import numpy as np
 
@@ -71,7 +73,7 @@ def run_trace(
     from convergent.serve.tokenizer import ByteTokenizer
 
     t_setup = time.monotonic()
-    eng = Engine(model_dir, cfg, costs=costs, ignore_eos=True)
+    eng = Engine(model_dir, cfg, costs=costs, ignore_eos=True, profile=profile)
     setup_s = time.monotonic() - t_setup
     tok = ByteTokenizer(eng.mcfg.vocab_size)
     try:
@@ -102,6 +104,7 @@ def run_trace(
         "scheduler": cfg.scheduler,
         "chunked_prefill": cfg.chunked_prefill,
         "setup_s": setup_s,
+        "profile_s": eng.profile_s,
         **throughput(done, wall),
         "latency_p50_s": float(np.percentile(lat, 50)),
         "latency_p99_s": float(np.percentile(lat, 99)),

@@ -16,8 +16,10 @@ the sampled tokens when one comes back from the last stage.
   all ready sequences so the ``P`` batches stay balanced as requests finish (inter-batch
   work stealing); (c) at each round boundary it switches back to prefill when decode's
   computational intensity (throughput of its current per-batch size relative to a large
-  batch, from the cost table) drops below the useful fraction of a prefill round after
-  its pipeline bubbles.
+  batch, from the cost table) drops below the useful fraction of a prefill round (its
+  prompts packed into budget-sized micro-batches) after its pipeline bubbles. While
+  prefilling it keeps ``2P`` micro-batches in flight: prompt batches do not depend on
+  each other, so stage 0 need not wait for the engine's round trip.
 
 A KV shortage during decode preempts the most recently admitted idle request by
 recompute (its blocks are freed; it is re-prefilled later with prompt + generated tokens).
@@ -386,6 +388,13 @@ class TDPipeScheduler(Scheduler):
         self.mode_switches = 0
         self.ref_batch = max(1, self.cfg.max_num_seqs // self.P)
 
+    @property
+    def depth(self) -> int:
+        """``P`` micro-batches in flight; ``2P`` while prefilling: prefill micro-batches do
+        not depend on each other, so queuing more hides the engine round trip (stage 0
+        never waits for a result to get its next prompt batch)."""
+        return 2 * self.P if self.prefill_mode and self.waiting else self.P
+
     # -- memory prediction
     def _peak_blocks(self, extra: list[Request]) -> int:
         ents = [(r.total_len, r.remaining_predicted) for r in self.running]
@@ -431,11 +440,29 @@ class TDPipeScheduler(Scheduler):
         longer of a decode micro-batch and the largest prefill micro-batch are idle.
         """
         c = self.costs
-        times = [c.prefill_time(r.total_len) for r in cands]
+        times = [c.max_stage_time(shape) for shape in self._prefill_shapes(cands)]
         useful = sum(times)
         t_dec = c.decode_time(max(1, len(self.running) // self.P), self._mean_ctx())
         bubble = (self.P - 1) * max(t_dec, max(times))
         return useful / (useful + bubble) if useful > 0 else 0.0
+
+    def _prefill_shapes(self, cands: list[Request]) -> list[BatchShape]:
+        """Shapes of the prefill micro-batches ``cands`` would be packed into."""
+        shapes: list[BatchShape] = []
+        for r in cands:
+            n = r.total_len
+            s = shapes[-1] if shapes else None
+            if (
+                s is None
+                or s.prefill_tokens + n > self.cfg.max_batched_tokens
+                or s.sampled >= self.cfg.max_num_seqs
+            ):
+                s = BatchShape()
+                shapes.append(s)
+            s.prefill_tokens += n
+            s.prefill_pairs += n * n
+            s.sampled += 1
+        return shapes
 
     def update_mode(self) -> None:
         if self.prefill_mode:

@@ -1,0 +1,119 @@
+"""Cost table profiled *in situ*: a short warm-up sweep through the real stage processes.
+
+Timing one layer in the engine's process (:func:`~convergent.serve.costs.profile_costs`)
+misses what the stages do to each other in a real run: on a small CPU the stage
+processes share cores and memory bandwidth, and the engine adds dispatch and hop
+latency. Here synthetic micro-batches of prefill, decode and mixed shapes go through
+the same executor the run will use, ``depth`` of them in flight so every stage works
+at once, and per-stage models are fitted on the stages' own busy intervals
+(:func:`~convergent.serve.costs.calibrate_from_run`). The sweep writes only into KV
+blocks nobody owns yet (it runs before any request), so it changes no output.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from convergent.serve.costs import BatchShape, CostTable, calibrate_from_run
+from convergent.serve.stage import BatchMeta
+
+__all__ = ["sweep_shapes", "profile_in_situ"]
+
+
+def sweep_shapes(
+    max_tokens: int, max_seqs: int, max_len: int, capacity: int
+) -> list[tuple[list[int], list[int]]]:
+    """Batch shapes ``(query_lens, context_lens)`` covering prefill, decode and mixed
+    micro-batches within the budgets: tokens per batch, sequences per batch, context
+    length and the KV cache's ``capacity`` in tokens (no real batch holds more)."""
+    shapes: list[tuple[list[int], list[int]]] = []
+    for b in (1, 4, 16, 32, 64, 128, 256):
+        for c in (16, 64, 192, 512):
+            if b <= min(max_seqs, max_tokens) and c < max_len and b * c <= capacity:
+                shapes.append(([1] * b, [c] * b))
+    for n in (8, 32, 128, 512):
+        if n > min(max_len, max_tokens, capacity):
+            continue
+        k_max = max(1, min(max_tokens // n, max_seqs, capacity // n))
+        for k in sorted({1, k_max}):
+            shapes.append(([n] * k, [n] * k))
+    for b in (8, 32):  # mixed: decodes plus a prompt (the interleaved baseline's batches)
+        n = min(max_tokens - b, 128, max_len - 1)
+        if b < max_seqs and n > 1 and b * 96 + n <= capacity:
+            shapes.append(([1] * b + [n], [96] * b + [n]))
+    return shapes
+
+
+def _meta(bid: int, ql: list[int], cl: list[int], num_blocks: int, bs: int) -> BatchMeta:
+    ids, pos, slots, tables, rows = [], [], [], [], []
+    nxt = 0
+    for q, c in zip(ql, cl, strict=True):
+        nb = -(-c // bs)
+        table = [(nxt + j) % num_blocks for j in range(nb)]
+        nxt += nb
+        tables.append(table)
+        for p in range(c - q, c):
+            ids.append(p % 200 + 1)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        rows.append(len(pos) - 1)
+    rids = list(range(len(ql)))
+    return BatchMeta(
+        bid, ids, pos, slots, ql, cl, tables, rows, rids, [0.0] * len(ql), [0] * len(ql)
+    )
+
+
+def _shape(ql: list[int], cl: list[int]) -> BatchShape:
+    s = BatchShape(sampled=len(ql))
+    for q, c in zip(ql, cl, strict=True):
+        if q == 1:
+            s.decode_seqs += 1
+            s.decode_ctx += c
+        else:
+            s.prefill_tokens += q
+            s.prefill_pairs += q * c
+    return s
+
+
+def profile_in_situ(
+    executor,
+    depth: int,
+    base: CostTable,
+    num_blocks: int,
+    block_size: int,
+    max_tokens: int,
+    max_seqs: int,
+    max_len: int,
+    reps: int = 2,
+    seed: int = 0,
+) -> CostTable:
+    """Run the sweep ``reps`` times (shuffled) through ``executor`` with ``depth``
+    micro-batches in flight; return per-stage models fitted on the busy intervals
+    (``source = "profiled in situ"``). ``base.layers_per_stage`` gives the stages."""
+    shapes = sweep_shapes(max_tokens, max_seqs, max_len, num_blocks * block_size)
+    shapes = shapes * max(1, reps)
+    random.Random(seed).shuffle(shapes)
+    shapes = [([1], [16])] * depth + shapes  # warm-up, discarded
+    p = len(base.layers_per_stage)
+    log: dict[int, dict] = {}
+    pending = list(enumerate(shapes))
+    in_flight = 0
+    while pending or in_flight or any(len(e["stages"]) < p for e in log.values()):
+        while pending and in_flight < depth:
+            i, (ql, cl) = pending.pop(0)
+            bid = -1 - i  # negative: never a scheduler's id
+            log[bid] = {"submit": time.monotonic(), "shape": _shape(ql, cl), "stages": {}}
+            executor.submit(_meta(bid, ql, cl, num_blocks, block_size))
+            in_flight += 1
+        for m in executor.poll(timeout=1.0):
+            if m[0] == "busy":
+                log[m[2]]["stages"][m[1]] = (m[3], m[4])
+            elif m[0] == "result":
+                log[m[1]]["stages"][p - 1] = (m[3], m[4])
+                in_flight -= 1
+    for i in range(depth):
+        log.pop(-1 - i)
+    table = calibrate_from_run(log, base)
+    table.source = "profiled in situ"
+    return table
