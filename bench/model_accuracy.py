@@ -5,13 +5,14 @@ Data: GFN2-xTB energies/forces (tblite) of rattled G2 molecules (H/C/N/O/F, clos
 shell, <= 12 atoms, 25 conformers each), one molecule-wise split (20 % of molecules held
 out). Every model gets the same CPU-time budget of single-threaded training (fair on a
 shared CPU; wall time also recorded), the same element reference energies and scale, the
-same loss (per-atom energy MSE + 10 x force MSE), Adam with cosine decay over the budget,
-the same atom-budget batches, and an LR picked from the same grid on held-out training
-molecules. Models train in parallel processes (budgets are per-process CPU time). The training loop is bench/molbench.py:train_for (written
+same loss (per-atom energy MSE + force weight x force MSE), Adam with cosine decay over the
+budget (optional warm-up, optional exponential moving average of the weights: the same
+recipe for every model), the same atom-budget batches, and an LR picked from the same grid
+on held-out training molecules. Models train in parallel processes (budgets are per-process CPU time). The training loop is bench/molbench.py:train_for (written
 here, in-process; it uses the project's batching and loss).
 
 Writes bench/results/model_accuracy.json. Usage:
-    .venv/bin/python bench/model_accuracy.py [--budget 300] [--skip-bf16]
+    .venv/bin/python bench/model_accuracy.py [--budget 100] [--probe-budget 12] [--ema 0.99]
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def build(name: str, args: argparse.Namespace, ref):  # noqa: ANN001, ANN201
     return pot, sum(p.numel() for p in pot.parameters()), None
 
 
+def schedule(warmup: float):  # noqa: ANN201
+    """LR factor vs budget fraction: linear warm-up over ``warmup``, then cosine to 0."""
+    import math
+
+    def f(x: float) -> float:
+        w = min(1.0, x / warmup) if warmup > 0 else 1.0
+        return w * 0.5 * (1 + math.cos(math.pi * min(1.0, x)))
+
+    return f
+
+
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """LR probe on a validation split of the training molecules, then the full budget."""
     from convergent.models.io import save_model
@@ -62,16 +74,17 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     autocast = torch.bfloat16 if name.endswith("bf16") else None
     # LR chosen per model from the same grid, on held-out *training* molecules.
     sub_tr, sub_val = molecule_split(train, 0.2, seed=1)
+    recipe = {"force_weight": args.force_weight, "ema_decay": args.ema, "sched_fn": schedule(args.warmup)}
     probe = {}
     for lr in args.lr_grid:
         pot, _, _ = build(name, args, ref)
-        train_for(pot, [train[i] for i in sub_tr], args.probe_budget, lr=lr, autocast=autocast)
+        train_for(pot, [train[i] for i in sub_tr], args.probe_budget, lr=lr, autocast=autocast, **recipe)
         probe[lr] = evaluate(pot, [train[i] for i in sub_val], autocast=autocast)["energy_mae"]
         print(name, "probe lr", lr, probe[lr], flush=True)
     lr = min(probe, key=probe.get)
     pot, n_params, cfg = build(name, args, ref)
     print(f"training {name} ({n_params} parameters) lr={lr} for {args.budget} CPU s", flush=True)
-    tinfo = train_for(pot, train, args.budget, lr=lr, autocast=autocast)
+    tinfo = train_for(pot, train, args.budget, lr=lr, autocast=autocast, **recipe)
     out = {"parameters": n_params, "lr": lr, "lr_probe_val_energy_mae": {str(k): v for k, v in probe.items()},
            "train": tinfo, "test": evaluate(pot, test, autocast=autocast)}
     if autocast is not None:
@@ -85,12 +98,15 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budget", type=float, default=300.0, help="CPU seconds per model")
-    ap.add_argument("--probe-budget", type=float, default=30.0, help="CPU seconds per LR probe")
+    ap.add_argument("--budget", type=float, default=100.0, help="CPU seconds per model")
+    ap.add_argument("--probe-budget", type=float, default=12.0, help="CPU seconds per LR probe")
     ap.add_argument("--lr-grid", type=float, nargs="+", default=[1e-3, 3e-3])
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--cutoff", type=float, default=5.0)
+    ap.add_argument("--force-weight", type=float, default=10.0)
+    ap.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights (0 = off)")
+    ap.add_argument("--warmup", type=float, default=0.0, help="LR warm-up, fraction of the budget")
     ap.add_argument("--models", default="ours,schnet,painn,ours_bf16")
     ap.add_argument("--one", help="run one model and write its partial result (used internally)")
     args = ap.parse_args()
@@ -106,6 +122,7 @@ def main() -> None:
     names = args.models.split(",")
     base = [sys.executable, __file__, "--budget", str(args.budget), "--probe-budget", str(args.probe_budget),
             "--hidden", str(args.hidden), "--layers", str(args.layers), "--cutoff", str(args.cutoff),
+            "--force-weight", str(args.force_weight), "--ema", str(args.ema), "--warmup", str(args.warmup),
             "--lr-grid", *map(str, args.lr_grid)]
     procs = {n: subprocess.Popen([*base, "--one", n]) for n in names}
     for n, p in procs.items():
@@ -139,7 +156,9 @@ def main() -> None:
         "protocol": {"budget_cpu_seconds_per_model": args.budget, "hidden": args.hidden, "layers": args.layers,
                      "cutoff_A": args.cutoff, "lr_grid": args.lr_grid, "lr_probe_cpu_seconds": args.probe_budget,
                      "lr_selection": "per model, energy MAE on 20% of the *training* molecules",
-                     "batch_atoms": 256, "force_weight": 10.0, "threads": 1, "parallel_processes": len(names),
+                     "batch_atoms": 256, "force_weight": args.force_weight, "ema_decay": args.ema,
+                     "warmup_fraction": args.warmup, "recipe_note": "the same trainer and recipe for every model",
+                     "threads": 1, "parallel_processes": len(names),
                      "trainer": "bench/molbench.py:train_for (in-process, written for the bench)",
                      "schnetpack_note": "schnetpack 2.0.4 needs a one-line import shim on torch 2.13 (T_co)"},
         "results": results, "summary": summary,

@@ -360,12 +360,14 @@ def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
 def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: float = 1e-3,
               batch_atoms: int = 256, force_weight: float = 10.0, seed: int = 0,
               autocast: Any = None, opt: Any = None, sched_fn: Any = None,
-              max_steps: int | None = None) -> dict[str, Any]:
+              max_steps: int | None = None, ema_decay: float = 0.0) -> dict[str, Any]:
     """Train ``pot`` until ``budget_cpu_s`` seconds of this thread's CPU time are used.
 
     Loss: mean (ΔE/n_atoms)² + force_weight · mean ΔF²; Adam; cosine LR over the budget
     (or ``sched_fn(fraction) -> factor``). CPU time rather than wall time makes the budget
-    fair on a CPU shared with other jobs; wall time is reported too.
+    fair on a CPU shared with other jobs; wall time is reported too. ``ema_decay`` > 0
+    keeps an exponential moving average of the parameters (decay ramped up as
+    (1+step)/(10+step) early on) and installs it at the end.
     """
     import contextlib
     import math
@@ -384,6 +386,7 @@ def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: 
     c0, w0 = time.thread_time(), time.perf_counter()
     step, epoch, structures = 0, 0, 0
     losses = []
+    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
     pot.train(True)
     done = False
     while not done:
@@ -403,10 +406,18 @@ def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: 
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 10.0)
             opt.step()
+            if ema is not None:
+                d = min(ema_decay, (1 + step) / (10 + step))
+                with torch.no_grad():
+                    torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - d)
             losses.append(float(loss.detach()))
             step += 1
             structures += len(idx)
         epoch += 1
+    if ema is not None:
+        with torch.no_grad():
+            for p, a in zip(params, ema, strict=True):
+                p.copy_(a)
     pot.train(False)
     cpu = time.thread_time() - c0
     return {"steps": step, "epochs_started": epoch, "structures_seen": structures,

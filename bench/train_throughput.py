@@ -10,6 +10,10 @@ every step is a double backward). Compared:
 * a plain idiomatic PyTorch DDP loop, Lightning Fabric (``strategy="ddp"``) and
   Hugging Face Accelerate, each 2 processes x 1 thread under torchrun, fp32 and bf16.
 
+Step times are wall clock per loop iteration for every system (for ours: from one
+step's start to the next one's, so metric bookkeeping between the trainer's timed
+sections is included; the trainer's own ``step_s`` median is listed beside it).
+
 Reported per configuration: median step time over the steps after warm-up, samples/s
 (molecules), atoms/s, and MFU = counted model FLOPs (FlopCounterMode on one step, per
 atom) x atoms/s / (measured single-thread GEMM peak for the dtype x processes; for the
@@ -20,8 +24,9 @@ Every configuration runs ``--repeats`` times round-robin (default 2) and the bes
 repeat is reported (all repeats' samples/s are listed) to damp the noise of the shared
 machine.
 
-Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400] [--repeats 2]``
-(writes ``bench/results/train_throughput.json``).
+Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400] [--repeats 2]
+[--only ddp_2x1_fp32] [--out-name train_throughput.json]`` (writes
+``bench/results/<out-name>``).
 """
 
 from __future__ import annotations
@@ -207,8 +212,13 @@ def run_ours(data: Path, steps: int, dtype: str, tmp: Path, nproc: int, threads:
     run = open_run(cfg, tmp / f"ours_{dtype}_{nproc}x{threads}_rep{rep}")
     launch_training(cfg, run, nproc=nproc)
     recs = run.read_metrics("train_step")
+    # wall-clock per step like the peers' loops: start-to-start, so the metrics
+    # bookkeeping between timed steps is included (the last step: its own step_s)
+    starts = [r["start_time"] for r in recs]
+    wall = [b - a for a, b in zip(starts, starts[1:], strict=False)] + [recs[-1]["step_s"]]
     return {
-        "step_s": [r["step_s"] for r in recs],
+        "step_s": wall,
+        "trainer_step_s_median": statistics.median(r["step_s"] for r in recs[5:]),
         "atoms": [r["atoms_per_s"] * r["step_s"] for r in recs],
         "molecules": [r["samples_per_s"] * r["step_s"] for r in recs],
         "world": nproc,
@@ -246,14 +256,16 @@ def flops_per_atom(data: Path, dtype: str) -> float:
 
 
 def peak(dtype: str, threads: int) -> float:
+    """Best GEMM peak seen on this machine for (dtype, threads): a new measurement and
+    the cache of :func:`convergent.monitor.flops.measured_cpu_peak` (which keeps the max)."""
     import torch
 
-    from convergent.monitor.flops import measure_gemm_flops
+    from convergent.monitor.flops import measured_cpu_peak
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return max(measure_gemm_flops(dtype, n=512, repeats=5) for _ in range(2))
+        return max(measured_cpu_peak(dtype).flops for _ in range(2))
     finally:
         torch.set_num_threads(old)
 
@@ -272,6 +284,7 @@ def summarize(raw: dict, warmup: int, fpa: float, peak_flops: float, threads: in
     }
     if "time_breakdown_median_s" in raw:
         out["time_breakdown_median_s"] = raw["time_breakdown_median_s"]
+        out["trainer_step_s_median"] = raw["trainer_step_s_median"]
     return out
 
 
@@ -285,6 +298,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--molecules", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated substrings of the "
+                    "configuration names to run (default: all), e.g. 'ddp_2x1_fp32'")
+    ap.add_argument("--out-name", default="train_throughput.json")
     args = ap.parse_args()
     if args.worker:
         peer_worker(args.worker, args.data, args.steps, args.dtype, args.out)
@@ -312,6 +328,9 @@ def main() -> None:
         for d in ("fp32", "bf16"):
             plan.append((f"{kind}_ddp_2x1_{d}",
                          lambda r, k=kind, dd=d: run_peer(k, data, args.steps, dd, tmp), d, 1))
+    if args.only:
+        keys = [k for k in args.only.split(",") if k]
+        plan = [p for p in plan if any(k in p[0] for k in keys)]
     for rep in range(args.repeats):  # round-robin repeats; the best of each is kept
         for name, fn, dtype, threads in plan:
             if "error" in results.get(name, {}):
@@ -345,7 +364,7 @@ def main() -> None:
     out = {
         "benchmark": "train_throughput",
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "settings": {"steps": args.steps, "repeats_best_of": args.repeats, "warmup_steps_excluded": args.warmup,
+        "settings": {"only": args.only or "all", "steps": args.steps, "repeats_best_of": args.repeats, "warmup_steps_excluded": args.warmup,
                      "molecules": args.molecules, "model": "molecular default (hidden 64, 3 layers)",
                      "global_batch_atoms": 1024, "loss": "energy+forces (double backward)"},
         "flops_per_atom": fpa,
@@ -360,7 +379,7 @@ def main() -> None:
                 "configurations within this file only",
         "seconds": time.time() - t0,
     }
-    dest = HERE / "results" / "train_throughput.json"
+    dest = HERE / "results" / args.out_name
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(out, indent=2))
     print(f"wrote {dest}")

@@ -74,3 +74,17 @@ def test_ase_calculator_energy_forces_and_ensemble(saved, tmp_path):
     a2.calc = SurrogateCalculator([d, tmp_path / "m2"])
     a2.get_potential_energy()
     assert a2.calc.results["energy_std"] == pytest.approx(0.1 * 0.7 * 3 / 2**0.5, rel=1e-3)
+
+
+def test_ase_calculator_uses_the_direct_force_head(tmp_path):
+    torch.manual_seed(2)
+    cfg = ModelConfig(hidden=32, layers=2, cutoff=4.0, forces="direct")
+    m = build_model(cfg)
+    save_model(m, cfg, tmp_path / "direct")
+    atoms = molecule("CH4")
+    atoms.calc = SurrogateCalculator(tmp_path / "direct")
+    f = atoms.get_forces()
+    b = collate_records([atoms_to_record(molecule("CH4"))])
+    e_ref, f_ref = energy_and_forces(m, b, training=False)  # direct head's forces
+    assert atoms.get_potential_energy() == pytest.approx(float(e_ref), abs=1e-6)
+    assert np.allclose(f, f_ref.numpy(), atol=1e-6)

@@ -105,6 +105,24 @@ def test_batch_equals_single_molecules_and_periodic_image_invariance():
     assert float(f0.sum(0).abs().max()) < 1e-8  # momentum conservation
 
 
+def test_edge_chunking_gives_same_energy_forces_and_gradients():
+    cu = bulk("Cu", "fcc", a=3.6, cubic=True).repeat((2, 2, 2))
+    cu.rattle(0.1, seed=1)
+    recs = [_rec(cu, "cu"), _rec(molecule("C6H6"), "b")]
+    out = []
+    for chunk in (0, 37):  # 37 edges: many chunks of uneven size
+        m = _model(edge_chunk=chunk)
+        b = collate_records(recs, dtype=torch.float64)
+        e, f = energy_and_forces(m, b, training=True)
+        (e.sum() + (f * f).sum()).backward()
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        out.append((e.detach(), f.detach(), grads))
+    assert m.last_neighbors.num_edges > 10 * 37
+    for a, b in zip(out[0], out[1], strict=True):
+        assert torch.allclose(a, b, atol=1e-9, rtol=1e-9)
+    assert float(out[0][2].abs().sum()) > 0
+
+
 def test_topk_with_all_neighbours_equals_dense_and_modes_run():
     base = _model()
     recs = [_rec(molecule("H2O"), "w"), _rec(molecule("C6H6"), "b")]

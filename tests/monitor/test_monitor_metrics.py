@@ -81,3 +81,39 @@ def test_sinks_write_jsonl_tensorboard_and_prometheus(tmp_path):
     assert rows[0]["loss"] == 1.5 and rows[0]["step"] == 3 and "time" in rows[0]
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_cpu_peak_cache_keeps_the_best_measurement(tmp_path, monkeypatch):
+    from convergent.monitor.flops import cpu_peak_key, measured_cpu_peak
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "convergent" / "gemm_peak.json"
+    key = cpu_peak_key("fp32", torch.get_num_threads())
+    assert "threads=" in key and key.endswith("|fp32")
+    # a low first value (as if measured under load) is replaced by a real measurement
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps({key: {"flops": 1.0, "measurements": 1}}))
+    first = measured_cpu_peak("fp32")
+    entry = json.loads(cache.read_text())[key]
+    assert first.flops > 1e6 and entry["flops"] == first.flops
+    assert entry["measurements"] == 2 and first.source == f"measured:{key}"
+    # a higher cached value is a better estimate of the peak: it stands
+    cache.write_text(json.dumps({key: {"flops": 1e30, "measurements": 5}}))
+    second = measured_cpu_peak("fp32")
+    entry = json.loads(cache.read_text())[key]
+    assert second.flops == 1e30 and entry["flops"] == 1e30
+    assert entry["measurements"] == 6 and 1e6 < entry["last"] < 1e30
+    # other dtypes / thread counts are separate entries
+    assert cpu_peak_key("bf16", 1) != cpu_peak_key("fp32", 1) != cpu_peak_key("fp32", 2)
+
+
+def test_gpu_peak_source_and_tf32_choice():
+    from convergent.monitor.flops import device_peak, gpu_peak
+
+    assert gpu_peak("NVIDIA A100-SXM4-80GB", "fp32").flops == pytest.approx(19.5e12)
+    tf = gpu_peak("NVIDIA A100-SXM4-80GB", "fp32", tf32=True)
+    assert tf.flops == pytest.approx(156e12) and tf.source.endswith(":tf32")
+    assert gpu_peak("Tesla V100-SXM2", "fp32", tf32=True).source.endswith(":fp32")
+    assert gpu_peak("Unknown", "bf16").record() == {"peak_flops": None, "peak_source": "unknown"}
+    assert device_peak(torch.device("cpu"), "fp32", override=5e9).record() == {
+        "peak_flops": 5e9, "peak_source": "override"}

@@ -14,24 +14,16 @@ import math
 import shutil
 
 import pytest
-from trainhelpers import mol_overrides, run_training
+from trainhelpers import clean_and_killed, mol_overrides, run_training
 
 from convergent.train.checkpoint import complete_checkpoints
 
 
 def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):
     over = mol_overrides(moldata, "parallel.strategy=ddp", "train.steps=8", "checkpoint.interval=3")
-    _, clean, _ = run_training(tmp_path, over, 2, "clean")
-    # rank 1 SIGKILLs itself at the start of step index 4 (after the checkpoint at 3)
-    res, faulty, run = run_training(
-        tmp_path, over, 2, "faulty", max_restarts=1,
-        env={"CONVERGENT_TRAIN_FAULT": "rank=1,step=4"},
-    )
-    assert res.restarts == 1
-    raw = run.read_metrics("train_step")
-    assert any(r["attempt"] == 1 for r in raw)
-    first_after_restart = min(r["step"] for r in raw if r["attempt"] == 1)
-    assert first_after_restart == 4  # resumed from the checkpoint of step 3
+    # rank 1 SIGKILLs itself at the start of step index 4 (after the checkpoint at 3);
+    # the helper checks the restart resumed there
+    clean, faulty, run = clean_and_killed(tmp_path, over, 4)
     assert [r["loss"] for r in faulty] == [r["loss"] for r in clean]
     assert faulty[-1]["loss"] == clean[-1]["loss"]
     # retention keeps the newest 2 complete checkpoints

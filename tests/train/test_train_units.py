@@ -107,7 +107,7 @@ def test_checkpoint_save_resume_retention_single_process(tmp_path):
     opt.step()
     mgr = CheckpointManager(tmp_path, keep=2)
     for step in (1, 2, 3):
-        mgr.save(step, [model], [opt], {"step": step, "note": "x"})
+        mgr.save(step, [model], [opt], {"step": step, "note": "x"}, local={"own": step})
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2, 3]
     (tmp_path / "step_00000009").mkdir()  # an incomplete write is never resumed from
     assert latest_checkpoint(tmp_path).name == "step_00000003"
@@ -117,7 +117,8 @@ def test_checkpoint_save_resume_retention_single_process(tmp_path):
     extra = CheckpointManager(tmp_path, keep=2).load(
         latest_checkpoint(tmp_path), [fresh], [fresh_opt]
     )
-    assert extra == {"step": 3, "note": "x"}
+    # the replicated extras, plus this rank's own state (same world size)
+    assert extra == {"step": 3, "note": "x", "local": {"own": 3}}
     assert torch.equal(fresh.weight, model.weight)
     s_old = opt.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], s_old)

@@ -61,3 +61,23 @@ def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]
+
+
+def clean_and_killed(
+    tmp: Path, overrides: list[str], kill_step: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
+    """Run 2 ranks twice: uninterrupted, and with rank 1 SIGKILLed at the start of step
+    index ``kill_step`` under ``--max-restarts 1`` (a checkpoint must precede it).
+
+    Checks that the job restarted once and resumed at ``kill_step``; returns (clean
+    records, killed-run records, killed run).
+    """
+    _, clean, _ = run_training(tmp, overrides, 2, "clean")
+    res, faulty, run = run_training(
+        tmp, overrides, 2, "faulty", max_restarts=1,
+        env={"CONVERGENT_TRAIN_FAULT": f"rank=1,step={kill_step}"},
+    )
+    assert res.restarts == 1
+    raw = run.read_metrics("train_step")
+    assert min(r["step"] for r in raw if r["attempt"] == 1) == kill_step
+    return clean, faulty, run

@@ -51,12 +51,18 @@ class SurrogateCalculator(Calculator):
         batch = collate_records([rec]).to(self.device)
         energies, forces, per_atom = [], [], []
         for m in self.models:
-            with torch.enable_grad():
-                pos = batch.positions.detach().clone().requires_grad_(True)
-                e, ea = m(batch.with_positions(pos), per_atom=True)
-                (g,) = torch.autograd.grad(e.sum(), pos)
+            if getattr(m, "force_head", None) is not None:  # direct force head
+                with torch.no_grad():
+                    e, ea = m(batch, per_atom=True)
+                    f = m(batch, with_forces=True)[1]
+            else:  # conservative forces: -dE/dpositions
+                with torch.enable_grad():
+                    pos = batch.positions.detach().clone().requires_grad_(True)
+                    e, ea = m(batch.with_positions(pos), per_atom=True)
+                    (g,) = torch.autograd.grad(e.sum(), pos)
+                f = -g
             energies.append(float(e.detach()[0]))
-            forces.append((-g).detach().cpu().double().numpy())
+            forces.append(f.detach().cpu().double().numpy())
             per_atom.append(ea.detach().cpu().numpy())
         e_arr, f_arr = np.asarray(energies), np.stack(forces)
         self.results["energy"] = float(e_arr.mean())

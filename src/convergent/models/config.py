@@ -20,7 +20,10 @@ class ModelConfig(Section):
     what happens when an atom has more is set by ``neighbor_overflow``: ``error``
     (default, never silent) or ``drop`` (keep the nearest, log and count the dropped
     pairs). ``keep_fp32`` lists sub-module name patterns (fnmatch) run in fp32 under
-    bf16/fp16 autocast; the per-molecule energy sum is always fp32/fp64.
+    bf16/fp16 autocast; the per-molecule energy sum is always fp32/fp64. ``forces``:
+    ``autograd`` (default, conservative: ``F = -dE/dpositions``) or ``direct`` (a force
+    head on the final atom features, :mod:`convergent.models.direct_forces`: no double
+    backward, so it also trains with ``parallel.strategy: pipeline``; not conservative).
     """
 
     kind: Literal["molecular", "llama"] = "molecular"
@@ -36,4 +39,7 @@ class ModelConfig(Section):
     max_z: int = 94  # largest atomic number the embedding accepts
     mlp_ratio: int = 2  # feed-forward width = mlp_ratio * hidden
     keep_fp32: list[str] = ["energy_head"]
-    edge_chunk: int = 32768  # edges per chunk in attention (bounds temporaries; 0 = all)
+    forces: Literal["autograd", "direct"] = "autograd"  # how forces are predicted
+    # Edges per chunk in attention (0 = all at once). Chunking bounds forward temporaries
+    # but adds an O(N) gradient buffer per chunk in backward: superlinear at large N.
+    edge_chunk: int = 0

@@ -16,7 +16,9 @@ Architecture (read top to bottom in ten minutes):
 * ``energy_head``: per-atom MLP -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
   summed per molecule with ``index_add_`` (fp32 for the network part, fp64 for the sum and
   the element reference energies, which are large in eV).
-* forces ``F = -dE/dpositions`` by autograd (:func:`energy_and_forces`).
+* forces ``F = -dE/dpositions`` by autograd (:func:`energy_and_forces`), or with
+  ``model.forces: direct`` from a force head on the final atom features
+  (:mod:`convergent.models.direct_forces`: no double backward, not conservative).
 
 ``attention="topk"`` scores every atom pair of a structure and keeps the ``topk`` best
 per atom (the O(N²) recipe this model improves on); ``attention="dense"`` attends over
@@ -41,6 +43,7 @@ from torch import nn
 from convergent.models.atoms import all_pairs, neighbor_list
 from convergent.models.batching import AtomsBatch
 from convergent.models.config import ModelConfig
+from convergent.models.direct_forces import DirectForceHead
 
 
 class RadialBasis(nn.Module):
@@ -93,37 +96,40 @@ class EdgeAttentionBlock(nn.Module):
         and envelope ``env`` [E]. ``topk=(k, rows)`` keeps the k best-scoring edges per
         centre, where ``rows`` int64[B, 3] = (first edge, centres, edges per centre) of each
         molecule's row-major all-pairs block. Edge tensors are processed in chunks of
-        ``edge_chunk`` edges (0 = all at once): same result, smaller allocations."""
+        ``edge_chunk`` edges (0 = all at once, the default): same result, smaller transient
+        allocations, but every chunk adds an O(N) gradient buffer in backward (the gathers
+        ``q[src]``, ``k[dst]``, ``v[dst]``), so cost grows as N·E/edge_chunk."""
         n, hd, nh = h.shape[0], self.hidden, self.heads
         d = hd // nh
         q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
         acc = torch.promote_types(h.dtype, torch.float32)  # softmax in >= fp32
         n_edges = src.numel()
         step = n_edges if (topk is not None or edge_chunk <= 0) else edge_chunk
-        bounds = [(c, min(n_edges, c + step)) for c in range(0, n_edges, max(step, 1))] or [(0, 0)]
+        # split (not slicing): its backward concatenates the chunk gradients, O(E) in total,
+        # where each slice's backward would allocate a zero gradient of the full [E, ...].
+        srcs, dsts = src.split(max(step, 1)), dst.split(max(step, 1))
         scores, fvs = [], []
-        for c0, c1 in bounds:
-            fe = self.edge(rbf[c0:c1])  # [e, heads + hidden]: score bias, value filter
-            qk = (q[src[c0:c1]] * k[dst[c0:c1]]).view(-1, nh, d).sum(-1)
+        for s_c, d_c, rbf_c in zip(srcs, dsts, rbf.split(max(step, 1)), strict=True):
+            fe = self.edge(rbf_c)  # [e, heads + hidden]: score bias, value filter
+            qk = (q[s_c] * k[d_c]).view(-1, nh, d).sum(-1)
             scores.append(qk.to(acc) / math.sqrt(d) + fe[:, :nh].to(acc))
             fvs.append(fe[:, nh:])
         score = torch.cat(scores) if len(scores) != 1 else scores[0]
         if topk is not None:
             keep = _topk_edges(score.mean(-1), topk[0], topk[1])
             src, dst, score, env = src[keep], dst[keep], score[keep], env[keep]
-            fvs = [fvs[0][keep]]
-            bounds = [(0, keep.numel())]
+            fvs, srcs, dsts = [fvs[0][keep]], [src], [dst]
         # Softmax over each centre's neighbours weighted by the smooth envelope, plus a
         # zero-score "sink" slot so a lone neighbour's weight also fades at the cutoff.
         m = torch.zeros((n, nh), dtype=score.dtype, device=h.device)  # sink score 0
         m = m.scatter_reduce(0, src.unsqueeze(1).expand(-1, nh), score.detach(), "amax")
         w = torch.exp(score - m[src]) * env.to(score.dtype).unsqueeze(1)  # [E, H]
         denom = torch.exp(-m).index_add_(0, src, w)
-        a = w / denom[src]
+        a = (w / denom[src]).split([c.numel() for c in srcs])
         agg = torch.zeros(n, nh, d, dtype=acc, device=h.device)
-        for (c0, c1), fv in zip(bounds, fvs, strict=True):
-            vals = (v[dst[c0:c1]] * fv).view(-1, nh, d).to(acc)
-            agg = agg.index_add(0, src[c0:c1], a[c0:c1].unsqueeze(-1) * vals)
+        for s_c, d_c, a_c, fv in zip(srcs, dsts, a, fvs, strict=True):
+            vals = (v[d_c] * fv).view(-1, nh, d).to(acc)
+            agg.index_add_(0, s_c, a_c.unsqueeze(-1) * vals)  # in place: no copy per chunk
         h = h + self.out(agg.view(n, hd).to(h.dtype))
         return h + self.mlp(self.norm2(h))
 
@@ -143,6 +149,21 @@ def _topk_edges(score: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor
     return torch.cat(keep)
 
 
+@dataclass
+class EdgeGeometry:
+    """Edges ``src -> dst`` (centre, neighbour) int64[E] and their parameter-free
+    features: ``vec`` = pos[dst] - pos[src] (+ cell shift) float[E, 3] Å, distance ``r``
+    [E] Å, radial basis ``rbf`` [E, num_rbf], envelope ``env`` [E], ``topk`` (or None)."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    vec: torch.Tensor
+    r: torch.Tensor
+    rbf: torch.Tensor
+    env: torch.Tensor
+    topk: tuple[int, torch.Tensor] | None = None
+
+
 class MolecularTransformer(nn.Module):
     """Energy model E(numbers, positions) in eV; see the module docstring."""
 
@@ -160,6 +181,10 @@ class MolecularTransformer(nn.Module):
             nn.Linear(cfg.hidden, cfg.hidden // 2),
             nn.SiLU(),
             nn.Linear(cfg.hidden // 2, 1),
+        )
+        # direct forces (eV/Å) = force_head(...) * scale; None: forces by autograd
+        self.force_head = (
+            DirectForceHead(cfg.hidden, cfg.num_rbf) if cfg.forces == "direct" else None
         )
         # Normalisation: per-atom energy = head * scale + shift + atomref[Z] (eV).
         self.register_buffer("atomref", torch.zeros(cfg.max_z + 1, dtype=torch.float64))
@@ -214,14 +239,11 @@ class MolecularTransformer(nn.Module):
             rows = torch.tensor(r, dtype=torch.int64).reshape(-1, 3)
         return edge_index, shifts, rows
 
-    def forward(self, batch: AtomsBatch, per_atom: bool = False) -> Any:
-        """Energies float64[B] eV (and per-atom energies float64[N] if ``per_atom``)."""
+    def edge_geometry(
+        self, pos: torch.Tensor, edge_index: torch.Tensor, shifts: torch.Tensor, rows: Any = None
+    ) -> EdgeGeometry:
+        """Parameter-free edge features of positions ``pos`` [N, 3] Å (see EdgeGeometry)."""
         cfg = self.cfg
-        z = batch.numbers
-        if z.numel() and (int(z.min()) < 1 or int(z.max()) > cfg.max_z):
-            raise ValueError(f"atomic numbers must be in [1, {cfg.max_z}]")
-        pos = batch.positions
-        edge_index, shifts, rows = self._edges(batch)
         src, dst = edge_index[0], edge_index[1]
         vec = pos[dst] - pos[src] + shifts.to(pos.dtype)
         r = torch.sqrt((vec * vec).sum(-1) + 1e-12)
@@ -231,22 +253,49 @@ class MolecularTransformer(nn.Module):
         else:
             env = torch.ones_like(r)
         topk = (cfg.topk, rows) if rows is not None else None
-        h = self._run("embedding", self.embedding, z)
-        for i, layer in enumerate(self.layers):
-            name = f"layers.{i}"
-            if torch.is_autocast_enabled(pos.device.type) and any(
-                fnmatch.fnmatch(name, p) for p in self.keep_fp32
-            ):
-                with torch.autocast(device_type=pos.device.type, enabled=False):
-                    h = layer(h.float(), src, dst, rbf.float(), env, topk, cfg.edge_chunk)
-            else:
-                h = layer(h, src, dst, rbf, env, topk, cfg.edge_chunk)
+        return EdgeGeometry(src, dst, vec, r, rbf, env, topk)
+
+    def run_layer(self, name: str, layer: nn.Module, h: torch.Tensor, g: EdgeGeometry) -> torch.Tensor:
+        """One attention block (``name`` = ``layers.<i>``), in fp32 if ``keep_fp32`` says so."""
+        dev = h.device.type
+        if torch.is_autocast_enabled(dev) and any(fnmatch.fnmatch(name, p) for p in self.keep_fp32):
+            with torch.autocast(device_type=dev, enabled=False):
+                return layer(h.float(), g.src, g.dst, g.rbf.float(), g.env, g.topk, self.cfg.edge_chunk)
+        return layer(h, g.src, g.dst, g.rbf, g.env, g.topk, self.cfg.edge_chunk)
+
+    def atom_energies(self, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Per-atom energies float64[N] eV from the final atom features."""
         eps = self._run("energy_head", self.energy_head, h).squeeze(-1)
         eps = eps.to(torch.promote_types(eps.dtype, torch.float32))
         atom_e = eps * self.scale + self.shift  # fp32, network part
-        atom_e64 = atom_e.double() + self.atomref[z]
+        return atom_e.double() + self.atomref[z]
+
+    def direct_forces(self, h: torch.Tensor, g: EdgeGeometry) -> torch.Tensor:
+        """Forces float32[N, 3] eV/Å of the direct force head (``model.forces: direct``)."""
+        f = self._run("force_head", self.force_head, h, g.src, g.dst, g.rbf, g.env, g.vec, g.r)
+        return f * self.scale  # the head computes in >= fp32
+
+    def forward(self, batch: AtomsBatch, per_atom: bool = False, with_forces: bool = False) -> Any:
+        """Energies float64[B] eV (and per-atom energies float64[N] if ``per_atom``).
+
+        ``with_forces=True`` returns ``(energies, forces)``: float32[N, 3] eV/Å from the
+        direct force head, or None for autograd models (see :func:`energy_and_forces`).
+        """
+        cfg = self.cfg
+        z = batch.numbers
+        if z.numel() and (int(z.min()) < 1 or int(z.max()) > cfg.max_z):
+            raise ValueError(f"atomic numbers must be in [1, {cfg.max_z}]")
+        pos = batch.positions
+        edge_index, shifts, rows = self._edges(batch)
+        g = self.edge_geometry(pos, edge_index, shifts, rows)
+        h = self._run("embedding", self.embedding, z)
+        for i, layer in enumerate(self.layers):
+            h = self.run_layer(f"layers.{i}", layer, h, g)
+        atom_e64 = self.atom_energies(h, z)
         energy = torch.zeros(batch.n_molecules, dtype=torch.float64, device=pos.device)
         energy = energy.index_add(0, batch.batch, atom_e64)
+        if with_forces:
+            return energy, (self.direct_forces(h, g) if self.force_head is not None else None)
         return (energy, atom_e64) if per_atom else energy
 
 
@@ -266,12 +315,15 @@ def energy_and_forces(
     With ``training=True`` the graph is kept (``create_graph``) so a force loss can be
     back-propagated to the parameters; otherwise results are detached. Works under
     ``torch.no_grad()`` (gradients are enabled locally), not under ``inference_mode``.
+    A model with a direct force head (``model.forces: direct``) returns its forces as
+    predicted (no gradient with respect to positions, no double backward).
     """
     with torch.enable_grad():
         pos = batch.positions.detach().clone().requires_grad_(True)
-        energy = model(batch.with_positions(pos))
-        (grad,) = torch.autograd.grad(energy.sum(), pos, create_graph=training)
-    forces = -grad
+        energy, forces = model(batch.with_positions(pos), with_forces=True)
+        if forces is None:
+            (grad,) = torch.autograd.grad(energy.sum(), pos, create_graph=training)
+            forces = -grad
     if not training:
         return energy.detach(), forces.detach()
     return energy, forces
@@ -349,6 +401,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__: Sequence[str] = (
+    "EdgeGeometry",
     "MolecularTransformer",
     "ReferenceEnergies",
     "build_model",

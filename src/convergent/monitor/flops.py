@@ -7,9 +7,12 @@ MFU = achieved model FLOP/s / peak FLOP/s of the device for the dtype in use.
   attention — forward, backward and, for force training, the double backward), and the
   trainer scales that count by the step's atoms or tokens.
 * Peak on CPU is *measured*: the best of several timed square GEMMs in the dtype, with
-  the process's torch thread count (:func:`measured_cpu_peak`), cached per machine,
-  thread count, dtype and torch version. On CUDA the peak comes from
-  :data:`GPU_PEAK_FLOPS` (dense, no sparsity) matched on the device name.
+  the process's torch thread count (:func:`measured_cpu_peak`). Every run measures
+  again and a cache keyed by CPU model x threads x dtype keeps the maximum ever seen (a
+  peak measured under load is too low and would overstate MFU). On CUDA the peak comes
+  from :data:`GPU_PEAK_FLOPS` (dense, no sparsity) matched on the device name.
+* :class:`Peak` carries the value with its source; the trainer writes both into every
+  metrics record (``peak_flops``, ``peak_source``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convergent.fsutil import atomic_write_text
 from convergent.resources import cpu_name
 
 # Dense peak FLOP/s per GPU (vendor datasheets, no structured sparsity).
@@ -79,49 +84,88 @@ def measure_gemm_flops(dtype: str = "fp32", n: int = 512, repeats: int = 5) -> f
     return 2.0 * n**3 / best
 
 
-def measured_cpu_peak(dtype: str = "fp32", use_cache: bool = True) -> float:
-    """Measured CPU GEMM peak (FLOP/s) for ``dtype`` at this process's torch thread count.
+@dataclass(frozen=True)
+class Peak:
+    """A device peak (FLOP/s per process) and where it came from (``source``)."""
 
-    Cached in ``~/.cache/convergent/gemm_peak.json`` keyed by CPU model, threads, dtype
-    and torch version (a shared machine makes single measurements noisy; the cache keeps
-    MFU comparable between runs). The max of the cached and a new value is never taken:
-    the first measurement stands until the cache file is deleted.
+    flops: float | None
+    source: str  # "override" | "table:<gpu key>:<dtype>" | "measured:<cache key>" | "unknown"
+
+    def record(self) -> dict[str, Any]:
+        """Metric fields naming the peak used for MFU."""
+        return {"peak_flops": self.flops, "peak_source": self.source}
+
+
+def cpu_peak_key(dtype: str, threads: int) -> str:
+    """Cache key of a CPU GEMM peak: CPU model x torch threads x dtype."""
+    return f"{cpu_name()}|threads={threads}|{dtype}"
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def measured_cpu_peak(dtype: str = "fp32", use_cache: bool = True) -> Peak:
+    """Measured CPU GEMM peak for ``dtype`` at this process's torch thread count.
+
+    A peak is a maximum, and a measurement on a busy machine only ever comes out low, so
+    every call measures again and the cache (``~/.cache/convergent/gemm_peak.json``,
+    keyed by :func:`cpu_peak_key`) keeps the best value seen: it rises when a new
+    measurement is higher and never falls. Entries: ``{"flops", "measurements",
+    "last", "updated"}`` (FLOP/s, count, latest FLOP/s, unix time).
     """
     import torch
 
-    key = f"{cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
-    path = _cache_file()
-    cache: dict[str, float] = {}
-    if use_cache and path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            cache = {}
-        if key in cache:
-            return float(cache[key])
+    key = cpu_peak_key(dtype, torch.get_num_threads())
     value = measure_gemm_flops(dtype)
-    if use_cache:
-        cache[key] = value
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    return value
+    if not use_cache:
+        return Peak(value, f"measured:{key}:uncached")
+    path = _cache_file()
+    cache = _read_cache(path)
+    entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
+    best = max(value, float(entry.get("flops", 0.0)))
+    cache[key] = {
+        "flops": best,
+        "measurements": int(entry.get("measurements", 0)) + 1,
+        "last": value,
+        "updated": time.time(),
+    }
+    try:
+        atomic_write_text(path, json.dumps(cache, indent=1))
+    except OSError:
+        pass  # a read-only home still gets this run's measurement
+    return Peak(best, f"measured:{key}")
 
 
-def device_peak_flops(device: Any, dtype: str, override: float | None = None) -> float | None:
+def gpu_peak(device_name: str, dtype: str, tf32: bool = False) -> Peak:
+    """Table peak for a CUDA device name; fp32 counts at the TF32 peak when ``tf32``."""
+    want = "tf32" if dtype == "fp32" and tf32 else dtype
+    value = gpu_peak_flops(device_name, want)
+    if value is None and want == "tf32":
+        want = "fp32"
+        value = gpu_peak_flops(device_name, want)
+    return Peak(value, f"table:{device_name}:{want}" if value else "unknown")
+
+
+def device_peak(device: Any, dtype: str, override: float | None = None) -> Peak:
     """Peak FLOP/s of one process's device for ``dtype``: override, GPU table or CPU GEMM."""
     if override:
-        return float(override)
+        return Peak(float(override), "override")
     if getattr(device, "type", "cpu") == "cuda":
         import torch
 
-        name = torch.cuda.get_device_name(device)
-        return gpu_peak_flops(name, "tf32" if dtype == "fp32" else dtype)
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return gpu_peak(torch.cuda.get_device_name(device), dtype, tf32)
     return measured_cpu_peak(dtype)
+
+
+def device_peak_flops(device: Any, dtype: str, override: float | None = None) -> float | None:
+    """Just the FLOP/s of :func:`device_peak`."""
+    return device_peak(device, dtype, override).flops
 
 
 def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:

@@ -48,6 +48,12 @@ class StepTimer:
         """Add an externally measured duration (e.g. exposed comm from a hook)."""
         self.totals[name] += max(0.0, float(seconds))
 
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        """Reattribute ``seconds`` (clamped to what ``src`` holds) from ``src`` to ``dst``."""
+        s = min(max(0.0, float(seconds)), self.totals.get(src, 0.0))
+        self.totals[src] -= s
+        self.totals[dst] += s
+
     def elapsed(self) -> float:
         """Seconds since the last ``reset()``."""
         _sync(self.device)

@@ -3,7 +3,9 @@
 Layout under ``run.ckpt``::
 
     step_00000100/          one checkpoint (DCP shards + .metadata)
-        rank_00000.pt       per-rank extras: RNG states (torch, numpy, python), world size
+        rank_00000.pt       per-rank extras: RNG states (torch, numpy, python), world
+                            size and ``local`` state (e.g. gradient-compression error
+                            feedback, which differs per rank)
         COMPLETE            written by rank 0 last (JSON: step, world, time) — a
                             directory without it is ignored and removed later
     final/                  safetensors export of the final weights (models.io layout)
@@ -150,8 +152,12 @@ class CheckpointManager:
         parts: list[torch.nn.Module],
         optims: list[torch.optim.Optimizer],
         extra: dict[str, Any],
+        local: dict[str, Any] | None = None,
     ) -> Path:
-        """Write checkpoint ``step`` (collective); returns its directory."""
+        """Write checkpoint ``step`` (collective); returns its directory.
+
+        ``local`` is this rank's own state, stored in its rank file next to its RNG.
+        """
         self.wait()
         path = self.path_for(self.root, step)
         if self.rank == 0 and path.exists():
@@ -161,7 +167,7 @@ class CheckpointManager:
         state = self._state(_Parts(parts, optims), extra)
         path.mkdir(parents=True, exist_ok=True)
         torch.save(
-            {"rng": rng_state(), "world": self.world},
+            {"rng": rng_state(), "world": self.world, "local": local},
             path / f"rank_{self.rank:05d}.pt",
         )
         if self.async_save:
@@ -212,9 +218,10 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """Load checkpoint ``path`` into the parts/optimizers (collective); returns extras.
 
-        Restores this rank's RNG states when the checkpoint was written by the same
-        number of ranks (with a different number the data plan, which is global, still
-        resumes exactly; RNG streams restart from the seed).
+        Restores this rank's RNG states, and returns its ``local`` state as
+        ``extra["local"]``, when the checkpoint was written by the same number of ranks
+        (with a different number the data plan, which is global, still resumes exactly;
+        RNG streams restart from the seed, ``extra["local"]`` is None).
         """
         p = _Parts(parts, optims)
         state = self._state(p, None)
@@ -222,13 +229,15 @@ class CheckpointManager:
         p.load_state_dict(state)
         buf = state["train"]
         buf.seek(0)
-        extra = torch.load(buf, weights_only=False)
+        extra = dict(torch.load(buf, weights_only=False))
+        extra["local"] = None
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if rank_file.exists():
             saved = torch.load(rank_file, weights_only=False)
             if saved.get("world") == self.world:
                 set_rng_state(saved["rng"])
-        return dict(extra)
+                extra["local"] = saved.get("local")
+        return extra
 
 
 def load_full_model(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:

@@ -27,15 +27,28 @@ STAT_KEYS = ["e_sq", "f_sq", "e_abs", "e_abs_pa", "f_abs", "molecules", "atoms"]
 
 
 class MoleculeSource:
-    """Labelled records of a dataset directory (records with a finite energy), cached."""
+    """Labelled records of a dataset directory (records with a finite energy), cached.
 
-    def __init__(self, path: str | Path) -> None:
+    With ``data.cache_dir`` set (``data_cfg``), shard data is read through the node-local
+    cache tier (:class:`convergent.data.cache.ShardCache`, budget ``data.cache_bytes``):
+    each shard is copied once per node, checksum-verified, and read from the copy. The
+    records and their order are the same either way, so losses do not change.
+    """
+
+    def __init__(self, path: str | Path, data_cfg: Any = None) -> None:
         from convergent.data.reader import open_dataset
 
         self.path = Path(path)
         if not self.path.exists():
             raise DataError(f"dataset not found: {self.path}", hint="set train.dataset")
-        self.ds = open_dataset(self.path)
+        self.cache = None
+        if data_cfg is not None and data_cfg.cache_dir:
+            from convergent.data.cache import ShardCache
+
+            self.cache = ShardCache(
+                Path(data_cfg.cache_dir).expanduser(), budget_bytes=data_cfg.cache_bytes
+            )
+        self.ds = open_dataset(self.path, self.cache)
         n_atoms = np.asarray(self.ds.column("n_atoms"), dtype=np.int64)
         try:
             energy = np.asarray(self.ds.column("energy"), dtype=np.float64)
@@ -97,8 +110,20 @@ def loss(
     """(scaled loss, sum statistics) of one micro-batch (see the module doc)."""
     from convergent.models.molecular import energy_and_forces
 
-    batch = mb.data
-    energy, forces = energy_and_forces(model, batch, training=training)
+    energy, forces = energy_and_forces(model, mb.data, training=training)
+    return loss_from_predictions(energy, forces, mb.data, mb.norm, dp_world, force_weight)
+
+
+def loss_from_predictions(
+    energy: torch.Tensor,
+    forces: torch.Tensor,
+    batch: Any,
+    norm: dict[str, float],
+    dp_world: int,
+    force_weight: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(scaled loss, sum statistics) of predicted ``energy`` [B] eV and ``forces``
+    [N, 3] eV/Å against the labels of ``batch``, over the global counts ``norm``."""
     de = energy.to(torch.float64) - batch.energy.to(torch.float64)
     n = batch.n_atoms.to(torch.float64)
     de_pa = de / n
@@ -109,7 +134,7 @@ def loss(
         "molecules": torch.tensor(float(batch.n_molecules)),
         "atoms": torch.tensor(float(batch.num_atoms)),
     }
-    loss_t = e_sq / mb.norm["molecules"]
+    loss_t = e_sq / norm["molecules"]
     stats["e_sq"] = e_sq.detach()
     if batch.forces is not None:
         df = forces.float() - batch.forces.float()
@@ -117,7 +142,7 @@ def loss(
         stats["f_sq"] = f_sq.detach().double()
         stats["f_abs"] = df.detach().abs().sum().double()
         if force_weight > 0:
-            loss_t = loss_t + force_weight * f_sq.double() / (3.0 * mb.norm["atoms"])
+            loss_t = loss_t + force_weight * f_sq.double() / (3.0 * norm["atoms"])
     else:
         stats["f_sq"] = torch.zeros((), dtype=torch.float64)
         stats["f_abs"] = torch.zeros((), dtype=torch.float64)

@@ -16,7 +16,9 @@
   MixedPrecisionPolicy applies to the hook path used by the LM).
 * ``pipeline`` — ``torch.distributed.pipelining``: the model's blocks are cut into
   stages (one per rank, or ``stages_per_rank`` per rank for the interleaved schedule),
-  micro-batched with GPipe, 1F1B or interleaved 1F1B.
+  micro-batched with GPipe, 1F1B or interleaved 1F1B. The molecular model needs
+  ``model.forces: direct`` for it (no double backward; fixed-shape padded micro-batches,
+  :mod:`convergent.train.molpipe`).
 
 Each returns a :class:`Parallelized` with the data-parallel rank/world the task uses to
 pick its share of the global batch.
@@ -36,7 +38,7 @@ from torch import nn
 from convergent.errors import ConfigError
 from convergent.train import precision
 from convergent.train.compression import CommStats, register_compression
-from convergent.train.tasks import Task, find_blocks
+from convergent.train.tasks import Task, check_pipeline, find_blocks
 
 
 @dataclass
@@ -279,11 +281,10 @@ def build_pipeline(
     )
 
     pcfg = cfg.parallel
+    check_pipeline(cfg)
     if not task.pipeline_capable:
         raise ConfigError(
-            f"parallel.strategy=pipeline is not supported for model.kind={cfg.model.kind}",
-            hint="energy+force training needs the gradient w.r.t. input positions across "
-            "stages; use ddp/fsdp/hsdp for the molecular model",
+            f"parallel.strategy=pipeline is not supported for model.kind={cfg.model.kind}"
         )
     per_rank = pcfg.stages_per_rank if pcfg.schedule == "interleaved" else 1
     n_stages = world * per_rank
@@ -296,13 +297,14 @@ def build_pipeline(
         if cfg.train.activation_checkpointing:
             apply_activation_checkpointing(mod)
         parts.append(mod)
-        stages.append(PipelineStage(mod, sid, n_stages, device))
+        io = task.stage_io(sid, n_stages, device)  # None: metadata inferred at run time
+        stages.append(PipelineStage(mod, sid, n_stages, device, *(io or ())))
     del model
     n_micro = pcfg.microbatches
-    loss_holder: dict[str, float] = {}
+    loss_holder: dict[str, Any] = {}  # per-step state the task's pipeline hooks share
 
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return task.loss_from_logits(logits, target, loss_holder["norm"])
+    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
+        return task.pipeline_loss(output, target, loss_holder)
 
     if pcfg.schedule == "gpipe":
         sched = ScheduleGPipe(stages[0], n_micro, loss_fn=loss_fn, scale_grads=False)

@@ -102,6 +102,51 @@ class Task:
     def export(self, model: nn.Module, directory: Any) -> None:
         raise NotImplementedError
 
+    # pipeline interface (tasks with pipeline_capable = True)
+    def stage_module(self, full: nn.Module, stage: int, n_stages: int) -> nn.Module:
+        """Stage ``stage`` of ``n_stages`` of the plain model ``full``."""
+        raise NotImplementedError
+
+    def stage_io(self, stage: int, n_stages: int, device: torch.device) -> Any:
+        """Example ``(inputs, outputs)`` tensors of a stage for static pipeline metadata,
+        or None to let torch infer it on the first micro-batch."""
+        return None
+
+    def pipeline_rounds(
+        self, mb: MicroBatch, state: dict[str, Any], training: bool
+    ) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        """Reset ``state`` for ``mb``; the ``(first-stage args, target)`` of each schedule
+        call (``step`` when training, ``eval`` otherwise) that covers ``mb``."""
+        raise NotImplementedError
+
+    def pipeline_loss(self, output: Any, target: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """The schedule's loss function on the last stage. torch may call it once more
+        than there are micro-batches (metadata inference), so statistics it keeps in
+        ``state`` must be keyed by micro-batch, never accumulated."""
+        raise NotImplementedError
+
+    def pipeline_sums(
+        self, state: dict[str, Any], mb: MicroBatch, last: bool, losses: list[torch.Tensor]
+    ) -> dict[str, float]:
+        """Sum statistics of ``mb`` after its rounds (``losses``: the schedule's per
+        micro-batch losses); the same keys on every stage (zeros off the last stage,
+        which alone computes losses)."""
+        raise NotImplementedError
+
+
+def check_pipeline(cfg: Any) -> None:
+    """Refuse ``parallel.strategy=pipeline`` for models whose training it cannot run."""
+    if cfg.parallel.strategy != "pipeline" or cfg.model.kind != "molecular":
+        return
+    if cfg.model.forces != "direct":
+        raise ConfigError(
+            "parallel.strategy=pipeline needs model.forces=direct for the molecular model "
+            f"(model.forces={cfg.model.forces})",
+            hint="autograd forces (-dE/dpositions) need a double backward through every "
+            "stage, which pipeline schedules cannot run; set model.forces=direct (not "
+            "conservative) or use parallel.strategy=ddp/fsdp/hsdp",
+        )
+
 
 # ----------------------------------------------------------------------------- LM
 
@@ -258,8 +303,24 @@ class LMTask(Task):
         mod.load_state_dict({k: src[k] for k in own})
         return mod
 
-    def pipeline_io(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return mb.data
+    def pipeline_rounds(
+        self, mb: MicroBatch, state: dict[str, Any], training: bool
+    ) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        state.clear()
+        state.update(norm=mb.norm["tokens"])
+        x, y = mb.data
+        return [((x,), y)]
+
+    def pipeline_loss(self, output: Any, target: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        return self.loss_from_logits(output, target, state["norm"])
+
+    def pipeline_sums(
+        self, state: dict[str, Any], mb: MicroBatch, last: bool, losses: list[torch.Tensor]
+    ) -> dict[str, float]:
+        done = float(last)
+        ce_sum = sum(float(v) for v in losses) * state["norm"]
+        return {"ce_sum": ce_sum * done, "tokens": mb.units * done,
+                "samples": mb.samples * done, "units": mb.units * done}
 
 
 # ----------------------------------------------------------------------------- molecular
@@ -275,8 +336,16 @@ class MolecularTask(Task):
 
     kind = "molecular"
     unit = "atoms"
-    pipeline_capable = False
-    double_backward = True  # forces = -dE/dpositions, trained through the parameters
+
+    @property
+    def pipeline_capable(self) -> bool:  # type: ignore[override]
+        """Pipeline stages need direct forces (no double backward across stages)."""
+        return self.cfg.model.forces == "direct"
+
+    @property
+    def double_backward(self) -> bool:
+        """Autograd forces = -dE/dpositions are trained through the parameters."""
+        return self.cfg.model.forces == "autograd"
 
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
@@ -287,10 +356,11 @@ class MolecularTask(Task):
             raise ConfigError(
                 "train.dataset is not set", hint="point it at a dataset directory"
             )
-        self.data = moldata.MoleculeSource(t.dataset)
-        self.val = moldata.MoleculeSource(t.val_dataset) if t.val_dataset else None
+        self.data = moldata.MoleculeSource(t.dataset, cfg.data)
+        self.val = moldata.MoleculeSource(t.val_dataset, cfg.data) if t.val_dataset else None
         self._epoch_cache: dict[int, list[list[int]]] = {}
         self.refs: Any = None
+        self._feed: Any = None  # molpipe.Feed of the pipeline strategy
 
     # delegated to moldata to keep this file readable
     def build_model(self) -> nn.Module:
@@ -377,6 +447,65 @@ class MolecularTask(Task):
         from convergent.train import moldata
 
         moldata.export(model, self.cfg, directory)
+
+    # pipeline support (model.forces=direct): see convergent.train.molpipe
+    def feed(self) -> Any:
+        """This rank's padded pipeline micro-batches (created with the first stage)."""
+        from convergent.train import molpipe
+
+        if self._feed is None:
+            counts = list(self.data.atom_counts) + (self.val.atom_counts if self.val else [])
+            budget = molpipe.Budget.plan(
+                self.global_budget(1, 1), max(counts), self.cfg.parallel.microbatches,
+                self.cfg.model.max_neighbors,
+            )
+            self._feed = molpipe.Feed(budget)
+        return self._feed
+
+    def stage_module(self, full: nn.Module, stage: int, n_stages: int) -> nn.Module:
+        from convergent.train import molpipe
+
+        return molpipe.stage_module(full, stage, n_stages, self.feed())
+
+    def stage_io(self, stage: int, n_stages: int, device: torch.device) -> Any:
+        from convergent.train import molpipe
+
+        return molpipe.stage_io(
+            self.feed().budget, self.cfg.model.hidden, stage == 0, stage == n_stages - 1, device
+        )
+
+    def pipeline_rounds(
+        self, mb: MicroBatch, state: dict[str, Any], training: bool
+    ) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+        from convergent.train import molpipe
+
+        feed, n = self.feed(), self.cfg.parallel.microbatches
+        state.clear()
+        state.update(norm=mb.norm, stats={})  # micro-batch index -> its sum statistics
+        feed.load(mb.data, molpipe.micro_groups(mb.data, n, feed.budget, training))
+        dev = mb.data.numbers.device
+        return [
+            ((torch.arange(k, k + n, device=dev),), torch.arange(k, k + n, device=dev))
+            for k in range(0, len(feed.items), n)
+        ]
+
+    def pipeline_loss(self, output: Any, target: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        from convergent.train import molpipe
+
+        loss, stats = molpipe.padded_loss(
+            output, self.feed()[target], state["norm"], self.cfg.train.force_weight
+        )
+        state["stats"][int(target.reshape(-1)[0])] = stats
+        return loss
+
+    def pipeline_sums(
+        self, state: dict[str, Any], mb: MicroBatch, last: bool, losses: list[torch.Tensor]
+    ) -> dict[str, float]:
+        from convergent.train.moldata import STAT_KEYS
+
+        done = float(last)
+        sums = {k: sum(s.get(k, 0.0) for s in state["stats"].values()) * done for k in STAT_KEYS}
+        return {**sums, "samples": mb.samples * done, "units": mb.units * done}
 
 
 def make_task(cfg: Any) -> Task:

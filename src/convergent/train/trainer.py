@@ -6,11 +6,15 @@ One optimizer step:
 2. **forward/backward** per micro-step under autocast, gradient sync skipped on all
    but the last micro-step (``no_sync`` / FSDP ``set_requires_gradient_sync``);
    ``compute_s`` is forward+backward minus the exposed communication ``comm_s``
-   (DDP: time from the last gradient bucket being ready to ``backward()`` returning,
-   plus the metrics all-reduce; pipeline: the whole schedule is ``compute_s``);
+   (DDP: time from the last gradient bucket being ready to ``backward()`` returning;
+   FSDP/HSDP/pipeline: time the training thread is blocked in all-gathers,
+   reduce-scatters and pipeline send/recv waits, :mod:`convergent.monitor.commtime` —
+   such time inside the optimizer section, e.g. the sharded gradient-norm reduction,
+   moves to ``comm_s`` as well), so data wait + compute + comm + optimizer = step;
 3. **optimizer** — unscale (fp16), clip, step, LR schedule (``optimizer_s``);
-4. metrics to metrics.jsonl / TensorBoard / Prometheus (rank 0), validation and DCP
-   checkpoints at their intervals (and at the end).
+4. metrics to metrics.jsonl / TensorBoard / Prometheus (rank 0; the cross-rank sums of
+   ``metrics.reduce_every`` steps go in one all-reduce, outside the timed step),
+   validation and DCP checkpoints at their intervals (and at the end).
 
 Throughput and MFU are global: samples (molecules or sequences) and units (atoms or
 tokens) of the global batch per second; MFU = counted model FLOPs of the step / step
@@ -31,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from convergent.monitor.flops import count_flops, device_peak_flops, mfu
+from convergent.monitor import commtime
+from convergent.monitor.flops import count_flops, device_peak, mfu
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
 from convergent.train import precision
@@ -101,6 +106,7 @@ class Trainer:
         model = self.task.build_model().to(self.device)
         self.flops_per_unit = self._count_flops(model)
         self.par: Parallelized = parallelize(model, self.task, cfg, self.device)
+        self.comm_clock = commtime.install(self.par.strategy) if self.world > 1 else None
         t = cfg.train
         self.optims = [
             torch.optim.AdamW(
@@ -126,7 +132,8 @@ class Trainer:
                 tensorboard_dir=(run.logs / "tensorboard") if cfg.metrics.tensorboard else None,
                 prometheus_port=cfg.metrics.prometheus_port,
             )
-        self.peak = device_peak_flops(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
+        self.peak_info = device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
+        self.peak = self.peak_info.flops
         self.timer = StepTimer(self.device)
         self.history: list[dict[str, Any]] = []
         self.val_history: list[dict[str, Any]] = []
@@ -167,6 +174,9 @@ class Trainer:
             s.load_state_dict(sd)
         if self.scaler is not None and extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+        comp = (extra.get("local") or {}).get("compression")
+        if comp is not None and hasattr(self.par.hook_state, "load_state_dict"):
+            self.par.hook_state.load_state_dict(comp)
         self.resumed_from = box[0]
         log.info("resumed from %s at step %d", box[0], self.start_step)
 
@@ -179,6 +189,15 @@ class Trainer:
             "strategy": self.cfg.parallel.strategy,
             "world": self.world,
         }
+
+    def _local(self) -> dict[str, Any]:
+        """This rank's own checkpoint state: gradient-compression error feedback."""
+        hs = self.par.hook_state
+        return {"compression": hs.state_dict() if hasattr(hs, "state_dict") else None}
+
+    def _comm_clock(self) -> float:
+        """Seconds blocked in communication so far (FSDP/HSDP/pipeline; else 0)."""
+        return self.comm_clock.seconds if self.comm_clock is not None else 0.0
 
     # -- one step
 
@@ -208,27 +227,30 @@ class Trainer:
         return sums
 
     def _pipeline_step(self, mbs: list[MicroBatch]) -> dict[str, float]:
-        par = self.par
-        sched = par.schedule
-        first = 0 in par.stage_ids
-        last = par.n_stages - 1 in par.stage_ids
-        sums = {"ce_sum": 0.0, "tokens": 0.0, "samples": 0.0, "units": 0.0}
+        sums: dict[str, float] = {}
         t0 = time.perf_counter()
         for mb in mbs:
-            x, y = self.task.pipeline_io(mb)
-            par.hook_state["norm"] = mb.norm["tokens"]
-            losses: list[torch.Tensor] = []
-            args = (x,) if first else ()
-            kwargs: dict[str, Any] = {"target": y, "losses": losses} if last else {}
-            with precision.autocast(self.cfg.precision.dtype, self.device.type):
-                sched.step(*args, **kwargs)
-            if last:
-                sums["ce_sum"] += float(sum(float(v) for v in losses)) * mb.norm["tokens"]
-                sums["samples"] += mb.samples
-                sums["units"] += mb.units
-                sums["tokens"] += mb.units
+            for k, v in self._pipeline_run(mb, training=True).items():
+                sums[k] = sums.get(k, 0.0) + v
         self.timer.add("compute", time.perf_counter() - t0)
         return sums
+
+    def _pipeline_run(self, mb: MicroBatch, training: bool) -> dict[str, float]:
+        """Run ``mb`` through the schedule (``step`` or ``eval``); its sum statistics."""
+        par, task = self.par, self.task
+        first = 0 in par.stage_ids
+        last = par.n_stages - 1 in par.stage_ids
+        losses: list[torch.Tensor] = []  # per micro-batch, from the last stage
+        for args, target in task.pipeline_rounds(mb, par.hook_state, training):
+            kwargs: dict[str, Any] = {"target": target, "losses": []} if last else {}
+            with precision.autocast(self.cfg.precision.dtype, self.device.type):
+                if training:
+                    par.schedule.step(*(args if first else ()), **kwargs)
+                else:
+                    with torch.no_grad():
+                        par.schedule.eval(*(args if first else ()), **kwargs)
+            losses += kwargs.get("losses", [])
+        return task.pipeline_sums(par.hook_state, mb, last, losses)
 
     def _optimizer_step(self) -> float:
         with self.timer.section("optimizer"):
@@ -282,38 +304,32 @@ class Trainer:
         rec = {"kind": "val", "step": step, **self.task.finalize_stats(sums)}
         return rec
 
-    def _pipeline_validate(self, step: int) -> dict[str, Any]:
-        par = self.par
-        first = 0 in par.stage_ids
-        last = par.n_stages - 1 in par.stage_ids
-        sums = {"ce_sum": 0.0, "tokens": 0.0}
-        for mb in self.task.val_batches(0, 1):
-            x, y = mb.data
-            par.hook_state["norm"] = 1.0
-            losses: list[torch.Tensor] = []
-            args = (x,) if first else ()
-            kwargs: dict[str, Any] = {"target": y, "losses": losses} if last else {}
-            with torch.no_grad():
-                par.schedule.eval(*args, **kwargs)
-            if last:
-                sums["ce_sum"] += float(sum(float(v) for v in losses))
-                sums["tokens"] += mb.units
-        sums = _reduce_sums(sums, ["ce_sum", "tokens"])
+    def _pipeline_validate(self, step: int) -> dict[str, Any] | None:
+        mbs = self.task.val_batches(0, 1)  # every stage sees every validation batch
+        if not mbs:
+            return None
+        sums: dict[str, float] = {}
+        for mb in mbs:
+            for k, v in self._pipeline_run(self.task.to(mb, self.device), training=False).items():
+                sums[k] = sums.get(k, 0.0) + v
+        sums = _reduce_sums(sums, sorted(sums))
         return {"kind": "val", "step": step, **self.task.finalize_stats(sums)}
 
     # -- the loop
 
-    _pending: tuple[Any, torch.Tensor, list[str], dict[str, Any]] | None = None
-
     def _flush(self) -> None:
-        """Finish the pending metrics reduction and write that step's record."""
-        if self._pending is None:
+        """Reduce the pending steps' sums in one all-reduce and write their records."""
+        if not self._pending:
             return
-        work, stats, keys, partial = self._pending
-        self._pending = None
-        if work is not None:
-            work.wait()
-        tot = dict(zip(keys, stats.tolist(), strict=True))
+        pending, self._pending = self._pending, []
+        stats = torch.stack([row for row, _ in pending])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stats)
+        for row, (_, partial) in zip(stats.tolist(), pending, strict=True):
+            self._write(dict(zip(self._sum_keys, row, strict=True)), partial)
+
+    def _write(self, tot: dict[str, float], partial: dict[str, Any]) -> None:
+        """Complete one step's record from its global sums and send it to the sinks."""
         task, step_s = self.task, partial["step_s"]
         rec = {
             **{k: partial[k] for k in ("kind", "step")},
@@ -323,6 +339,7 @@ class Trainer:
             f"{task.unit}_per_s": tot["units"] / step_s,
             "mfu": mfu((self.flops_per_unit or 0.0) * tot["units"], step_s,
                        (self.peak or 0.0) * self.world) if self.flops_per_unit else None,
+            **self.peak_info.record(),  # per-process peak and its source
         }
         self.history.append(rec)
         if self.sinks is not None:
@@ -341,30 +358,33 @@ class Trainer:
         steps = cfg.train.steps
         accum = 1 if par.strategy == "pipeline" else cfg.train.grad_accum
         sum_keys: list[str] | None = None
+        # per-step sums are reduced across ranks in batches of metrics.reduce_every steps
+        # (and before validation / checkpoints / the end): no collective in every step
+        self._pending: list[tuple[torch.Tensor, dict[str, Any]]] = []
         last_ckpt = self.start_step
         for step in range(self.start_step, steps):
             _maybe_fault(self.rank, step)
             self.timer.reset()
+            start_time = time.time()
             par.comm.reset()
             with self.timer.section("data_wait"):
                 mbs = [
                     task.to(mb, self.device)
                     for mb in task.micro_batches(step, par.dp_rank, par.dp_world, accum)
                 ]
+            blocked = self._comm_clock()
             if par.strategy == "pipeline":
                 sums = self._pipeline_step(mbs)
             else:
                 sums = self._forward_backward(mbs)
+            self.timer.move("compute", "comm", self._comm_clock() - blocked)
             lr = self.scheds[0].get_last_lr()[0]
+            blocked = self._comm_clock()
             grad_norm = self._optimizer_step()
+            self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
             if sum_keys is None:
-                sum_keys = sorted(sums)
-            # metrics reduction is asynchronous: it completes behind the next step's
-            # compute and the record is written then (or before validation/checkpoint)
+                sum_keys = self._sum_keys = sorted(sums)
             stats = torch.tensor([float(sums.get(k, 0.0)) for k in sum_keys], dtype=torch.float64)
-            work = None
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                work = dist.all_reduce(stats, async_op=True)
             step_s = self.timer.elapsed()
             done = step + 1
             partial: dict[str, Any] = {
@@ -377,6 +397,7 @@ class Trainer:
                 "comm_s": self.timer.get("comm"),
                 "optimizer_s": self.timer.get("optimizer"),
                 "step_s": step_s,
+                "start_time": start_time,  # unix s at step start (wall-clock throughput)
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 # gradient payload counted by the DDP comm hook (None: not instrumented)
                 "comm_bytes": par.comm.bytes if par.strategy == "ddp" else None,
@@ -386,14 +407,13 @@ class Trainer:
             }
             if self.scaler is not None:
                 partial["loss_scale"] = float(self.scaler.get_scale())
-            self._flush()
-            self._pending = (work, stats, sum_keys, partial)
+            self._pending.append((stats, partial))
             val_every = cfg.train.val_every
             is_val = done == steps or (val_every and done % val_every == 0)
             is_ckpt = done == steps or (
                 cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0
             )
-            if is_val or is_ckpt:
+            if is_val or is_ckpt or len(self._pending) >= max(1, cfg.metrics.reduce_every):
                 self._flush()
             if is_val:
                 vrec = self.validate(done)
@@ -402,7 +422,7 @@ class Trainer:
                     if self.sinks is not None:
                         self.sinks.write(vrec)
             if is_ckpt:
-                self.ckpt.save(done, par.parts, self.optims, self._extra(done))
+                self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
                 last_ckpt = done
         self._flush()
         self.ckpt.wait()
