@@ -33,6 +33,10 @@ def test_version():
         (("train", "--set", "train.lr=abc"), "train.lr"),
         (("train", "missing-config.yaml"), "missing-config.yaml"),
         (("demo", "--set", "nosuch.key=1"), "nosuch.key"),
+        # refused before torchrun starts, not as a rank's traceback
+        (("train", "--nproc", "2"), "train.dataset is not set"),
+        (("train", "--set", "train.dataset=no/such/dir"), "no/such/dir does not exist"),
+        (("train", "--set", "train.dataset=x", "--set", "parallel.strategy=pipeline"), "model.forces=direct"),
     ],
 )
 def test_user_mistakes_are_one_line_exit_2_no_traceback(args, needle, tmp_path):

@@ -192,9 +192,9 @@ def launch_training(
     once with the command in ``TrainResult.command``. Raises ConvergentError naming the
     failing rank and showing its last log lines.
     """
-    from convergent.train.tasks import check_pipeline
+    from convergent.train.tasks import check_before_launch
 
-    check_pipeline(cfg)  # fail before launching, with exit code 2
+    check_before_launch(cfg, data=not print_only)  # fail before launching (exit code 2)
     nproc = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
     nnodes = nnodes or cfg.parallel.nnodes
     for sub in (run.logs, run.ckpt):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +147,23 @@ def check_pipeline(cfg: Any) -> None:
             "stage, which pipeline schedules cannot run; set model.forces=direct (not "
             "conservative) or use parallel.strategy=ddp/fsdp/hsdp",
         )
+
+
+def check_before_launch(cfg: Any, data: bool = True) -> None:
+    """Config errors the ranks would hit at start-up, raised before torchrun starts
+    (``data=False``: skip the dataset paths, e.g. when only printing the command)."""
+    check_pipeline(cfg)
+    if not data or cfg.model.kind != "molecular":
+        return
+    for key in ("dataset", "val_dataset"):
+        path = getattr(cfg.train, key)
+        if key == "dataset" and not path:
+            raise ConfigError(
+                "train.dataset is not set",
+                hint="point it at a dataset directory, e.g. -s train.dataset=runs/demo/data/train",
+            )
+        if path and not Path(path).exists():
+            raise ConfigError(f"train.{key}: {path} does not exist")
 
 
 # ----------------------------------------------------------------------------- LM
