@@ -53,6 +53,7 @@ def test_train_command_runs_two_processes(tmp_path, capsys):
 
 
 def test_bad_dataset_reports_error(tmp_path, capsys):
+    (tmp_path / "nope").mkdir()  # exists (passes the pre-launch check) but is no dataset
     code = main(["train", "--set", f"train.dataset={tmp_path / 'nope'}", "--set",
                  "train.steps=1", "--nproc", "1", "--set", "parallel.strategy=single",
                  "--run-dir", str(tmp_path / "r")])
