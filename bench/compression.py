@@ -106,7 +106,7 @@ def main() -> None:
                     "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "note": "bytes are exact accounting of the hook payloads; losses are from one seed; "
-                "times are noisy (shared machine) and on 2 local processes compression "
+                "times depend on the machine's load (machine.load_avg_*) and on 2 local processes compression "
                 "cannot pay off in time, only in bytes",
         "seconds": time.time() - t0,
     }

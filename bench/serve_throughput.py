@@ -296,13 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for r in trace
         ]
-        scfg = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_batched_tokens=cfg.max_batched_tokens,
-            chunked_prefill=cfg.chunked_prefill,
-            max_model_len=cfg.max_model_len,
-            memory_fraction=cfg.tdpipe_memory_fraction,
-        )
+        scfg = SchedulerConfig.from_serve(cfg)
         nb = res["kv_blocks"]
         sim = simulate(cfg.scheduler, reqs, costs, nb, 16, scfg)
         res["sim"] = sim.to_dict()

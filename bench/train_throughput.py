@@ -375,7 +375,7 @@ def main() -> None:
                     "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "lightning": lightning.__version__, "accelerate": accelerate.__version__},
-        "note": "shared 2-core machine with other jobs running: timings are noisy; compare "
+        "note": "2-core machine; timings depend on its load (see machine); compare "
                 "configurations within this file only",
         "seconds": time.time() - t0,
     }

@@ -228,15 +228,7 @@ class Engine:
         if costs is not None:
             costs = costs.with_stages([len(x) for x in layers])
         self.costs = costs
-        scfg = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_batched_tokens=cfg.max_batched_tokens,
-            chunked_prefill=cfg.chunked_prefill,
-            max_model_len=cfg.max_model_len,
-            memory_fraction=cfg.tdpipe_memory_fraction,
-            work_stealing=cfg.work_stealing,
-            ignore_eos=ignore_eos,
-        )
+        scfg = SchedulerConfig.from_serve(cfg, ignore_eos)
         self.sched = make_scheduler(cfg.scheduler, scfg, self.bm, p, costs)
         specs = [
             StageSpec(

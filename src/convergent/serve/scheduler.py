@@ -31,6 +31,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from convergent.serve.costs import BatchShape, CostTable
 from convergent.serve.kv_cache import BlockManager
@@ -116,6 +117,19 @@ class SchedulerConfig:
     memory_fraction: float = 0.9  # tdpipe: predicted peak KV use allowed
     work_stealing: bool = True  # tdpipe
     ignore_eos: bool = False
+
+    @classmethod
+    def from_serve(cls, cfg: Any, ignore_eos: bool = False) -> SchedulerConfig:
+        """The scheduler budgets and knobs of a ``serve`` config section."""
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_batched_tokens=cfg.max_batched_tokens,
+            chunked_prefill=cfg.chunked_prefill,
+            max_model_len=cfg.max_model_len,
+            memory_fraction=cfg.tdpipe_memory_fraction,
+            work_stealing=cfg.work_stealing,
+            ignore_eos=ignore_eos,
+        )
 
 
 class Scheduler:
