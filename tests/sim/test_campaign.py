@@ -403,4 +403,5 @@ def test_backstop_restarts_a_wedged_worker(sim_client):
         time.sleep(0.3)
     assert len(victims) == 1 and "bstest-wedged" in guard.restarted
     assert isinstance(fut.exception(timeout=120), KilledWorker)
+    assert guard.restart_status == {victims[0]: "OK"}
     sim_client.wait_for_workers(2, timeout=120)

@@ -12,9 +12,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_TOPIC = "convergent-timeout"
 
@@ -80,14 +83,22 @@ class Backstop(threading.Thread):
     path with a timeout reason. ``limit_s`` should exceed the time a task may legitimately
     wait behind another one on the same worker (default in the campaign:
     ``2 * timeout_s + 30``).
+
+    A restart is given ``restart_timeout_s`` (the nanny's own default of 30 s is too short
+    for a wedged process plus a fresh worker's imports on a loaded node); each worker's
+    outcome ("OK", "timed out", "removed" or an error) is kept in ``restart_status`` and
+    anything but "OK" is logged as a warning, since the campaign then runs on fewer workers.
     """
 
-    def __init__(self, client, prefix: str, limit_s: float, interval_s: float = 5.0) -> None:
+    def __init__(self, client, prefix: str, limit_s: float, interval_s: float = 5.0,
+                 restart_timeout_s: float = 120.0) -> None:
         super().__init__(name="convergent-backstop", daemon=True)
         self.client, self.prefix = client, prefix
         self.limit_s, self.interval_s = limit_s, interval_s
+        self.restart_timeout_s = restart_timeout_s
         self.first_seen: dict[str, float] = {}
         self.restarted: dict[str, float] = {}  # key -> seconds it had been processing
+        self.restart_status: dict[str, str] = {}  # worker -> outcome of its last restart
         self._halt = threading.Event()
 
     def check(self, now: float | None = None) -> list[str]:
@@ -109,9 +120,22 @@ class Backstop(threading.Thread):
             if key not in seen:
                 del self.first_seen[key]
         if victims:
-            with contextlib.suppress(Exception):
-                self.client.restart_workers(victims, raise_for_error=False)
+            self._restart(victims)
         return victims
+
+    def _restart(self, workers: list[str]) -> None:
+        """Restart ``workers`` through their nannies and record each outcome."""
+        try:
+            outcome = self.client.restart_workers(
+                workers, timeout=self.restart_timeout_s, raise_for_error=False) or {}
+        except Exception as exc:  # noqa: BLE001 - the guard must keep running
+            outcome = {w: f"{type(exc).__name__}: {exc}" for w in workers}
+        for worker in workers:
+            status = str(outcome.get(worker, "no answer"))
+            self.restart_status[worker] = status
+            if status != "OK":
+                log.warning("backstop: restart of wedged worker %s: %s; the campaign "
+                            "continues on the remaining workers", worker, status)
 
     def run(self) -> None:
         while not self._halt.wait(self.interval_s):
