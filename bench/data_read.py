@@ -11,6 +11,10 @@ a torch DataLoader with the same settings (batch size, workers, list collate) by
 * ``webdataset``  WebDataset 1.0.2 tar shards (our ``data export --to webdataset``)
 * ``mds``         mosaicml-streaming 0.13.0 ``StreamingDataset`` (our ``data export --to mds``)
 * ``litdata``     litdata (``optimize`` / ``StreamingDataset``)
+* ``ideal``       no storage at all: bytes of the same sizes, in the same shuffled order,
+  cut from one buffer in memory and sent through the same DataLoader. Its rate is the
+  ceiling of any storage system with these DataLoader settings on this machine, and
+  ``ideal_vs_loose`` the largest speed-up over loose files that any of them could show.
 
 The page cache is cold and warm side by side (cold is the headline: the small-file
 problem is the metadata and I/O cost of a parallel or cold file system, which a warm
@@ -62,7 +66,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
-SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata")
+SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata", "ideal")
 PEERS = ("webdataset", "mds", "litdata")
 SHARD_BYTES = 128 * 2**20
 MEDIAN_BYTES = 4096
@@ -234,7 +238,30 @@ def make_loader(system: str, data: Path, batch: int, workers: int, seed: int):
 
         ds = Payload(input_dir=str(data / "litdata"), shuffle=True, seed=seed)
         return DataLoader(ds, **common)
+    if system == "ideal":
+        return DataLoader(in_memory_payloads(data, batch, seed), **common)
     raise SystemExit(f"unknown system {system}")
+
+
+def in_memory_payloads(data: Path, batch: int, seed: int):
+    """The ``ideal`` system's dataset: payloads of the generated sizes in a shuffled order,
+    copied out of one in-memory buffer (no files); chunks of ``batch`` go round-robin to
+    the DataLoader workers like a storage reader's."""
+    from torch.utils.data import IterableDataset, get_worker_info
+
+    n = json.loads((data / "loose.json").read_text())["records"]
+    sizes = record_sizes(n, seed)[np.random.default_rng(seed).permutation(n)].tolist()
+    buf = np.random.default_rng(seed + 1).bytes(2**20)
+
+    class InMemoryPayloads(IterableDataset):
+        def __iter__(self):
+            info = get_worker_info()
+            w, k = (0, 1) if info is None else (info.id, info.num_workers)
+            for i, size in enumerate(sizes):
+                if (i // batch) % k == w:
+                    yield buf[:size]
+
+    return InMemoryPayloads()
 
 
 def _children(pid: int) -> list[int]:
@@ -428,6 +455,8 @@ def run_child(py: str, system: str, args: argparse.Namespace, strace: bool = Fal
 
 def system_files(system: str, data: Path) -> list[str]:
     """Every file a system reads (its data directory; the cached variant reads convergent's)."""
+    if system == "ideal":
+        return []
     root = data / ("convergent" if system == "convergent_cached" else system)
     out, todo = [], [str(root)]
     while todo:
@@ -595,6 +624,13 @@ def compare(results: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
     if "convergent" in rate and "loose" in rate:
         out["convergent_vs_loose"] = rate["convergent"] / rate["loose"]
         out["convergent_vs_loose_paired_median"] = paired("convergent", "loose")
+    if "ideal" in rate:
+        # the DataLoader's own ceiling: no storage system can beat it with these settings
+        if "loose" in rate:
+            out["ideal_vs_loose"] = rate["ideal"] / rate["loose"]
+            out["ideal_vs_loose_paired_median"] = paired("ideal", "loose")
+        if "convergent" in rate:
+            out["convergent_vs_ideal"] = rate["convergent"] / rate["ideal"]
     peers = {p: rate[p] for p in PEERS if p in rate}
     if "convergent" in rate and peers:
         best = max(peers, key=peers.get)

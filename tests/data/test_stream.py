@@ -215,3 +215,22 @@ def test_real_dataloaders_cover_the_epoch_exactly_once(ds_path, world, workers, 
         assert seq == [keys[i] for i in sd.rank_ids()] and len(seq) == 157 // world
         got.extend(seq)
     assert len(got) == len(set(got)) == (157 // world) * world
+
+
+def test_reader_keeps_few_shards_mapped_and_unmaps_at_the_end(tmp_path):
+    from convergent.data.stream import MAPPED_SHARDS
+
+    path = tmp_path / "bytes"
+    with DatasetWriter(path, schema="bytes", shard_bytes=4096, compression="none") as w:
+        for i in range(300):
+            w.write({"key": f"k{i}", "payload": bytes([i % 251]) * (100 + i % 200)})
+    sd = StreamingDataset(path, seed=1, rank=0, world_size=1, batch_size=8, block_size=32)
+    shards = sd.dataset.shards
+    assert len(shards) > 2 * MAPPED_SHARDS
+    most, seen = 0, []
+    for rec in sd:
+        seen.append(rec["key"])
+        most = max(most, sum(sh._mm is not None for sh in shards))
+    assert sorted(seen) == sorted(f"k{i}" for i in range(300))
+    assert 1 <= most <= MAPPED_SHARDS
+    assert all(sh._mm is None for sh in shards)

@@ -42,26 +42,23 @@ def block_shuffle(
     if m == 0:
         return np.zeros(0, np.int64)
     rng = _rng(seed, epoch, stream)
-    if np.all(group[1:] >= group[:-1]):  # the usual case (indices in shard order): no sort
+    if np.all(group[1:] >= group[:-1]):  # the usual case (indices in shard order): O(m)
         starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-        inv = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, m]))
-        n_groups = len(starts)
+        sizes = np.diff(np.r_[starts, m])
+        perm = rng.permutation(len(starts))
+        # the runs of samples of each shard, concatenated in the permuted shard order
+        run_start = np.repeat(starts[perm] - np.r_[0, np.cumsum(sizes[perm])[:-1]], sizes[perm])
+        laid_out = run_start + np.arange(m, dtype=np.int64)
     else:
         n_groups, inv = len(np.unique(group)), np.unique(group, return_inverse=True)[1]
-    shard_rank = rng.permutation(n_groups)[inv]
-    if n_groups < 2**16:  # radix sort of 16-bit keys
-        shard_rank = shard_rank.astype(np.uint16)
-    laid_out = np.argsort(shard_rank, kind="stable")  # shard by shard, stable inside
+        laid_out = np.argsort(rng.permutation(n_groups)[inv], kind="stable")  # shard by shard
     bs = max(1, int(block_size))
-    jitter = rng.random(m)
-    # sort by (block, jitter): a stable argsort of the jitter inside each window
-    within = np.empty(m, np.int64)
+    # permute inside each window of bs positions (Fisher-Yates per row: no sort)
     full = (m // bs) * bs
     if full:
-        within[:full] = (np.argsort(jitter[:full].reshape(-1, bs), axis=1, kind="stable")
-                         + np.arange(0, full, bs)[:, None]).ravel()
-    within[full:] = full + np.argsort(jitter[full:], kind="stable")
-    return laid_out[within]
+        rng.permuted(laid_out[:full].reshape(-1, bs), axis=1, out=laid_out[:full].reshape(-1, bs))
+    laid_out[full:] = rng.permutation(laid_out[full:])
+    return laid_out
 
 
 def rank_count(total: int, start: int, world_size: int, drop_last: bool) -> int:
@@ -77,10 +74,14 @@ def rank_positions(total: int, start: int, rank: int, world_size: int, drop_last
 
     Positions past ``total`` (padding) wrap around to the beginning of the order.
     """
+    return rank_positions_slice(total, start, rank, world_size, 0, rank_count(total, start, world_size, drop_last))
+
+
+def rank_positions_slice(total: int, start: int, rank: int, world_size: int, lo: int, hi: int) -> np.ndarray:
+    """Entries ``lo:hi`` of :func:`rank_positions` (a chunk, without the whole array)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
-    n = rank_count(total, start, world_size, drop_last)
-    pos = start + rank + np.arange(n, dtype=np.int64) * world_size
+    pos = start + rank + np.arange(lo, hi, dtype=np.int64) * world_size
     return pos % total if total else pos
 
 
@@ -90,10 +91,12 @@ def worker_slots(n: int, worker: int, num_workers: int, batch_size: int) -> np.n
     Chunks of ``batch_size`` go round-robin to the workers, which matches the order in
     which a torch DataLoader (``in_order=True``) returns their batches.
     """
-    j = np.arange(n, dtype=np.int64)
     if num_workers <= 1:
-        return j
-    return j[(j // max(1, batch_size)) % num_workers == worker]
+        return np.arange(n, dtype=np.int64)
+    b = max(1, int(batch_size))
+    first = np.arange(worker * b, n, num_workers * b, dtype=np.int64)  # its chunks' starts
+    out = (first[:, None] + np.arange(b, dtype=np.int64)).ravel()
+    return out[: np.searchsorted(out, n)]  # the last chunk may be short
 
 
 def mix_choices(lengths: list[int], weights: list[float], total: int, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:

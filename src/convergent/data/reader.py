@@ -42,6 +42,7 @@ class ShardReader:
         self.path = directory / info.name
         self._meta: fmt.ShardMeta | None = None
         self._offsets: list[int] | None = None
+        self._offsets_np: np.ndarray | None = None
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._pid = -1
@@ -58,6 +59,11 @@ class ShardReader:
     @property
     def name(self) -> str:
         return self.info.name
+
+    def check_size(self) -> int:
+        """Size of the source shard file, bytes; DataError if it is missing or differs from
+        the manifest (a cheap ``stat``; the index is checked when first read)."""
+        return self._check_size(self.path)
 
     def _check_size(self, path: Path) -> int:
         try:
@@ -87,7 +93,8 @@ class ShardReader:
                     hint="the manifest does not match the shard (mixed-up copies?)",
                 )
             self._meta = meta
-            self._offsets = meta.index["offsets"].tolist()
+            self._offsets_np = meta.index["offsets"].astype(np.int64)
+            self._offsets = self._offsets_np.tolist()
         return self._meta
 
     def _map(self) -> mmap.mmap:
@@ -155,7 +162,7 @@ class ShardReader:
             return [self.record(i) for i in local]
         if self._pid != _PID[0] or self._view is None:
             self._map()
-        fast = fmt.decode_plain_bytes_frames(self._view, self._offsets, local)  # type: ignore[arg-type]
+        fast = fmt.decode_plain_bytes_frames(self._view, self._offsets_np, local)  # type: ignore[arg-type]
         return [r if r is not None else self.record(i) for r, i in zip(fast, local, strict=True)]
 
     def record(self, i: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from convergent.data.reader import Dataset, open_dataset
 from convergent.errors import DataError
 
 STATE_VERSION = 1
+MAPPED_SHARDS = 3  # shards a reader keeps mapped at once (block shuffle reads 1-2 at a time)
 
 
 def _dist_world() -> tuple[int, int]:
@@ -71,10 +72,6 @@ class _StreamBase(IterableDataset):
 
     def _fetch(self, sample_id: int) -> dict[str, Any]:
         raise NotImplementedError
-
-    def _release_plan(self, ids: np.ndarray) -> dict[int, Any]:
-        """{position in ``ids``: callable} run after the last read of a shard."""
-        return {}
 
     def _fingerprint(self) -> str:
         raise NotImplementedError
@@ -122,32 +119,53 @@ class _StreamBase(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
-        mine = self.worker_ids(wid, nw)
-        prefetcher = self._start_prefetch(mine)
-        release = self._release_plan(mine)
-        in_process = info is None
+        prefetcher = self._start_prefetch(self.worker_ids(wid, nw)) if self._uses_prefetch() else None
+        in_process, transform = info is None, self.transform
         try:
-            for j, (sid, rec) in enumerate(zip(mine.tolist(), self._records(mine), strict=True)):
-                if j in release:
-                    release[j]()  # unmap a shard this worker will not read again
+            for recs in self._record_chunks(self._worker_chunks(wid, nw, 1 if prefetcher else None)):
+                if transform is not None:
+                    recs = [transform(r) for r in recs]
                 if prefetcher is not None:
-                    prefetcher.advance(sid)
+                    prefetcher.advance()
                 if in_process:
-                    self._consumed += 1
-                yield self.transform(rec) if self.transform is not None else rec
+                    for r in recs:
+                        self._consumed += 1
+                        yield r
+                else:
+                    yield from recs
         finally:
             if prefetcher is not None:
                 prefetcher.stop()
+            self._release_all()
         if in_process and self._consumed >= len(self):
             # a completed pass: the next one replays the epoch from its start
             self._start, self._consumed = 0, 0
 
+    def _worker_chunks(self, worker: int, num_workers: int, step: int | None) -> Iterator[np.ndarray]:
+        """The sample ids of :meth:`worker_ids`, computed chunk by chunk of ``step`` (default
+        the batch size), so a short read costs no work over the whole epoch."""
+        n, b = len(self), self.batch_size
+        order = self._order(self.epoch)
+        for c in range(worker * b, n, max(1, num_workers) * b):
+            hi = min(c + b, n)
+            pos = order_mod.rank_positions_slice(self.total, self._start, self.rank, self.world_size, c, hi)
+            ids = order[pos]
+            for k in range(0, len(ids), step or len(ids)):
+                yield ids[k : k + (step or len(ids))]
+
+    def _uses_prefetch(self) -> bool:
+        return False
+
+    def _release_all(self) -> None:
+        """Unmap whatever this iteration mapped."""
+
     def _start_prefetch(self, ids: np.ndarray) -> Any:
         return None
 
-    def _records(self, ids: np.ndarray) -> Iterator[dict[str, Any]]:
-        for sid in ids.tolist():
-            yield self._fetch(sid)
+    def _record_chunks(self, chunks: Iterator[np.ndarray]) -> Iterator[list[Any]]:
+        """The decoded records of each chunk of sample ids, in order."""
+        for ids in chunks:
+            yield [self._fetch(sid) for sid in ids.tolist()]
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Exact position in the epoch.
@@ -239,9 +257,12 @@ class StreamingDataset(_StreamBase):
         used, count = np.unique(self._shard_of, return_counts=True)
         for s, c in zip(used.tolist(), count.tolist(), strict=True):
             sh = self.dataset.shards[s]
-            sh.meta  # noqa: B018 - check and load the index once; DataLoader workers inherit it
+            # a missing or truncated shard fails here; its index is read (and checked) on
+            # first use, so a short read of a big dataset opens only the shards it reads
+            sh.check_size()
             sh.populate = c >= 0.5 * sh.info.records
         self.block_size = int(block_size)
+        self._mapped: dict[int, bool] = {}  # shards mapped by this process, oldest use first
         super().__init__(seed=seed, shuffle=shuffle, rank=rank, world_size=world_size,
                          drop_last=drop_last, batch_size=batch_size, transform=transform,
                          prefetch_shards=prefetch_shards)
@@ -263,26 +284,37 @@ class StreamingDataset(_StreamBase):
     def _fetch(self, sample_id: int) -> dict[str, Any]:
         return self.dataset[sample_id]
 
-    def _records(self, ids: np.ndarray) -> Iterator[dict[str, Any]]:
+    def _record_chunks(self, chunks: Iterator[np.ndarray]) -> Iterator[list[Any]]:
+        # decoded shard by shard (one call per shard and chunk); at most MAPPED_SHARDS stay
+        # mapped (the block shuffle reads one or two at a time), least recently used first out
         ds = self.dataset
-        shard = ds.shard_of(ids)
-        local = ids - ds.starts[shard]
-        readers = ds.shards
-        # chunks of up to 256 samples, decoded shard by shard (one call per shard and chunk);
-        # through a cache, sample by sample, so shards are fetched in the prefetcher's order
-        step = 256 if ds.cache is None else 1
-        for c in range(0, len(ids), step):
-            sh, lo = shard[c : c + step], local[c : c + step]
+        readers, starts, mapped = ds.shards, ds.starts, self._mapped
+        for chunk in chunks:
+            sh = ds.shard_of(chunk)
+            local = chunk - starts[sh]
             first = int(sh[0])
-            if (sh == first).all():
-                yield from readers[first].records(lo.tolist())
-                continue
-            out: list[Any] = [None] * len(sh)
-            for s in np.unique(sh).tolist():
-                pos = np.flatnonzero(sh == s)
-                for p, rec in zip(pos.tolist(), readers[s].records(lo[pos].tolist()), strict=True):
-                    out[p] = rec
-            yield from out
+            if sh[-1] == first and (sh == first).all():
+                used = [first]
+                out = readers[first].records(local.tolist())
+            else:
+                used = np.unique(sh).tolist()
+                out: list[Any] = [None] * len(sh)
+                for s in used:
+                    pos = np.flatnonzero(sh == s)
+                    for p, rec in zip(pos.tolist(), readers[s].records(local[pos].tolist()), strict=True):
+                        out[p] = rec
+            for s in used:
+                mapped.pop(s, None)
+                mapped[s] = True
+            while len(mapped) > MAPPED_SHARDS:
+                readers[next(iter(mapped))].release()
+                del mapped[next(iter(mapped))]
+            yield out
+
+    def _release_all(self) -> None:
+        for s in self._mapped:
+            self.dataset.shards[s].release()
+        self._mapped.clear()
 
     def _fingerprint(self) -> str:
         h = xxhash.xxh3_64()
@@ -291,13 +323,8 @@ class StreamingDataset(_StreamBase):
             h.update(f"{s.name}:{s.records}:{s.xxh3_64};".encode())
         return h.hexdigest()
 
-    def _release_plan(self, ids: np.ndarray) -> dict[int, Any]:
-        if len(ids) == 0:
-            return {}
-        shards = self.dataset.shard_of(ids)
-        rev_first = np.unique(shards[::-1], return_index=True)
-        last = len(ids) - 1 - rev_first[1]
-        return {int(p): self.dataset.shards[int(s)].release for s, p in zip(rev_first[0], last, strict=True)}
+    def _uses_prefetch(self) -> bool:
+        return self.dataset.cache is not None
 
     def _start_prefetch(self, ids: np.ndarray) -> Any:
         ds = self.dataset
