@@ -5,11 +5,14 @@ simulator replays every run from the start-up cost table (error reported) and pr
 4-GPU throughput from a spec-derived L20 cost table next to the paper's figures.
 
 Every run's engine profiles its cost table *in situ* at start-up (a short sweep of
-prefill/decode shapes through its own stage processes, both stages active); TD-Pipe's
-switch rule and the simulator replay of that run use it. The older one-process layer
-profile is kept only to report its (larger) simulator error for comparison.
+prefill/decode shapes through its own stage processes, both stages active: per-stage
+time models, dispatch / hop / return latencies and each stage's turnaround between
+back-to-back micro-batches); TD-Pipe's switch rule and the simulator replay of that run
+use it, and the replay also charges the scheduler's own decision time (timed as it
+runs). The older one-process layer profile is kept only to report its (larger)
+simulator error for comparison.
 
-    python bench/serve_throughput.py                     # defaults: 500 requests, scale 0.125
+    python bench/serve_throughput.py        # defaults: 500 requests, prompts x0.5, outputs x0.125
     python bench/serve_throughput.py --requests 64 --quick
     python bench/serve_throughput.py --only interleaved,tdpipe_learned --repeat 2 --quick
 
@@ -174,8 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--scale",
         type=float,
+        default=None,
+        help="scale prompt and output lengths alike (overrides the two below)",
+    )
+    ap.add_argument(
+        "--input-scale",
+        type=float,
+        default=0.5,
+        help="scale of ShareGPT-like prompt lengths (1.0 = full; median ~33 tokens at 0.5)",
+    )
+    ap.add_argument(
+        "--output-scale",
+        type=float,
         default=0.125,
-        help="scale ShareGPT-like lengths (1.0 = full; CPU time budget)",
+        help="scale of output lengths (CPU time budget; median ~40 tokens at 0.125)",
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kv-tokens", type=int, default=4096, help="KV budget in tokens")
@@ -224,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ensure_random_model(model_dir, "30m", seed=0)
     mcfg = read_config(model_dir)
     full_trace = make_trace(args.requests, seed=args.seed)
-    trace = scale_trace(full_trace, args.scale) if args.scale != 1.0 else full_trace
+    in_scale = args.input_scale if args.scale is None else args.scale
+    out_scale = args.output_scale if args.scale is None else args.scale
+    trace = scale_trace(full_trace, in_scale, output_scale=out_scale)
     kv_budget = args.kv_tokens * mcfg.kv_bytes_per_token()
     layers = [len(x) for x in split_layers(mcfg.num_hidden_layers, args.stages)]
     print(
@@ -245,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one-process cost table profiled in {time.monotonic() - t:.1f} s", flush=True)
 
     predictors = {
-        k: make_predictor(k, length_scale=args.scale) for k in ("oracle", "learned", "constant")
+        k: make_predictor(k, length_scale=out_scale, input_scale=in_scale)
+        for k in ("oracle", "learned", "constant")
     }
     test_acc = predictors["learned"].accuracy(
         [r.prompt for r in trace], [r.output_len for r in trace]
@@ -298,22 +316,32 @@ def main(argv: list[str] | None = None) -> int:
         ]
         scfg = SchedulerConfig.from_serve(cfg)
         nb = res["kv_blocks"]
-        sim = simulate(cfg.scheduler, reqs, costs, nb, 16, scfg)
+        sim = simulate(cfg.scheduler, reqs, costs, nb, 16, scfg, time_decisions=True)
         res["sim"] = sim.to_dict()
         res["sim_error"] = abs(sim.makespan_s - res["wall_s"]) / res["wall_s"]
-        sim_iso = simulate(cfg.scheduler, reqs, costs_isolated.with_stages(layers), nb, 16, scfg)
+        sim_iso = simulate(
+            cfg.scheduler,
+            reqs,
+            costs_isolated.with_stages(layers),
+            nb,
+            16,
+            scfg,
+            time_decisions=True,
+        )
         res["sim_isolated_profile_error"] = abs(sim_iso.makespan_s - res["wall_s"]) / res["wall_s"]
         own = calibrate_from_run(
             res["_batch_log"],
             costs.with_stages(layers if cfg.scheduler != "sequential" else [sum(layers)]),
         )
-        sim_own = simulate(cfg.scheduler, reqs, own, nb, 16, scfg)
+        sim_own = simulate(cfg.scheduler, reqs, own, nb, 16, scfg, time_decisions=True)
         res["sim_self_calibrated"] = sim_own.to_dict()
         res["sim_self_calibrated_error"] = abs(sim_own.makespan_s - res["wall_s"]) / res["wall_s"]
         if name == "interleaved" and "pipeline" not in calib:
             calib["pipeline"] = own
         if cfg.scheduler != "sequential" and "pipeline" in calib:
-            sim_x = simulate(cfg.scheduler, reqs, calib["pipeline"], nb, 16, scfg)
+            sim_x = simulate(
+                cfg.scheduler, reqs, calib["pipeline"], nb, 16, scfg, time_decisions=True
+            )
             res["sim_cross_calibrated"] = sim_x.to_dict()
             res["sim_cross_calibrated_error"] = (
                 abs(sim_x.makespan_s - res["wall_s"]) / res["wall_s"]
@@ -390,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_blocks",
         "kv_allocated_bytes",
         "micro_batches",
+        "engine_decide_s",
         "mode_switches",
         "stages",
         "sim",
@@ -414,8 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {**machine, "loadavg_end": os.getloadavg()},
         "note": (
             "CPU shared with other jobs (load average above the 2 usable cores), so "
-            "absolute numbers and ratios are noisy; lengths scaled by --scale to fit "
-            "the time budget; outputs forced to the trace lengths (EOS ignored); "
+            "absolute numbers and ratios are noisy; every run uses the same trace: prompt "
+            f"lengths x{in_scale}, output lengths x{out_scale} of the ShareGPT-like trace "
+            "(see trace_scales) to fit the time budget; outputs forced to the trace "
+            "lengths (EOS ignored); "
             "random weights (no hub access), byte-level tokenizer."
         ),
         "model": {
@@ -428,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "vocab": mcfg.vocab_size,
         },
         "args": {k: str(v) for k, v in vars(args).items()},
+        "trace_scales": {"input": in_scale, "output": out_scale},
         "trace": trace_stats(trace),
         "trace_unscaled": trace_stats(full_trace),
         "kv_budget_bytes": kv_budget,

@@ -13,6 +13,7 @@ from convergent.serve.scheduler import (
     SchedulerConfig,
     TDPipeScheduler,
     make_scheduler,
+    predicted_peak_blocks,
     predicted_peak_tokens,
 )
 from convergent.serve.sim import simulate
@@ -86,6 +87,19 @@ def test_predicted_peak_tokens():
     assert predicted_peak_tokens([(100, 1), (1, 50)]) == 103
     assert predicted_peak_tokens([]) == 0
     assert predicted_peak_tokens([(5, 3)]) == 8
+
+
+def test_predicted_peak_blocks_matches_step_by_step_count():
+    assert predicted_peak_blocks([(10, 2), (10, 8)], 4) == 6  # 24 tokens, 3 + 3 blocks
+    assert predicted_peak_blocks([], 4) == 0
+    rng = random.Random(3)
+    for _ in range(50):
+        ents = [(rng.randint(1, 60), rng.randint(1, 40)) for _ in range(rng.randint(1, 12))]
+        brute = max(
+            sum(-(-(n + m) // 16) for n, rem in ents if rem >= m)
+            for m in range(max(r for _, r in ents) + 1)
+        )
+        assert predicted_peak_blocks(ents, 16) == brute
 
 
 @pytest.mark.parametrize("name", ["sequential", "interleaved", "tdpipe"])
@@ -212,6 +226,46 @@ def test_simulator_replays_schedulers_and_tdpipe_avoids_preemption():
     assert res["tdpipe"].preemptions == 0
     # a single stage holding all layers: busy the whole time (no bubbles)
     assert res["sequential"].busy_s[0] == pytest.approx(res["sequential"].makespan_s, rel=1e-6)
+
+
+def test_simulator_charges_engine_latency_and_decisions():
+    """One micro-batch in flight (sequential): every batch's result reaches the engine
+    ``ret`` later, so the makespan grows by exactly ``batches * ret``; timing the
+    scheduler's own decisions adds their (positive) time to the engine clock."""
+    reqs = [(r.total_len, r.max_tokens, r.max_tokens) for r in _reqs(30, seed=5)]
+    cfg = SchedulerConfig(max_num_seqs=8, max_batched_tokens=64)
+    base = simulate("sequential", reqs, COSTS, 200, 4, cfg)
+    slow = COSTS.with_stages([2, 2])
+    slow.ret = 0.01
+    late = simulate("sequential", reqs, slow, 200, 4, cfg)
+    assert late.micro_batches == base.micro_batches
+    assert late.makespan_s - base.makespan_s == pytest.approx(0.01 * base.micro_batches)
+    timed = simulate("tdpipe", reqs, COSTS, 200, 4, cfg, time_decisions=True)
+    untimed = simulate("tdpipe", reqs, COSTS, 200, 4, cfg)
+    assert timed.engine_s > 0 and untimed.engine_s == 0
+    assert timed.output_tokens == untimed.output_tokens
+
+
+def test_turnaround_calibrated_from_back_to_back_batches_and_simulated():
+    """Stage 1 restarts 5 ms after its previous micro-batch although the input was
+    ready: calibration measures that turnaround and the simulator charges it."""
+    from convergent.serve.costs import BatchShape, calibrate_from_run
+
+    log = {}
+    for bid in range(20):  # stage 0: 10 ms back to back; stage 1: 10 ms, 5 ms apart
+        s0 = (bid * 0.010, bid * 0.010 + 0.010)
+        s1 = (0.020 + bid * 0.015, 0.030 + bid * 0.015)
+        shape = BatchShape(decode_seqs=4 + bid % 3, decode_ctx=40, sampled=4 + bid % 3)
+        log[bid] = {"submit": 0.0, "shape": shape, "stages": {0: s0, 1: s1}, "recv": s1[1]}
+    table = calibrate_from_run(log, COSTS)
+    assert table.turnaround[0] == pytest.approx(0.0, abs=1e-9)
+    assert table.turnaround[1] == pytest.approx(0.005)
+    reqs = [(r.total_len, r.max_tokens, r.max_tokens) for r in _reqs(30, seed=6)]
+    cfg = SchedulerConfig(max_num_seqs=8, max_batched_tokens=64)
+    quick = simulate("interleaved", reqs, COSTS, 200, 4, cfg)
+    slow = COSTS.with_stages([2, 2])
+    slow.turnaround = [0.0, 0.02]
+    assert simulate("interleaved", reqs, slow, 200, 4, cfg).makespan_s > quick.makespan_s + 0.02
 
 
 def test_tdpipe_queues_deeper_while_prefilling():

@@ -37,6 +37,9 @@ def test_trace_is_seeded_and_matches_lognormal_fits():
     assert all(
         r.output_len == max(1, round(o.output_len * 0.25)) for r, o in zip(sc, t[:50], strict=True)
     )
+    sep = scale_trace(t[:50], 1.0, output_scale=0.25)  # inputs kept, outputs shrunk
+    assert [r.input_len for r in sep] == [o.input_len for o in t[:50]]
+    assert [r.output_len for r in sep] == [r.output_len for r in sc]
     assert math.isfinite(s["published_empirical"]["input_median"])
 
 

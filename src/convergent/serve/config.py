@@ -34,6 +34,8 @@ class ServeConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
     torch_threads: int = 1  # per stage process
     profile_costs: bool = True  # tdpipe: profile the stage cost table in situ at start-up
-    tdpipe_memory_fraction: float = 0.9  # predicted peak KV use allowed by prefill
+    # tdpipe: predicted peak KV use (whole blocks) allowed by prefill; a mispredicted
+    # request that outgrows it is preempted by recompute
+    tdpipe_memory_fraction: float = 1.0
     work_stealing: bool = True  # tdpipe: balance decode micro-batches
     default_max_tokens: int = 128  # API requests without max_tokens

@@ -53,6 +53,10 @@ class CostTable:
     stage_coef: list[list[float]] | None = None
     dispatch: float = 0.0  # engine: submit -> stage 0 start (when stage 0 is idle)
     hop: float = 0.0  # stage s end -> stage s+1 start (when s+1 is idle)
+    ret: float = 0.0  # last stage end -> its result received by the engine
+    # per stage: end of one micro-batch -> start of the next when the next one's input
+    # was already there (queue hand-off, wake-up; grows when the CPU is oversubscribed)
+    turnaround: list[float] | None = None
 
     def stage_time(self, shape: BatchShape, stage: int) -> float:
         if self.stage_coef is not None:
@@ -100,6 +104,14 @@ class CostTable:
 
 
 def _fit(rows: list[list[float]], times: list[float]) -> list[float]:
+    """Non-negative least squares of ``times`` on ``rows``; repeated rows (the same batch
+    shape timed several times) enter once, with their median time, so one interrupted
+    repetition on a shared CPU does not pull the fit."""
+    groups: dict[tuple, list[float]] = {}
+    for r, t in zip(rows, times, strict=True):
+        groups.setdefault(tuple(r), []).append(t)
+    rows = [list(k) for k in groups]
+    times = [float(np.median(v)) for v in groups.values()]
     a, y = np.asarray(rows, float), np.asarray(times, float)
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     # a negative coefficient is noise: drop the most negative term and refit (small NNLS)
@@ -194,7 +206,9 @@ def calibrate_from_run(batch_log: dict[int, dict], base: CostTable) -> CostTable
 
     ``batch_log`` is :attr:`convergent.serve.engine.EngineStats.batch_log`. Also measures
     the engine's dispatch latency and the stage-to-stage hop latency (medians over
-    micro-batches that found the next stage idle). Used to check the simulator's
+    micro-batches that found the next stage idle) and the result's return latency to
+    the engine (median; entries with a ``recv`` time), and each stage's turnaround
+    between back-to-back micro-batches (median). Used to check the simulator's
     scheduling/bubble model separately from the start-up profile's accuracy.
     """
     entries = [e for e in batch_log.values() if e["stages"]]
@@ -211,6 +225,10 @@ def calibrate_from_run(batch_log: dict[int, dict], base: CostTable) -> CostTable
         coefs.append(_fit(rows, ys) if len(rows) >= 6 else [0.0] * 5)
     # latencies: only batches whose stage was idle when they arrived
     disp, hops = [], []
+    turn: list[list[float]] = [[] for _ in range(p)]
+    rets = [
+        e["recv"] - e["stages"][p - 1][1] for e in entries if "recv" in e and p - 1 in e["stages"]
+    ]
     ends: dict[int, float] = {}
     for e in sorted(entries, key=lambda x: x["submit"]):
         st = e["stages"]
@@ -219,6 +237,10 @@ def calibrate_from_run(batch_log: dict[int, dict], base: CostTable) -> CostTable
         for s in range(1, p):
             if s in st and s - 1 in st and (s not in ends or ends[s] <= st[s - 1][1]):
                 hops.append(max(0.0, st[s][0] - st[s - 1][1]))
+        for s in range(p):  # back to back: the input was ready before the stage was free
+            ready = e["submit"] if s == 0 else st.get(s - 1, (0.0, float("inf")))[1]
+            if s in st and s in ends and ready <= ends[s]:
+                turn[s].append(max(0.0, st[s][0] - ends[s]))
         for s, (_, t1) in st.items():
             ends[s] = t1
     d = asdict(base)
@@ -226,6 +248,8 @@ def calibrate_from_run(batch_log: dict[int, dict], base: CostTable) -> CostTable
         stage_coef=coefs,
         dispatch=float(np.median(disp)) if disp else 0.0,
         hop=float(np.median(hops)) if hops else 0.0,
+        ret=max(0.0, float(np.median(rets))) if rets else 0.0,
+        turnaround=[float(np.median(x)) if x else 0.0 for x in turn],
         source="calibrated on a run",
     )
     return CostTable(**d)

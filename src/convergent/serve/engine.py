@@ -148,6 +148,7 @@ class EngineStats:
     batch_log: dict[int, dict] = field(default_factory=dict)
     t_start: float = 0.0
     t_end: float = 0.0
+    decide_s: float = 0.0  # engine time in the scheduler's schedule()/complete() calls
 
     def summary(self, num_blocks: int) -> dict:
         span = max(1e-9, self.t_end - self.t_start)
@@ -169,6 +170,7 @@ class EngineStats:
             "stages": per_stage,
             "kv_peak_blocks": max((u for _, u in self.kv_timeline), default=0),
             "kv_blocks": num_blocks,
+            "engine_decide_s": self.decide_s,
         }
 
 
@@ -327,7 +329,9 @@ class Engine:
 
     def _submit_ready(self) -> None:
         while len(self.in_flight) < self.sched.depth:
+            t0 = time.perf_counter()
             b = self.sched.schedule()
+            self.stats.decide_s += time.perf_counter() - t0
             if b is None:
                 break
             self.in_flight[b.bid] = b
@@ -346,6 +350,7 @@ class Engine:
 
     def _handle(self, msgs: list[tuple]) -> list[Request]:
         finished = []
+        recv = time.monotonic()
         for m in msgs:
             if m[0] == "busy":
                 if self._record:
@@ -358,10 +363,13 @@ class Engine:
                     self.stats.busy[self.num_stages - 1].append((t0, t1))
                 if bid in self.stats.batch_log:
                     self.stats.batch_log[bid]["stages"][self.num_stages - 1] = (t0, t1)
+                    self.stats.batch_log[bid]["recv"] = recv
                 b = self.in_flight.pop(bid)
                 now = time.monotonic()
                 before = {rid: len(self.sched.requests[rid].output) for rid in tokens}
+                t_c = time.perf_counter()
                 done = self.sched.complete(b, tokens, now)
+                self.stats.decide_s += time.perf_counter() - t_c
                 finished.extend(done)
                 if self._record:
                     self.stats.kv_timeline.append((now, self.bm.num_used))

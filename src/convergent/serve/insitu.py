@@ -106,11 +106,14 @@ def profile_in_situ(
             log[bid] = {"submit": time.monotonic(), "shape": _shape(ql, cl), "stages": {}}
             executor.submit(_meta(bid, ql, cl, num_blocks, block_size))
             in_flight += 1
-        for m in executor.poll(timeout=1.0):
+        msgs = executor.poll(timeout=1.0)
+        recv = time.monotonic()
+        for m in msgs:
             if m[0] == "busy":
                 log[m[2]]["stages"][m[1]] = (m[3], m[4])
             elif m[0] == "result":
                 log[m[1]]["stages"][p - 1] = (m[3], m[4])
+                log[m[1]]["recv"] = recv
                 in_flight -= 1
     for i in range(depth):
         log.pop(-1 - i)

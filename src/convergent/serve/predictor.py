@@ -163,16 +163,24 @@ class LearnedPredictor(LengthPredictor):
 
 
 def make_predictor(
-    kind: str, path: str = "", train_n: int = 2000, seed: int = 1234, length_scale: float = 1.0
+    kind: str,
+    path: str = "",
+    train_n: int = 2000,
+    seed: int = 1234,
+    length_scale: float = 1.0,
+    input_scale: float | None = None,
 ) -> LengthPredictor:
-    """Build a predictor by name; ``learned`` loads ``path`` or trains on a fresh trace."""
+    """Build a predictor by name; ``learned`` loads ``path`` or trains on a fresh trace
+    whose outputs are scaled by ``length_scale`` and prompts by ``input_scale`` (default:
+    ``length_scale``), like the trace it will predict."""
     from convergent.serve.workload import make_trace, scale_trace
 
     if kind == "oracle":
         return OraclePredictor()
     trace = make_trace(train_n, seed=seed)
-    if length_scale != 1.0:
-        trace = scale_trace(trace, length_scale)
+    in_scale = length_scale if input_scale is None else input_scale
+    if length_scale != 1.0 or in_scale != 1.0:
+        trace = scale_trace(trace, in_scale, output_scale=length_scale)
     if kind == "constant":
         return ConstantPredictor(int(np.median([r.output_len for r in trace])))
     if kind == "learned":

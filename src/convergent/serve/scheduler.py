@@ -11,8 +11,9 @@ the sampled tokens when one comes back from the last stage.
   each mixing ready decodes with new prefills up to a token budget; with
   ``chunked_prefill`` long prompts are split to fill the budget exactly.
 * ``tdpipe`` — prefill and decode separated in time (TD-Pipe): (a) a prefill phase
-  admits requests greedily while the *predicted* peak KV use (prompts + predicted output
-  lengths) stays under the budget; (b) decode micro-batches are rebuilt every round from
+  admits requests greedily (FIFO) while the *predicted* peak KV use (prompts + predicted
+  output lengths, counted in whole blocks per sequence at every future step) stays under
+  ``memory_fraction`` of the budget; (b) decode micro-batches are rebuilt every round from
   all ready sequences so the ``P`` batches stay balanced as requests finish (inter-batch
   work stealing); (c) at each round boundary it switches back to prefill when decode's
   computational intensity (throughput of its current per-batch size relative to a large
@@ -33,6 +34,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from convergent.serve.costs import BatchShape, CostTable
 from convergent.serve.kv_cache import BlockManager
 
@@ -47,6 +50,7 @@ __all__ = [
     "TDPipeScheduler",
     "make_scheduler",
     "predicted_peak_tokens",
+    "predicted_peak_blocks",
 ]
 
 
@@ -114,7 +118,7 @@ class SchedulerConfig:
     max_batched_tokens: int = 1024
     chunked_prefill: bool = False
     max_model_len: int = 2048
-    memory_fraction: float = 0.9  # tdpipe: predicted peak KV use allowed
+    memory_fraction: float = 1.0  # tdpipe: predicted peak KV use allowed
     work_stealing: bool = True  # tdpipe
     ignore_eos: bool = False
 
@@ -390,6 +394,22 @@ def predicted_peak_tokens(entries: Iterable[tuple[int, int]]) -> int:
     return best
 
 
+def predicted_peak_blocks(entries: Iterable[tuple[int, int]], block_size: int) -> int:
+    """Peak KV blocks of sequences ``(current_len, remaining_predicted)`` decoded together.
+
+    Like :func:`predicted_peak_tokens` but in whole blocks per sequence: at future step
+    ``m`` each sequence still alive (``remaining >= m``) holds ``ceil((current_len + m) /
+    block_size)`` blocks. The peak is at ``m = 0`` or just before a sequence finishes.
+    """
+    a = np.asarray(list(entries), dtype=np.int64).reshape(-1, 2)
+    if not len(a):
+        return 0
+    cur, rem = a[:, :1], a[:, 1:]
+    steps = np.unique(np.concatenate(([0], a[:, 1])))[None, :]
+    blocks = (rem >= steps) * (-(-(cur + steps) // block_size))
+    return int(blocks.sum(0).max())
+
+
 class TDPipeScheduler(Scheduler):
     """Temporally-disaggregated pipeline: prefill phases and decode phases."""
 
@@ -411,22 +431,33 @@ class TDPipeScheduler(Scheduler):
 
     # -- memory prediction
     def _peak_blocks(self, extra: list[Request]) -> int:
-        ents = [(r.total_len, r.remaining_predicted) for r in self.running]
-        ents += [(r.total_len, r.remaining_predicted) for r in extra]
-        tokens = predicted_peak_tokens(ents)
-        return -(-tokens // self.bm.block_size) + len(ents) // 2  # half a block slack each
+        ents = [(r.total_len, r.remaining_predicted) for r in (*self.running, *extra)]
+        return predicted_peak_blocks(ents, self.bm.block_size)
 
     def _mem_cap(self) -> float:
         return self.cfg.memory_fraction * self.bm.num_blocks
 
     def _prefill_candidates(self) -> list[Request]:
-        """Waiting requests admissible now under the predicted-peak bound (FIFO)."""
-        cands: list[Request] = []
-        for r in self.waiting:
-            if self._peak_blocks(cands + [r]) > self._mem_cap() and (self.running or cands):
-                break
-            cands.append(r)
-        return cands
+        """The longest FIFO prefix of the waiting queue whose admission keeps the predicted
+        peak KV use under the bound (at least one request when nothing runs).
+
+        The peak only grows with more sequences, so a binary search over the prefix
+        length needs ``log2(queue)`` peak evaluations.
+        """
+        if not self.waiting:
+            return []
+        queue = list(self.waiting)
+        lo, hi = 0, len(queue)  # lo: known to fit
+        cap = self._mem_cap()
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._peak_blocks(queue[:mid]) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0 and not self.running:
+            lo = 1
+        return queue[:lo]
 
     # -- intensity-based switch (c)
     def _decode_rate(self, n: int) -> float:
@@ -524,20 +555,17 @@ class TDPipeScheduler(Scheduler):
     def _schedule_prefill(self) -> MicroBatch | None:
         items: list[Item] = []
         budget = self.cfg.max_batched_tokens
-        admitted: list[Request] = []
-        while self.waiting and len(items) < self.cfg.max_num_seqs:
+        admissible = len(self._prefill_candidates())
+        while self.waiting and len(items) < min(self.cfg.max_num_seqs, admissible):
             r = self.waiting[0]
             n = r.total_len
             if items and n > budget:
-                break
-            if self._peak_blocks([r]) > self._mem_cap() and (self.running or admitted):
                 break
             if not self.bm.can_grow(r.rid, n + 1):
                 break
             self.waiting.popleft()
             self.bm.grow(r.rid, n)
             self._admit_req(r)
-            admitted.append(r)
             items.append(Item(r.rid, 0, n, True))
             budget -= n
         return self._make(items, "prefill")

@@ -14,6 +14,7 @@ projection next to the TD-Pipe paper's reported speed-ups (:data:`PAPER_FIGURES`
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from convergent.serve.costs import CostTable
@@ -43,6 +44,7 @@ class SimResult:
     kv_peak_blocks: int = 0
     preemptions: int = 0
     kv_timeline: list[tuple[float, int]] = field(default_factory=list)
+    engine_s: float = 0.0  # scheduler decision time charged to the engine (time_decisions)
 
     @property
     def output_tok_s(self) -> float:
@@ -59,6 +61,7 @@ class SimResult:
             "micro_batches": self.micro_batches,
             "kv_peak_blocks": self.kv_peak_blocks,
             "preemptions": self.preemptions,
+            "engine_s": self.engine_s,
         }
 
 
@@ -70,11 +73,18 @@ def simulate(
     block_size: int = 16,
     cfg: SchedulerConfig | None = None,
     engine_overhead: float = 0.0,
+    time_decisions: bool = False,
 ) -> SimResult:
     """Replay ``requests`` = ``[(input_len, output_len, predicted_len), ...]`` (all at t=0).
 
     ``costs.layers_per_stage`` sets the number of stages (``sequential`` sums them into
     one stage). Returns makespan, busy time per stage and KV peak.
+
+    The engine is one thread: a finished micro-batch reaches it ``costs.ret`` seconds
+    after the last stage ends, and each new micro-batch leaves it ``engine_overhead +
+    costs.dispatch`` seconds after its decision. ``time_decisions``: also charge the
+    measured wall time of every ``schedule``/``complete`` call of the scheduler (the
+    same Python the real engine runs) to the engine's clock.
     """
     cfg = cfg or SchedulerConfig()
     cfg = SchedulerConfig(**{**cfg.__dict__, "ignore_eos": True})
@@ -88,14 +98,24 @@ def simulate(
         sched.add(Request(i, [0] * n_in, n_out, predicted_len=pred))
     t = 0.0
     stage_free = [0.0] * p
+    turn = list(costs.turnaround or [0.0] * p)
+    if len(turn) != p:  # a table of another stage split: one mean value for every stage
+        turn = [sum(turn) / len(turn)] * p
     busy = [0.0] * p
     heap: list[tuple[float, int]] = []
     inflight: dict[int, object] = {}
     n_batches = 0
     timeline = []
+    clock = time.perf_counter if time_decisions else None
+    engine_s = 0.0
     while sched.has_unfinished() or inflight:
         while len(inflight) < sched.depth:
+            t0 = clock() if clock else 0.0
             b = sched.schedule()
+            if clock:
+                dt = clock() - t0
+                t += dt
+                engine_s += dt
             if b is None:
                 break
             n_batches += 1
@@ -104,21 +124,27 @@ def simulate(
             for s in range(p):
                 if s > 0:
                     ts += costs.hop
-                start = max(ts, stage_free[s])
+                start = max(ts, stage_free[s] + turn[s])
                 dur = costs.stage_time(shape, s)
                 stage_free[s] = start + dur
                 busy[s] += dur
                 ts = start + dur
             inflight[b.bid] = b
-            heapq.heappush(heap, (ts, b.bid))
+            heapq.heappush(heap, (ts + costs.ret, b.bid))
             timeline.append((t, bm.num_used))
         if not inflight:
             if sched.resolve_stall() is None:
                 break
             continue
-        t, bid = heapq.heappop(heap)
+        t_done, bid = heapq.heappop(heap)
+        t = max(t, t_done)  # the engine may still be busy deciding
         b = inflight.pop(bid)
+        t0 = clock() if clock else 0.0
         sched.complete(b, {it.rid: -1 for it in b.items if it.sample}, t)
+        if clock:
+            dt = clock() - t0
+            t += dt
+            engine_s += dt
         timeline.append((t, bm.num_used))
     out_tok = sum(len(r.output) for r in sched.finished)
     in_tok = sum(len(r.prompt) for r in sched.finished)
@@ -133,6 +159,7 @@ def simulate(
         bm.peak_used,
         sched.num_preemptions,
         timeline,
+        engine_s,
     )
 
 

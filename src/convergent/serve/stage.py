@@ -9,7 +9,9 @@ and sends its output to the next stage (or sampled tokens back to the engine).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import time
 import traceback
 from collections import deque
@@ -141,6 +143,17 @@ class StageRunner:
         return toks
 
 
+def _next_meta(in_q, parent: int, poll_s: float = 1.0):
+    """The engine's next message; ``None`` (stop) also when the engine process is gone
+    (killed by a signal: its daemon stages would otherwise wait forever)."""
+    while True:
+        try:
+            return in_q.get(timeout=poll_s)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
 def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
     """Entry point of a stage process (``multiprocessing`` spawn target).
 
@@ -152,6 +165,7 @@ def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(max(1, spec.threads))
+        parent = os.getppid()
         runner = StageRunner(spec)
         p = spec.num_stages
         device_gpu = runner.device.type == "cuda"
@@ -162,14 +176,36 @@ def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
         out_q.put(("ready", spec.stage, runner.kv.nbytes))
         hidden = runner.config.hidden_size
         pending: deque = deque()
+
+        def post_recv(meta):
+            """Post the receive of ``meta``'s activations (later stages); returns
+            ``(meta, tensor, work)``."""
+            if runner.first:
+                return meta, None, None
+            x = torch.empty(meta.num_tokens, hidden, dtype=runner.dtype, device=runner.device)
+            return meta, x, dist.irecv(x, src=spec.stage - 1)
+
+        nxt = None  # the next micro-batch, its receive already posted
+        stop = False  # the engine's stop message was read ahead
         while True:
-            meta = in_q.get()
-            if meta is None:
-                break
-            x = None
+            if nxt is None:
+                meta = None if stop else _next_meta(in_q, parent)
+                if meta is None:
+                    break
+                nxt = post_recv(meta)
+            meta, x, work = nxt
+            nxt = None
+            if work is not None:
+                work.wait()
             if not runner.first:
-                x = torch.empty(meta.num_tokens, hidden, dtype=runner.dtype, device=runner.device)
-                dist.recv(x, src=spec.stage - 1)
+                # post the next receive before computing: the transfer overlaps this
+                # micro-batch instead of starting after it (stage turnaround)
+                with contextlib.suppress(queue.Empty):
+                    ahead = in_q.get_nowait()
+                    if ahead is None:
+                        stop = True
+                    else:
+                        nxt = post_recv(ahead)
             t0 = time.monotonic()
             out = runner.run(meta, x)
             t1 = time.monotonic()

@@ -106,15 +106,19 @@ def make_trace(
     return reqs
 
 
-def scale_trace(trace: list[TraceRequest], scale: float, min_len: int = 2) -> list[TraceRequest]:
-    """Shrink input and output lengths by ``scale`` (for small-machine benchmarks)."""
+def scale_trace(
+    trace: list[TraceRequest], scale: float, min_len: int = 2, output_scale: float | None = None
+) -> list[TraceRequest]:
+    """Shrink input lengths by ``scale`` and output lengths by ``output_scale`` (default:
+    ``scale``), for small-machine benchmarks."""
+    out_scale = scale if output_scale is None else output_scale
     out = []
     for r in trace:
         n_in = max(min_len, round(r.input_len * scale))
         text = r.prompt.encode()[: n_in - 1].decode("utf-8", errors="ignore")
         out.append(
             TraceRequest(
-                r.rid, text, len(text.encode()) + 1, max(1, round(r.output_len * scale)), r.kind
+                r.rid, text, len(text.encode()) + 1, max(1, round(r.output_len * out_scale)), r.kind
             )
         )
     return out
