@@ -119,3 +119,23 @@ def test_small_molecule_path_equals_cell_list_path():
     assert set(zip(src.tolist(), dst.tolist(), strict=True)) == set(
         zip(nl.edge_index[0].tolist(), nl.edge_index[1].tolist(), strict=True))
     assert _pairs_ours(cluster, 4.0)[1] == _pairs_ase(cluster, 4.0)
+
+
+def test_batch_of_periodic_cells_uses_each_molecules_cell():
+    """Two crystals with different cells in one batch: pairs as ASE, shifts from the right cell."""
+    cases = _cases()
+    (cu, _), (prim, _) = cases[1], cases[2]
+    cutoff = 4.0
+    pos = torch.tensor(np.concatenate([cu.positions, prim.positions]))
+    batch = torch.tensor([0] * len(cu) + [1] * len(prim))
+    cell = torch.tensor(np.stack([cu.cell.array, prim.cell.array]))
+    nl = neighbor_list(pos, cutoff, batch=batch, cell=cell, pbc=torch.ones(2, 3, dtype=torch.bool))
+    i, j = nl.edge_index
+    d = (pos[j] - pos[i] + nl.shifts).norm(dim=1)
+    assert torch.allclose(d, nl.distances, atol=1e-9)
+    assert bool((nl.shifts[(nl.cell_shifts == 0).all(1)] == 0).all())
+    for b, (atoms, off) in enumerate([(cu, 0), (prim, len(cu))]):
+        m = batch[i] == b
+        ours = set(zip((i[m] - off).tolist(), (j[m] - off).tolist(),
+                       map(tuple, nl.cell_shifts[m].tolist()), strict=True))
+        assert ours == _pairs_ase(atoms, cutoff)

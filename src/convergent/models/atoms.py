@@ -226,11 +226,13 @@ def neighbor_list(
     ckey = key(cbatch, cc)
     order = torch.argsort(ckey)
     skey = ckey[order]
+    spos = cpos[order]  # candidate positions in cell order: gathers below stay cell-local
     ukeys, counts = torch.unique_consecutive(skey, return_counts=True)
     starts = torch.cumsum(counts, 0) - counts
 
     center_cc = cc[:n]  # the first N candidates are the (wrapped) atoms themselves
     offsets = _OFFSETS_27.to(dev)
+    ones3 = torch.ones(3, dtype=work_dtype, device=dev)
     src_all, dst_all, sh_all, d_all = [], [], [], []
     for c0 in range(0, n, chunk_size):
         c1 = min(n, c0 + chunk_size)
@@ -239,18 +241,21 @@ def neighbor_list(
         loc = torch.searchsorted(ukeys, nb_keys).clamp_max(ukeys.numel() - 1)
         found = ukeys[loc] == nb_keys
         cnt = torch.where(found, counts[loc], torch.zeros_like(loc))
-        st = starts[loc]
         cnt_f = cnt.flatten()
         total = int(cnt_f.sum())
         if total == 0:
             continue
-        rep_center = ci.repeat_interleave(27).repeat_interleave(cnt_f)
+        # Candidate k of centre i: position st + (k - segment start) in cell order.
+        rep_center = ci.repeat_interleave(cnt.sum(1))
         seg_start = torch.cumsum(cnt_f, 0) - cnt_f
-        within = torch.arange(total, device=dev) - seg_start.repeat_interleave(cnt_f)
-        cand = order[st.flatten().repeat_interleave(cnt_f) + within]
-        vec = cpos[cand] - posw[rep_center]
-        d2 = (vec * vec).sum(dim=1)
-        keep = (d2 < cutoff * cutoff) & ~((catom[cand] == rep_center) & (cshift[cand] == 0).all(1))
+        idx = torch.arange(total, device=dev) + (starts[loc].flatten() - seg_start).repeat_interleave(cnt_f)
+        vec = spos[idx] - posw[rep_center]
+        d2 = (vec * vec) @ ones3
+        keep = d2 < cutoff * cutoff
+        rep_center, d2 = rep_center[keep], d2[keep]
+        cand = order[idx[keep]]
+        # The centre itself is the only candidate with index == centre (ghosts are >= N).
+        keep = cand != rep_center
         rep_center, cand, d2 = rep_center[keep], cand[keep], d2[keep]
         j = catom[cand]
         # Shift relative to the *unwrapped* input positions.
@@ -327,7 +332,11 @@ def _finish(
         log.warning(
             "neighbour cap %d: dropped %d pairs (farthest) on %d atoms", max_neighbors, n_dropped, n_over
         )
-    shifts = torch.einsum("ek,ekl->el", csh.to(cells.dtype), cells[batch[src]])
+    # Cartesian shifts; only edges that cross a cell face have a non-zero lattice shift.
+    shifts = torch.zeros(csh.shape[0], 3, dtype=cells.dtype, device=dev)
+    cross = torch.nonzero(csh.any(dim=1)).flatten()
+    if cross.numel():
+        shifts[cross] = torch.einsum("ek,ekl->el", csh[cross].to(cells.dtype), cells[batch[src[cross]]])
     return NeighborList(
         edge_index=torch.stack([src, dst]),
         shifts=shifts.to(dtype),
