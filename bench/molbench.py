@@ -150,6 +150,20 @@ def molecule_split(records: list[dict[str, Any]], test_fraction: float = 0.2, se
     return tr, te
 
 
+def molecule_folds(records: list[dict[str, Any]], n_folds: int, fold: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """Indices (train, test) of fold ``fold`` of a molecule-wise ``n_folds``-fold split:
+    molecules shuffled with ``seed`` and dealt into folds, so every molecule is tested once."""
+    if not 0 <= fold < n_folds:
+        raise ValueError(f"fold {fold} outside 0..{n_folds - 1}")
+    mols = sorted({r["molecule_id"] for r in records})
+    rng = np.random.default_rng(seed)
+    rng.shuffle(mols)
+    test = set(np.array_split(np.asarray(mols, dtype=object), n_folds)[fold].tolist())
+    tr = [i for i, r in enumerate(records) if r["molecule_id"] not in test]
+    te = [i for i, r in enumerate(records) if r["molecule_id"] in test]
+    return tr, te
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -172,11 +186,12 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
+    """Write ``payload`` (plus machine info) atomically to ``path`` (default results/<name>.json)."""
     payload = {"benchmark": name, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "machine": machine(), **payload}
-    path = RESULTS / f"{name}.json"
+    path = Path(path) if path is not None else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=_json_default))
     os.replace(tmp, path)

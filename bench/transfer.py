@@ -4,7 +4,8 @@ training from scratch on the same small set; MAE on a held-out DFT test set.
 DFT: PySCF B3LYP/6-31G* energies/forces of rattled small G2 molecules (<= 7 atoms, 3
 conformers each, no fluorine), split molecule-wise (60 % of molecules for the small training set,
 40 % held out). Pretrained model: bench/data/xtb_pretrained, trained by
-bench/model_accuracy.py on GFN2-xTB labels of the xTB train split (cheap labels cover
+bench/model_accuracy.py on GFN2-xTB labels of the training molecules of its
+cross-validation fold 0 (the bench's ``ours`` model: silu attention weights; cheap labels cover
 many molecules, including some whose DFT labels are held out here: that is the intended
 use of the cheap tier). Every variant gets the same CPU-time budget and the same batches;
 fine-tuning refits the element reference energies on the DFT training set first

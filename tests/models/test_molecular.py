@@ -36,8 +36,9 @@ def _energy(m, recs):
     return energy_and_forces(m, b, training=False)
 
 
-def test_rotation_translation_permutation_invariance():
-    m = _model()
+@pytest.mark.parametrize("weights", ["softmax", "silu"])
+def test_rotation_translation_permutation_invariance(weights):
+    m = _model(attention_weights=weights)
     a = molecule("CH3CH2OH")
     e0, f0 = _energy(m, [_rec(a)])
     rot = Rotation.from_euler("xyz", [0.3, 1.1, -0.7]).as_matrix()
@@ -57,8 +58,9 @@ def test_rotation_translation_permutation_invariance():
     assert abs(float(_energy(m, [_rec(d)])[0]) - float(e0)) > 1e-6
 
 
-def test_forces_are_minus_gradient_finite_difference():
-    m = _model()
+@pytest.mark.parametrize("weights", ["softmax", "silu"])
+def test_forces_are_minus_gradient_finite_difference(weights):
+    m = _model(attention_weights=weights)
     a = molecule("H2O")
     a.rattle(0.05, seed=1)
     _, f = _energy(m, [_rec(a)])
@@ -71,8 +73,9 @@ def test_forces_are_minus_gradient_finite_difference():
         assert float(f[atom, axis]) == pytest.approx(fd, rel=1e-5, abs=1e-7)
 
 
-def test_energy_smooth_when_atom_crosses_cutoff():
-    m = _model(cutoff=3.0)
+@pytest.mark.parametrize("weights", ["softmax", "silu"])
+def test_energy_smooth_when_atom_crosses_cutoff(weights):
+    m = _model(cutoff=3.0, attention_weights=weights)
     a = molecule("H2")
 
     def e_at(r):
@@ -221,3 +224,21 @@ def test_collate_treats_nan_labels_as_missing():
     b = collate_records([a, _rec(molecule("CH4"), "y")])
     assert b.energy is None and b.forces is None
     assert b.batch.tolist() == [0] * 3 + [1] * 5 and b.n_atoms.tolist() == [3, 5]
+
+
+def test_silu_weights_sum_over_neighbours_softmax_averages():
+    """softmax weights of a centre sum to < 1 (weighted mean plus the sink slot); silu
+    weights are the unnormalised gate silu(score) · envelope."""
+    from convergent.models.molecular import EdgeAttentionBlock
+
+    torch.manual_seed(0)
+    score = torch.randn(4, 2)
+    src = torch.tensor([0, 0, 0, 1])
+    env = torch.tensor([1.0, 0.5, 0.2, 1.0])
+    soft = EdgeAttentionBlock(8, 2, 4, 2, "softmax")._weights(score, src, env, 2)
+    per_centre = torch.zeros(2, 2).index_add(0, src, soft)
+    assert (soft > 0).all() and (per_centre < 1).all() and (per_centre > 0.3).all()
+    silu = EdgeAttentionBlock(8, 2, 4, 2, "silu")._weights(score, src, env, 2)
+    assert torch.allclose(silu, torch.nn.functional.silu(score) * env.unsqueeze(1))
+    with pytest.raises(ValueError):
+        EdgeAttentionBlock(8, 2, 4, 2, "relu")

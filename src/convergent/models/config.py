@@ -34,6 +34,9 @@ class ModelConfig(Section):
     max_neighbors: int | None = None
     neighbor_overflow: Literal["error", "drop"] = "error"
     attention: Literal["neighbor", "topk", "dense"] = "neighbor"
+    # softmax: weighted mean over neighbours (with a sink slot); silu: gated sum (grows with
+    # the neighbour count). See convergent.models.molecular.EdgeAttentionBlock._weights.
+    attention_weights: Literal["softmax", "silu"] = "softmax"
     topk: int = 32  # neighbours kept per atom by attention="topk"
     num_rbf: int = 32  # radial basis functions on [0, cutoff]
     max_z: int = 94  # largest atomic number the embedding accepts

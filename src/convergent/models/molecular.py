@@ -10,8 +10,10 @@ Architecture (read top to bottom in ten minutes):
   only (the edges of the cutoff graph from :func:`~convergent.models.atoms.neighbor_list`):
   ``s_ij = <q_i, k_j> / sqrt(d) + b(r_ij)`` per head (distance bias), weights
   ``a_ij = φ(r_ij) exp(s_ij) / (1 + Σ_j' φ(r_ij') exp(s_ij'))`` with the cosine cutoff
-  ``φ`` (the 1 is a zero-score sink slot: weights fade smoothly as atoms cross the cutoff), message ``Σ_j a_ij v_j ⊙ f_v(r_ij)``, then an
-  MLP. Only distances enter, so the energy is invariant to rotation, translation and
+  ``φ`` (the 1 is a zero-score sink slot: weights fade smoothly as atoms cross the cutoff),
+  or with ``attention_weights: silu`` the unnormalised gate ``a_ij = silu(s_ij) φ(r_ij)``
+  (a sum over neighbours, as in SchNet-style convolutions), message
+  ``Σ_j a_ij v_j ⊙ f_v(r_ij)``, then an MLP. Only distances enter, so the energy is invariant to rotation, translation and
   permutation; cost is O(N·k) for k neighbours per atom.
 * ``energy_head``: per-atom MLP -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
   summed per molecule with ``index_add_`` (fp32 for the network part, fp64 for the sum and
@@ -68,11 +70,13 @@ def cosine_cutoff(r: torch.Tensor, cutoff: float) -> torch.Tensor:
 class EdgeAttentionBlock(nn.Module):
     """One pre-norm Transformer block whose attention runs over an edge list."""
 
-    def __init__(self, hidden: int, heads: int, num_rbf: int, mlp_ratio: int) -> None:
+    def __init__(self, hidden: int, heads: int, num_rbf: int, mlp_ratio: int, weights: str = "softmax") -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
-        self.hidden, self.heads = hidden, heads
+        if weights not in ("softmax", "silu"):
+            raise ValueError(f"attention weights must be softmax or silu, not {weights!r}")
+        self.hidden, self.heads, self.weights = hidden, heads, weights
         self.norm1 = nn.LayerNorm(hidden)
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.edge = nn.Linear(num_rbf, heads + hidden)  # score bias per head + value filter
@@ -119,19 +123,31 @@ class EdgeAttentionBlock(nn.Module):
             keep = _topk_edges(score.mean(-1), topk[0], topk[1])
             src, dst, score, env = src[keep], dst[keep], score[keep], env[keep]
             fvs, srcs, dsts = [fvs[0][keep]], [src], [dst]
-        # Softmax over each centre's neighbours weighted by the smooth envelope, plus a
-        # zero-score "sink" slot so a lone neighbour's weight also fades at the cutoff.
-        m = torch.zeros((n, nh), dtype=score.dtype, device=h.device)  # sink score 0
-        m = m.scatter_reduce(0, src.unsqueeze(1).expand(-1, nh), score.detach(), "amax")
-        w = torch.exp(score - m[src]) * env.to(score.dtype).unsqueeze(1)  # [E, H]
-        denom = torch.exp(-m).index_add_(0, src, w)
-        a = (w / denom[src]).split([c.numel() for c in srcs])
+        a = self._weights(score, src, env, n).split([c.numel() for c in srcs])
         agg = torch.zeros(n, nh, d, dtype=acc, device=h.device)
         for s_c, d_c, a_c, fv in zip(srcs, dsts, a, fvs, strict=True):
             vals = (v[d_c] * fv).view(-1, nh, d).to(acc)
             agg.index_add_(0, s_c, a_c.unsqueeze(-1) * vals)  # in place: no copy per chunk
         h = h + self.out(agg.view(n, hd).to(h.dtype))
         return h + self.mlp(self.norm2(h))
+
+    def _weights(self, score: torch.Tensor, src: torch.Tensor, env: torch.Tensor, n: int) -> torch.Tensor:
+        """Attention weights [E, heads] from scores [E, heads] and envelope ``env`` [E].
+
+        ``softmax``: softmax over each centre's neighbours weighted by the envelope, plus
+        a zero-score "sink" slot so a lone neighbour's weight also fades at the cutoff
+        (the message is a weighted mean). ``silu``: ``silu(s_ij) · φ(r_ij)``, unnormalised
+        (the message is a gated sum, so it grows with the number of neighbours).
+        """
+        env = env.to(score.dtype).unsqueeze(1)
+        if self.weights == "silu":
+            return nn.functional.silu(score) * env
+        nh = score.shape[1]
+        m = torch.zeros((n, nh), dtype=score.dtype, device=score.device)  # sink score 0
+        m = m.scatter_reduce(0, src.unsqueeze(1).expand(-1, nh), score.detach(), "amax")
+        w = torch.exp(score - m[src]) * env
+        denom = torch.exp(-m).index_add_(0, src, w)
+        return w / denom[src]
 
 
 def _topk_edges(score: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
@@ -173,7 +189,7 @@ class MolecularTransformer(nn.Module):
         self.embedding = nn.Embedding(cfg.max_z + 1, cfg.hidden)
         self.rbf = RadialBasis(cfg.num_rbf, cfg.cutoff)
         self.layers = nn.ModuleList(
-            EdgeAttentionBlock(cfg.hidden, cfg.heads, cfg.num_rbf, cfg.mlp_ratio)
+            EdgeAttentionBlock(cfg.hidden, cfg.heads, cfg.num_rbf, cfg.mlp_ratio, cfg.attention_weights)
             for _ in range(cfg.layers)
         )
         self.energy_head = nn.Sequential(
