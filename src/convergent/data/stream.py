@@ -119,7 +119,7 @@ class _StreamBase(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
-        prefetcher = self._start_prefetch(self.worker_ids(wid, nw)) if self._uses_prefetch() else None
+        prefetcher = self._start_prefetch(wid, nw)
         in_process, transform = info is None, self.transform
         try:
             for recs in self._record_chunks(self._worker_chunks(wid, nw, 1 if prefetcher else None)):
@@ -145,21 +145,20 @@ class _StreamBase(IterableDataset):
         """The sample ids of :meth:`worker_ids`, computed chunk by chunk of ``step`` (default
         the batch size), so a short read costs no work over the whole epoch."""
         n, b = len(self), self.batch_size
+        step = step or b
         order = self._order(self.epoch)
         for c in range(worker * b, n, max(1, num_workers) * b):
-            hi = min(c + b, n)
-            pos = order_mod.rank_positions_slice(self.total, self._start, self.rank, self.world_size, c, hi)
+            pos = order_mod.rank_positions_slice(self.total, self._start, self.rank, self.world_size,
+                                                 c, min(c + b, n))
             ids = order[pos]
-            for k in range(0, len(ids), step or len(ids)):
-                yield ids[k : k + (step or len(ids))]
-
-    def _uses_prefetch(self) -> bool:
-        return False
+            for k in range(0, len(ids), step):
+                yield ids[k : k + step]
 
     def _release_all(self) -> None:
         """Unmap whatever this iteration mapped."""
 
-    def _start_prefetch(self, ids: np.ndarray) -> Any:
+    def _start_prefetch(self, worker: int, num_workers: int) -> Any:
+        """A prefetcher for this worker's reads (with a cache tier), else None."""
         return None
 
     def _record_chunks(self, chunks: Iterator[np.ndarray]) -> Iterator[list[Any]]:
@@ -307,8 +306,9 @@ class StreamingDataset(_StreamBase):
                 mapped.pop(s, None)
                 mapped[s] = True
             while len(mapped) > MAPPED_SHARDS:
-                readers[next(iter(mapped))].release()
-                del mapped[next(iter(mapped))]
+                oldest = next(iter(mapped))
+                readers[oldest].release()
+                del mapped[oldest]
             yield out
 
     def _release_all(self) -> None:
@@ -323,12 +323,12 @@ class StreamingDataset(_StreamBase):
             h.update(f"{s.name}:{s.records}:{s.xxh3_64};".encode())
         return h.hexdigest()
 
-    def _uses_prefetch(self) -> bool:
-        return self.dataset.cache is not None
-
-    def _start_prefetch(self, ids: np.ndarray) -> Any:
+    def _start_prefetch(self, worker: int, num_workers: int) -> Any:
         ds = self.dataset
-        if ds.cache is None or len(ids) == 0:
+        if ds.cache is None:
+            return None
+        ids = self.worker_ids(worker, num_workers)
+        if len(ids) == 0:
             return None
         from convergent.data.cache import Prefetcher
 
