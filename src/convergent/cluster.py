@@ -163,8 +163,26 @@ def dask_client(cfg: ClusterConfig, echo=None) -> Iterator[Any]:
     ``echo(str)`` (e.g. ``print`` or a rich console's ``print``) receives one line with the
     cluster kind, worker count and dashboard address.
     """
+    import dask
     from distributed import Client
 
+    with dask.config.set(_local_cluster_settings() if cfg.kind == "local" else {}):
+        yield from _client_on(cfg, echo, Client)
+
+
+# SpecCluster hard-closes a worker's nanny when no worker of that name is back 15 s after
+# it left ("lost-worker-timeout", meant for lost batch jobs). Local nannies restart their
+# own workers, and a timer left by one restart can fire during the next restart of the
+# same worker, closing its nanny for good (seen in CI). Locally the nanny is the authority.
+_NEVER_S = 10 * 365 * 24 * 3600
+
+
+def _local_cluster_settings() -> dict[str, Any]:
+    """Dask settings in force while a local cluster runs."""
+    return {"distributed.deploy.lost-worker-timeout": f"{_NEVER_S}s"}
+
+
+def _client_on(cfg: ClusterConfig, echo, Client) -> Iterator[Any]:
     cluster = make_cluster(cfg)
     try:
         client = Client(cluster) if cluster is not None else Client(cfg.address, timeout="30s")

@@ -45,3 +45,21 @@ def test_slurm_cluster_job_script_and_adapt():
         assert (adaptive.minimum, adaptive.maximum) == (0, 8)
     finally:
         cluster.close()
+
+
+def test_local_nanny_survives_back_to_back_restarts(sim_client):
+    """Each restart leaves SpecCluster a 15 s "lost worker" timer; one that fired while a
+    later restart of the same worker was under way closed that worker's nanny for good
+    (a CI failure; without the fix in convergent.cluster this test loses the worker)."""
+    import time
+
+    sim_client.wait_for_workers(2, timeout=120)
+    start = time.monotonic()
+    while time.monotonic() - start < 20.0:  # timers of the first restarts fire in here
+        workers = sim_client.scheduler_info()["workers"]
+        addr = next(a for a, info in workers.items() if info["name"] == 1)
+        outcome = sim_client.restart_workers([addr], timeout=60, raise_for_error=False)
+        assert list(outcome.values()) == ["OK"]
+    time.sleep(2.0)
+    sim_client.wait_for_workers(2, timeout=30)
+    assert len(sim_client.scheduler_info()["workers"]) == 2
