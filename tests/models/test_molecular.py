@@ -17,6 +17,13 @@ from convergent.models.molecular import (
     fit_reference_energies,
 )
 
+VARIANTS = pytest.mark.parametrize(
+    "kw",
+    [{"attention_weights": "softmax"}, {"attention_weights": "silu"},
+     {"attention_weights": "softmax", "vectors": True}, {"attention_weights": "silu", "vectors": True}],
+    ids=["softmax", "silu", "softmax-vectors", "silu-vectors"],
+)
+
 
 def _model(**kw):
     torch.manual_seed(0)
@@ -36,9 +43,9 @@ def _energy(m, recs):
     return energy_and_forces(m, b, training=False)
 
 
-@pytest.mark.parametrize("weights", ["softmax", "silu"])
-def test_rotation_translation_permutation_invariance(weights):
-    m = _model(attention_weights=weights)
+@VARIANTS
+def test_rotation_translation_permutation_invariance(kw):
+    m = _model(**kw)
     a = molecule("CH3CH2OH")
     e0, f0 = _energy(m, [_rec(a)])
     rot = Rotation.from_euler("xyz", [0.3, 1.1, -0.7]).as_matrix()
@@ -58,9 +65,9 @@ def test_rotation_translation_permutation_invariance(weights):
     assert abs(float(_energy(m, [_rec(d)])[0]) - float(e0)) > 1e-6
 
 
-@pytest.mark.parametrize("weights", ["softmax", "silu"])
-def test_forces_are_minus_gradient_finite_difference(weights):
-    m = _model(attention_weights=weights)
+@VARIANTS
+def test_forces_are_minus_gradient_finite_difference(kw):
+    m = _model(**kw)
     a = molecule("H2O")
     a.rattle(0.05, seed=1)
     _, f = _energy(m, [_rec(a)])
@@ -73,9 +80,9 @@ def test_forces_are_minus_gradient_finite_difference(weights):
         assert float(f[atom, axis]) == pytest.approx(fd, rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("weights", ["softmax", "silu"])
-def test_energy_smooth_when_atom_crosses_cutoff(weights):
-    m = _model(cutoff=3.0, attention_weights=weights)
+@VARIANTS
+def test_energy_smooth_when_atom_crosses_cutoff(kw):
+    m = _model(cutoff=3.0, **kw)
     a = molecule("H2")
 
     def e_at(r):
@@ -89,8 +96,9 @@ def test_energy_smooth_when_atom_crosses_cutoff(weights):
     assert near < 1e-7 and far > 100 * near  # continuous, vanishing like (rc - r)^2
 
 
-def test_batch_equals_single_molecules_and_periodic_image_invariance():
-    m = _model()
+@pytest.mark.parametrize("vectors", [False, True])
+def test_batch_equals_single_molecules_and_periodic_image_invariance(vectors):
+    m = _model(vectors=vectors)
     mols = [molecule("H2O"), molecule("C6H6"), molecule("CH4")]
     e_batch, f_batch = _energy(m, [_rec(x, str(i)) for i, x in enumerate(mols)])
     singles = [_energy(m, [_rec(x)]) for x in mols]
@@ -229,7 +237,7 @@ def test_collate_treats_nan_labels_as_missing():
 def test_silu_weights_sum_over_neighbours_softmax_averages():
     """softmax weights of a centre sum to < 1 (weighted mean plus the sink slot); silu
     weights are the unnormalised gate silu(score) · envelope."""
-    from convergent.models.molecular import EdgeAttentionBlock
+    from convergent.models.edge_attention import EdgeAttentionBlock
 
     torch.manual_seed(0)
     score = torch.randn(4, 2)
@@ -242,3 +250,23 @@ def test_silu_weights_sum_over_neighbours_softmax_averages():
     assert torch.allclose(silu, torch.nn.functional.silu(score) * env.unsqueeze(1))
     with pytest.raises(ValueError):
         EdgeAttentionBlock(8, 2, 4, 2, "relu")
+
+
+@pytest.mark.parametrize("vectors", [False, True])
+def test_vector_channel_sees_bond_angles_beyond_the_cutoff_pairs(vectors):
+    """H-O-H with both O-H = 1 Å inside a 1.5 Å cutoff and H...H outside it (angle >= 100°):
+    a distance-only model cannot tell the angles apart; the vector channel can."""
+    from ase import Atoms
+
+    m = _model(cutoff=1.5, vectors=vectors)
+
+    def e_at(angle_deg):
+        t = np.radians(angle_deg)
+        a = Atoms("HOH", positions=[[1.0, 0, 0], [0, 0, 0], [np.cos(t), np.sin(t), 0]])
+        return float(_energy(m, [_rec(a)])[0])
+
+    spread = abs(e_at(110.0) - e_at(170.0))
+    if vectors:
+        assert spread > 1e-6  # small at initialisation, but far above round-off
+    else:
+        assert spread < 1e-12

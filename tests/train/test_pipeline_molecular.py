@@ -24,9 +24,11 @@ def _close(a, b, rtol):
     assert a == pytest.approx(b, rel=rtol, abs=0)
 
 
-def test_padded_stages_reproduce_the_full_model():
+@pytest.mark.parametrize("vectors", [False, True])
+def test_padded_stages_reproduce_the_full_model(vectors):
     """Two stages chained in one process on padded micro-batches give the full model's
-    energies and forces on the unpadded molecules (padding changes nothing)."""
+    energies and forces on the unpadded molecules (padding changes nothing); with
+    ``model.vectors`` the stages pass the packed scalar+vector state."""
     import torch
     from ase.build import molecule
 
@@ -36,7 +38,7 @@ def test_padded_stages_reproduce_the_full_model():
     from convergent.train.molpipe import Budget, Feed, micro_groups, stage_module
 
     torch.manual_seed(0)
-    full = build_model(ModelConfig(hidden=32, layers=3, heads=4, forces="direct"))
+    full = build_model(ModelConfig(hidden=32, layers=3, heads=4, forces="direct", vectors=vectors))
     names = ["CH3OH", "H2O", "C2H6", "NH3", "CH4", "HCN", "N2"]
     batch = collate_records([atoms_to_record(molecule(n), key=n) for n in names])
     budget = Budget.plan(batch.num_atoms, int(batch.n_atoms.max()), 3, None)
@@ -48,7 +50,9 @@ def test_padded_stages_reproduce_the_full_model():
     seen = 0
     for i, item in enumerate(feed.items):
         idx = torch.tensor([i])
-        energy, forces = stages[1](*stages[0](idx))
+        h, _ = stages[0](idx)
+        assert h.shape == (budget.atoms, full.state_width) == (budget.atoms, 32 * (4 if vectors else 1))
+        energy, forces = stages[1](h, idx)
         assert energy.shape == (budget.atoms,) and forces.shape == (budget.atoms, 3)
         sub = item.batch
         keys = [batch.keys.index(k) for k in sub.keys]

@@ -37,6 +37,9 @@ class ModelConfig(Section):
     # softmax: weighted mean over neighbours (with a sink slot); silu: gated sum (grows with
     # the neighbour count). See convergent.models.molecular.EdgeAttentionBlock._weights.
     attention_weights: Literal["softmax", "silu"] = "softmax"
+    # a vector channel per atom (convergent.models.vector_attention): bond angles enter
+    # through inner products of bond directions; the energy stays invariant
+    vectors: bool = False
     topk: int = 32  # neighbours kept per atom by attention="topk"
     num_rbf: int = 32  # radial basis functions on [0, cutoff]
     max_z: int = 94  # largest atomic number the embedding accepts
@@ -46,3 +49,9 @@ class ModelConfig(Section):
     # Edges per chunk in attention (0 = all at once). Chunking bounds forward temporaries
     # but adds an O(N) gradient buffer per chunk in backward: superlinear at large N.
     edge_chunk: int = 0
+
+    @property
+    def state_width(self) -> int:
+        """Width of the per-atom state passed between blocks (and pipeline stages):
+        ``hidden`` scalars, plus ``3·hidden`` vector components with ``vectors``."""
+        return self.hidden * (4 if self.vectors else 1)

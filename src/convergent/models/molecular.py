@@ -22,6 +22,10 @@ Architecture (read top to bottom in ten minutes):
   ``model.forces: direct`` from a force head on the final atom features
   (:mod:`convergent.models.direct_forces`: no double backward, not conservative).
 
+With ``model.vectors: true`` each atom also carries vector features and the blocks are
+:class:`~convergent.models.vector_attention.VectorAttentionBlock` (same attention
+weights; messages along bond directions, so bond angles enter; energy still invariant).
+
 ``attention="topk"`` scores every atom pair of a structure and keeps the ``topk`` best
 per atom (the O(N²) recipe this model improves on); ``attention="dense"`` attends over
 every pair. Both drop the cutoff envelope and exist for comparison (bench/model_scaling).
@@ -35,7 +39,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -46,6 +50,8 @@ from convergent.models.atoms import all_pairs, neighbor_list
 from convergent.models.batching import AtomsBatch
 from convergent.models.config import ModelConfig
 from convergent.models.direct_forces import DirectForceHead
+from convergent.models.edge_attention import EdgeAttentionBlock, EdgeGeometry
+from convergent.models.vector_attention import VectorAttentionBlock
 
 
 class RadialBasis(nn.Module):
@@ -67,119 +73,6 @@ def cosine_cutoff(r: torch.Tensor, cutoff: float) -> torch.Tensor:
     return torch.where(r < cutoff, 0.5 * (torch.cos(math.pi * r / cutoff) + 1.0), torch.zeros_like(r))
 
 
-class EdgeAttentionBlock(nn.Module):
-    """One pre-norm Transformer block whose attention runs over an edge list."""
-
-    def __init__(self, hidden: int, heads: int, num_rbf: int, mlp_ratio: int, weights: str = "softmax") -> None:
-        super().__init__()
-        if hidden % heads:
-            raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
-        if weights not in ("softmax", "silu"):
-            raise ValueError(f"attention weights must be softmax or silu, not {weights!r}")
-        self.hidden, self.heads, self.weights = hidden, heads, weights
-        self.norm1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.edge = nn.Linear(num_rbf, heads + hidden)  # score bias per head + value filter
-        self.out = nn.Linear(hidden, hidden)
-        self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(
-            nn.Linear(hidden, mlp_ratio * hidden), nn.SiLU(), nn.Linear(mlp_ratio * hidden, hidden)
-        )
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        src: torch.Tensor,
-        dst: torch.Tensor,
-        rbf: torch.Tensor,
-        env: torch.Tensor,
-        topk: tuple[int, torch.Tensor] | None = None,
-        edge_chunk: int = 0,
-    ) -> torch.Tensor:
-        """``h`` [N, hidden]; edges ``src -> dst`` (centre, neighbour) with ``rbf`` [E, R]
-        and envelope ``env`` [E]. ``topk=(k, rows)`` keeps the k best-scoring edges per
-        centre, where ``rows`` int64[B, 3] = (first edge, centres, edges per centre) of each
-        molecule's row-major all-pairs block. Edge tensors are processed in chunks of
-        ``edge_chunk`` edges (0 = all at once, the default): same result, smaller transient
-        allocations, but every chunk adds an O(N) gradient buffer in backward (the gathers
-        ``q[src]``, ``k[dst]``, ``v[dst]``), so cost grows as N·E/edge_chunk."""
-        n, hd, nh = h.shape[0], self.hidden, self.heads
-        d = hd // nh
-        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
-        acc = torch.promote_types(h.dtype, torch.float32)  # softmax in >= fp32
-        n_edges = src.numel()
-        step = n_edges if (topk is not None or edge_chunk <= 0) else edge_chunk
-        # split (not slicing): its backward concatenates the chunk gradients, O(E) in total,
-        # where each slice's backward would allocate a zero gradient of the full [E, ...].
-        srcs, dsts = src.split(max(step, 1)), dst.split(max(step, 1))
-        scores, fvs = [], []
-        for s_c, d_c, rbf_c in zip(srcs, dsts, rbf.split(max(step, 1)), strict=True):
-            fe = self.edge(rbf_c)  # [e, heads + hidden]: score bias, value filter
-            qk = (q[s_c] * k[d_c]).view(-1, nh, d).sum(-1)
-            scores.append(qk.to(acc) / math.sqrt(d) + fe[:, :nh].to(acc))
-            fvs.append(fe[:, nh:])
-        score = torch.cat(scores) if len(scores) != 1 else scores[0]
-        if topk is not None:
-            keep = _topk_edges(score.mean(-1), topk[0], topk[1])
-            src, dst, score, env = src[keep], dst[keep], score[keep], env[keep]
-            fvs, srcs, dsts = [fvs[0][keep]], [src], [dst]
-        a = self._weights(score, src, env, n).split([c.numel() for c in srcs])
-        agg = torch.zeros(n, nh, d, dtype=acc, device=h.device)
-        for s_c, d_c, a_c, fv in zip(srcs, dsts, a, fvs, strict=True):
-            vals = (v[d_c] * fv).view(-1, nh, d).to(acc)
-            agg.index_add_(0, s_c, a_c.unsqueeze(-1) * vals)  # in place: no copy per chunk
-        h = h + self.out(agg.view(n, hd).to(h.dtype))
-        return h + self.mlp(self.norm2(h))
-
-    def _weights(self, score: torch.Tensor, src: torch.Tensor, env: torch.Tensor, n: int) -> torch.Tensor:
-        """Attention weights [E, heads] from scores [E, heads] and envelope ``env`` [E].
-
-        ``softmax``: softmax over each centre's neighbours weighted by the envelope, plus
-        a zero-score "sink" slot so a lone neighbour's weight also fades at the cutoff
-        (the message is a weighted mean). ``silu``: ``silu(s_ij) · φ(r_ij)``, unnormalised
-        (the message is a gated sum, so it grows with the number of neighbours).
-        """
-        env = env.to(score.dtype).unsqueeze(1)
-        if self.weights == "silu":
-            return nn.functional.silu(score) * env
-        nh = score.shape[1]
-        m = torch.zeros((n, nh), dtype=score.dtype, device=score.device)  # sink score 0
-        m = m.scatter_reduce(0, src.unsqueeze(1).expand(-1, nh), score.detach(), "amax")
-        w = torch.exp(score - m[src]) * env
-        denom = torch.exp(-m).index_add_(0, src, w)
-        return w / denom[src]
-
-
-def _topk_edges(score: torch.Tensor, k: int, rows: torch.Tensor) -> torch.Tensor:
-    """Indices of the ``k`` best-scoring edges per centre in all-pairs blocks."""
-    keep = []
-    for start, n_center, per in rows.tolist():
-        if per == 0:
-            continue
-        block = score[start : start + n_center * per].view(n_center, per)
-        kk = min(k, per)
-        idx = torch.topk(block, kk, dim=1).indices
-        keep.append((idx + torch.arange(n_center, device=score.device).unsqueeze(1) * per + start).flatten())
-    if not keep:
-        return torch.zeros(0, dtype=torch.int64, device=score.device)
-    return torch.cat(keep)
-
-
-@dataclass
-class EdgeGeometry:
-    """Edges ``src -> dst`` (centre, neighbour) int64[E] and their parameter-free
-    features: ``vec`` = pos[dst] - pos[src] (+ cell shift) float[E, 3] Å, distance ``r``
-    [E] Å, radial basis ``rbf`` [E, num_rbf], envelope ``env`` [E], ``topk`` (or None)."""
-
-    src: torch.Tensor
-    dst: torch.Tensor
-    vec: torch.Tensor
-    r: torch.Tensor
-    rbf: torch.Tensor
-    env: torch.Tensor
-    topk: tuple[int, torch.Tensor] | None = None
-
-
 class MolecularTransformer(nn.Module):
     """Energy model E(numbers, positions) in eV; see the module docstring."""
 
@@ -188,8 +81,9 @@ class MolecularTransformer(nn.Module):
         self.cfg = cfg
         self.embedding = nn.Embedding(cfg.max_z + 1, cfg.hidden)
         self.rbf = RadialBasis(cfg.num_rbf, cfg.cutoff)
+        block = VectorAttentionBlock if cfg.vectors else EdgeAttentionBlock
         self.layers = nn.ModuleList(
-            EdgeAttentionBlock(cfg.hidden, cfg.heads, cfg.num_rbf, cfg.mlp_ratio, cfg.attention_weights)
+            block(cfg.hidden, cfg.heads, cfg.num_rbf, cfg.mlp_ratio, cfg.attention_weights)
             for _ in range(cfg.layers)
         )
         self.energy_head = nn.Sequential(
@@ -276,19 +170,31 @@ class MolecularTransformer(nn.Module):
         dev = h.device.type
         if torch.is_autocast_enabled(dev) and any(fnmatch.fnmatch(name, p) for p in self.keep_fp32):
             with torch.autocast(device_type=dev, enabled=False):
-                return layer(h.float(), g.src, g.dst, g.rbf.float(), g.env, g.topk, self.cfg.edge_chunk)
-        return layer(h, g.src, g.dst, g.rbf, g.env, g.topk, self.cfg.edge_chunk)
+                return layer(h.float(), replace(g, rbf=g.rbf.float()), self.cfg.edge_chunk)
+        return layer(h, g, self.cfg.edge_chunk)
+
+    @property
+    def state_width(self) -> int:
+        """Width of the per-atom state between blocks (see ModelConfig.state_width)."""
+        return self.cfg.state_width
+
+    def initial_state(self, z: torch.Tensor) -> torch.Tensor:
+        """Per-atom state before the first block: element embedding (and zero vectors)."""
+        h = self._run("embedding", self.embedding, z)
+        if self.cfg.vectors:
+            h = torch.cat([h, h.new_zeros(h.shape[0], 3 * self.cfg.hidden)], dim=-1)
+        return h
 
     def atom_energies(self, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Per-atom energies float64[N] eV from the final atom features."""
-        eps = self._run("energy_head", self.energy_head, h).squeeze(-1)
+        """Per-atom energies float64[N] eV from the final atom state (its scalars)."""
+        eps = self._run("energy_head", self.energy_head, h[:, : self.cfg.hidden]).squeeze(-1)
         eps = eps.to(torch.promote_types(eps.dtype, torch.float32))
         atom_e = eps * self.scale + self.shift  # fp32, network part
         return atom_e.double() + self.atomref[z]
 
     def direct_forces(self, h: torch.Tensor, g: EdgeGeometry) -> torch.Tensor:
         """Forces float32[N, 3] eV/Å of the direct force head (``model.forces: direct``)."""
-        f = self._run("force_head", self.force_head, h, g.src, g.dst, g.rbf, g.env, g.vec, g.r)
+        f = self._run("force_head", self.force_head, h[:, : self.cfg.hidden], g.src, g.dst, g.rbf, g.env, g.vec, g.r)
         return f * self.scale  # the head computes in >= fp32
 
     def forward(self, batch: AtomsBatch, per_atom: bool = False, with_forces: bool = False) -> Any:
@@ -304,7 +210,7 @@ class MolecularTransformer(nn.Module):
         pos = batch.positions
         edge_index, shifts, rows = self._edges(batch)
         g = self.edge_geometry(pos, edge_index, shifts, rows)
-        h = self._run("embedding", self.embedding, z)
+        h = self.initial_state(z)
         for i, layer in enumerate(self.layers):
             h = self.run_layer(f"layers.{i}", layer, h, g)
         atom_e64 = self.atom_energies(h, z)

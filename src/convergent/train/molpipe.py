@@ -16,7 +16,7 @@ edges join the dummy atom to itself with a zero envelope. Real atoms never see p
 and padded entries are cut from energies and forces before the loss, so padding changes
 nothing.
 
-**What travels.** Between stages only the atom features ``h`` [atoms, hidden] and the
+**What travels.** Between stages only the atom features ``h`` [atoms, state width] and the
 micro-batch index int64[1]. The edge geometry (neighbour list, radial basis, envelope,
 vectors) is parameter-free and every rank holds the step's data (the global batch plan
 depends on the seed alone), so each rank computes it once per micro-batch in its
@@ -182,7 +182,7 @@ class MolecularStage(MolecularTransformer):
         if self.first:
             (idx,) = inputs
             item = self._feed[0][idx]
-            h = self._run("embedding", self.embedding, item.z)
+            h = self.initial_state(item.z)
         else:
             h, idx = inputs
             item = self._feed[0][idx]
@@ -214,13 +214,14 @@ def stage_module(full: nn.Module, stage: int, n_stages: int, feed: Feed) -> Mole
 
 
 def stage_io(
-    budget: Budget, hidden: int, first: bool, last: bool, device: torch.device
+    budget: Budget, width: int, first: bool, last: bool, device: torch.device
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example (inputs, outputs) of a stage, given to ``PipelineStage`` so its tensor
     metadata is static: no runtime inference (which would run a later stage's forward
-    on uninitialised tensors, micro-batch index included)."""
+    on uninitialised tensors, micro-batch index included). ``width`` is the per-atom
+    state width (``ModelConfig.state_width``)."""
     idx = torch.zeros(1, dtype=torch.int64, device=device)
-    h = torch.zeros(budget.atoms, hidden, device=device, requires_grad=True)
+    h = torch.zeros(budget.atoms, width, device=device, requires_grad=True)
     inputs = (idx,) if first else (h, idx)
     if not last:
         return inputs, (h, idx)

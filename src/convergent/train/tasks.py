@@ -489,7 +489,7 @@ class MolecularTask(Task):
         from convergent.train import molpipe
 
         return molpipe.stage_io(
-            self.feed().budget, self.cfg.model.hidden, stage == 0, stage == n_stages - 1, device
+            self.feed().budget, self.cfg.model.state_width, stage == 0, stage == n_stages - 1, device
         )
 
     def pipeline_rounds(
