@@ -13,7 +13,8 @@ cosine decay over the budget (optional warm-up, optional exponential moving aver
 the weights: the same recipe for every model), the same atom-budget batches, and an LR
 picked per model from the same grid on held-out *training* molecules of fold 0 (one
 probe per model, reused for every fold). ``ours_softmax`` is the ablation of our
-attention weighting (softmax mean instead of the silu-gated sum). bf16 autocast of our model runs on fold 0 and
+attention weighting (softmax mean instead of the silu-gated sum); ``ours_vectors`` adds
+the vector channel (``model.vectors``: bond angles, PaiNN-style mixing). bf16 autocast of our model runs on fold 0 and
 is compared with fp32 on the same fold. Each (model, fold) trains in its own process,
 ``--jobs`` at a time (budgets are per-process CPU time). The training loop is
 bench/molbench.py:train_for (written here, in-process; it uses the project's batching
@@ -60,7 +61,7 @@ def build(name: str, args: argparse.Namespace, ref):  # noqa: ANN001, ANN201
     if name.startswith("ours"):
         weights = "softmax" if "softmax" in name else args.attention_weights  # ours_softmax: ablation
         cfg = ModelConfig(hidden=args.hidden, layers=args.layers, heads=4, cutoff=args.cutoff,
-                          attention_weights=weights)
+                          attention_weights=weights, vectors=args.vectors or "vectors" in name)
         model = build_model(cfg)
         model.set_reference(ref)
         return OurPotential(model), count_parameters(model), cfg
@@ -180,6 +181,12 @@ def summarize(results: dict) -> dict:
                                        for k in peers},
             "criterion_ratio_le_0.8": ratio <= 0.8,
         }
+    if "ours" in results and peers:
+        best_mae = summary["energy_mae_pooled"][summary["best_peer"]]
+        summary["every_variant_of_ours"] = {
+            n: {"energy_mae_pooled": r["cv"]["energy_mae_pooled"], "force_mae_pooled": r["cv"]["force_mae_pooled"],
+                "ratio_to_best_peer_pooled": r["cv"]["energy_mae_pooled"] / best_mae}
+            for n, r in results.items() if n.startswith("ours") and len(r["folds"]) > 1}
     if "ours" in results and "ours_softmax" in results:
         summary["ablation_softmax_vs_silu_weights"] = {
             k: {w: results[n]["cv"][f"{k}_pooled"] for w, n in (("ours", "ours"), ("ours_softmax", "ours_softmax"))}
@@ -207,11 +214,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--cutoff", type=float, default=5.0)
     ap.add_argument("--attention-weights", default="silu", choices=["softmax", "silu"], help="ours only")
+    ap.add_argument("--vectors", action=argparse.BooleanOptionalAction, default=False,
+                    help="ours only: a vector channel per atom (model.vectors)")
     ap.add_argument("--force-weight", type=float, default=10.0)
     ap.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights (0 = off)")
     ap.add_argument("--warmup", type=float, default=0.0, help="LR warm-up, fraction of the budget")
     ap.add_argument("--models", default="ours,schnet,painn,ours_softmax,ours_bf16",
-                    help="ours_softmax: our model with softmax attention weights (ablation)")
+                    help="ours_softmax: our model with softmax attention weights (ablation); "
+                         "ours_vectors: with the vector channel")
     ap.add_argument("--jobs", type=int, default=4, help="training processes at a time")
     ap.add_argument("--no-save-pretrained", dest="save_pretrained", action="store_false")
     ap.add_argument("--resume", action="store_true",
@@ -237,6 +247,7 @@ def main() -> None:
     base = [sys.executable, __file__, "--budget", str(args.budget), "--probe-budget", str(args.probe_budget),
             "--folds", str(args.folds), "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--cutoff", str(args.cutoff), "--attention-weights", args.attention_weights,
+            "--vectors" if args.vectors else "--no-vectors",
             "--force-weight", str(args.force_weight), "--ema", str(args.ema), "--warmup", str(args.warmup),
             "--lr-grid", *map(str, args.lr_grid)]
     if not args.save_pretrained:
