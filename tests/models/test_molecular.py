@@ -270,3 +270,11 @@ def test_vector_channel_sees_bond_angles_beyond_the_cutoff_pairs(vectors):
         assert spread > 1e-6  # small at initialisation, but far above round-off
     else:
         assert spread < 1e-12
+
+
+def test_vectors_refuse_edge_chunking():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="edge_chunk"):
+        ModelConfig(vectors=True, edge_chunk=64)
+    assert ModelConfig(vectors=False, edge_chunk=64).edge_chunk == 64

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import ValidationInfo, field_validator
+
 from convergent.configbase import Section
 
 
@@ -38,7 +40,8 @@ class ModelConfig(Section):
     # the neighbour count). See convergent.models.molecular.EdgeAttentionBlock._weights.
     attention_weights: Literal["softmax", "silu"] = "softmax"
     # a vector channel per atom (convergent.models.vector_attention): bond angles enter
-    # through inner products of bond directions; the energy stays invariant
+    # through inner products of bond directions; the energy stays invariant. Needs
+    # edge_chunk=0 (the vector block runs all edges in one pass).
     vectors: bool = False
     topk: int = 32  # neighbours kept per atom by attention="topk"
     num_rbf: int = 32  # radial basis functions on [0, cutoff]
@@ -49,6 +52,13 @@ class ModelConfig(Section):
     # Edges per chunk in attention (0 = all at once). Chunking bounds forward temporaries
     # but adds an O(N) gradient buffer per chunk in backward: superlinear at large N.
     edge_chunk: int = 0
+
+    @field_validator("edge_chunk")
+    @classmethod
+    def _one_pass_with_vectors(cls, v: int, info: ValidationInfo) -> int:
+        if v and info.data.get("vectors"):
+            raise ValueError("must be 0 with model.vectors: true (the vector block runs all edges in one pass)")
+        return v
 
     @property
     def state_width(self) -> int:

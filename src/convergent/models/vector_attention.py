@@ -52,8 +52,9 @@ class VectorAttentionBlock(EdgeAttentionBlock):
 
     def forward(self, h: torch.Tensor, g: EdgeGeometry, edge_chunk: int = 0) -> torch.Tensor:
         """``h`` [N, 4·hidden] packed ``[x | v]``; returns the updated state (same shape).
-        ``edge_chunk`` is accepted for interface parity and ignored (edges in one pass)."""
-        del edge_chunk
+        Edges run in one pass (the model refuses ``model.edge_chunk`` with vectors)."""
+        if edge_chunk:
+            raise ValueError("VectorAttentionBlock runs all edges in one pass (edge_chunk=0)")
         n, hd, nh = h.shape[0], self.hidden, self.heads
         d = hd // nh
         x, v = h[:, :hd], h[:, hd:].view(n, 3, hd)
