@@ -348,7 +348,12 @@ class SpkPotential:
 
 def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
              autocast: Any = None) -> dict[str, float]:
-    """Energy MAE (eV/molecule, and per atom) and force MAE (eV/Å) over ``records``."""
+    """Energy MAE (eV/molecule, and per atom) and force MAE (eV/Å) over ``records``.
+
+    The energy error is also split by molecule (records sharing ``molecule_id``):
+    ``energy_mae_molecule_offset`` is the MAE of each molecule's mean signed error (how
+    far off the model is for that compound as a whole), ``energy_mae_within_molecule``
+    the MAE left after removing it (conformational error)."""
     import contextlib
 
     import torch
@@ -356,19 +361,29 @@ def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
     from convergent.models.batching import batches_by_atom_budget, collate_records
 
     pot.train(False)
-    de, de_atom, df_sum, n_f = [], [], 0.0, 0
+    de, ds, mol, de_atom, df_sum, n_f = [], [], [], [], 0.0, 0
     t = time.perf_counter()
     for idx in batches_by_atom_budget([len(r["numbers"]) for r in records], batch_atoms):
         b = collate_records([records[i] for i in idx])
         ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with ctx:
             e, f = pot.predict(b, training=False)
-        err = (e.double() - b.energy).abs()
+        signed = e.double() - b.energy
+        err = signed.abs()
         de += err.tolist()
+        ds += signed.tolist()
+        mol += [records[i].get("molecule_id", i) for i in idx]
         de_atom += (err / b.n_atoms.double()).tolist()
         df_sum += float((f.float() - b.forces).abs().sum())
         n_f += b.forces.numel()
+    ds_arr, mol_arr = np.asarray(ds), np.asarray(mol, dtype=object)
+    offset = np.zeros_like(ds_arr)
+    for m in set(mol):
+        sel = mol_arr == m
+        offset[sel] = ds_arr[sel].mean()
     return {"energy_mae": float(np.mean(de)), "energy_mae_per_atom": float(np.mean(de_atom)),
+            "energy_mae_molecule_offset": float(np.abs(offset).mean()),
+            "energy_mae_within_molecule": float(np.abs(ds_arr - offset).mean()),
             "force_mae": df_sum / n_f, "seconds_per_structure": (time.perf_counter() - t) / len(records)}
 
 
