@@ -164,10 +164,9 @@ def dask_client(cfg: ClusterConfig, echo=None) -> Iterator[Any]:
     cluster kind, worker count and dashboard address.
     """
     import dask
-    from distributed import Client
 
     with dask.config.set(_local_cluster_settings() if cfg.kind == "local" else {}):
-        yield from _client_on(cfg, echo, Client)
+        yield from _client_on(cfg, echo)
 
 
 # SpecCluster hard-closes a worker's nanny when no worker of that name is back 15 s after
@@ -182,7 +181,10 @@ def _local_cluster_settings() -> dict[str, Any]:
     return {"distributed.deploy.lost-worker-timeout": f"{_NEVER_S}s"}
 
 
-def _client_on(cfg: ClusterConfig, echo, Client) -> Iterator[Any]:
+def _client_on(cfg: ClusterConfig, echo) -> Iterator[Any]:
+    """The body of :func:`dask_client`, under its Dask settings."""
+    from distributed import Client
+
     cluster = make_cluster(cfg)
     try:
         client = Client(cluster) if cluster is not None else Client(cfg.address, timeout="30s")

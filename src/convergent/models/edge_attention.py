@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -27,9 +28,10 @@ class EdgeGeometry:
     env: torch.Tensor
     topk: tuple[int, torch.Tensor] | None = None
 
-    @property
+    @cached_property
     def unit(self) -> torch.Tensor:
-        """Unit bond vectors ``vec / r`` [E, 3] (from the centre to the neighbour)."""
+        """Unit bond vectors ``vec / r`` [E, 3] (from the centre to the neighbour); computed
+        once per geometry, shared by every block."""
         return self.vec / self.r.clamp_min(1e-6).unsqueeze(-1)
 
 
@@ -74,8 +76,7 @@ class EdgeAttentionBlock(nn.Module):
         scores, fvs = [], []
         for s_c, d_c, rbf_c in zip(srcs, dsts, rbf.split(max(step, 1)), strict=True):
             fe = self.edge(rbf_c)  # [e, heads + hidden]: score bias, value filter
-            qk = (q[s_c] * k[d_c]).view(-1, nh, d).sum(-1)
-            scores.append(qk.to(acc) / math.sqrt(d) + fe[:, :nh].to(acc))
+            scores.append(self._scores(q[s_c], k[d_c], fe[:, :nh], acc))
             fvs.append(fe[:, nh:])
         score = torch.cat(scores) if len(scores) != 1 else scores[0]
         if topk is not None:
@@ -89,6 +90,13 @@ class EdgeAttentionBlock(nn.Module):
             agg.index_add_(0, s_c, a_c.unsqueeze(-1) * vals)  # in place: no copy per chunk
         h = h + self.out(agg.view(n, hd).to(h.dtype))
         return h + self.mlp(self.norm2(h))
+
+    def _scores(self, q_src: torch.Tensor, k_dst: torch.Tensor, bias: torch.Tensor,
+                acc: torch.dtype) -> torch.Tensor:
+        """Per-head scores [E, heads] in ``acc``: ``<q_i, k_j> / sqrt(d) + b(r_ij)``."""
+        nh = self.heads
+        qk = (q_src * k_dst).view(-1, nh, self.hidden // nh).sum(-1)
+        return qk.to(acc) / math.sqrt(self.hidden // nh) + bias.to(acc)
 
     def _weights(self, score: torch.Tensor, src: torch.Tensor, env: torch.Tensor, n: int) -> torch.Tensor:
         """Attention weights [E, heads] from scores [E, heads] and envelope ``env`` [E].

@@ -18,14 +18,13 @@ carry geometry:
 
 Scalars see vectors only through norms and inner products of channel mixes, and vectors
 are built from ``r̂_ij`` with invariant coefficients, so ``x`` (and the energy read from
-it) is invariant and ``v`` rotates with the structure. The angular information (bond angles through the
-inner products of bond directions) is what a distance-only model lacks. Costs O(N·k) like
+it) is invariant and ``v`` rotates with the structure. The angular information (bond
+angles through the inner products of bond directions) is what a distance-only model lacks. Costs O(N·k) like
 the scalar block, with ~3x its per-edge memory.
 """
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,7 +61,7 @@ class VectorAttentionBlock(EdgeAttentionBlock):
         acc = torch.promote_types(h.dtype, torch.float32)
         src, dst, env, unit = g.src, g.dst, g.env, g.unit
         fe = self.edge(g.rbf)
-        score = (q[src] * k[dst]).view(-1, nh, d).sum(-1).to(acc) / math.sqrt(d) + fe[:, :nh].to(acc)
+        score = self._scores(q[src], k[dst], fe[:, :nh], acc)
         filt = fe[:, nh:]
         if g.topk is not None:
             keep = _topk_edges(score.mean(-1), g.topk[0], g.topk[1])
