@@ -37,6 +37,28 @@ def test_save_load_round_trip_predicts_identically(saved):
     assert float(e1) < -2000  # absolute energy includes the element references
 
 
+def test_checkpoint_from_before_head_norm_loads_with_the_head_layernorm(tmp_path):
+    """Configs saved before ``model.head_norm`` existed lack the field; those models had a
+    LayerNorm at the head's input, so loading must rebuild it (not the new default)."""
+    import json
+
+    torch.manual_seed(2)
+    cfg = ModelConfig(hidden=16, layers=1, cutoff=4.0, head_norm=True)
+    m = build_model(cfg)
+    with torch.no_grad():
+        m.energy_head[0].weight.mul_(1.7)  # a non-default LayerNorm weight must survive
+    save_model(m, cfg, tmp_path / "old")
+    meta_path = tmp_path / "old" / "model_config.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["model"]["head_norm"]
+    meta_path.write_text(json.dumps(meta))
+    m2, cfg2 = load_model(tmp_path / "old")
+    assert cfg2.head_norm and isinstance(m2.energy_head[0], torch.nn.LayerNorm)
+    b = collate_records([atoms_to_record(molecule("H2O"))])
+    assert torch.equal(m(b), m2(b))
+    assert not isinstance(build_model(ModelConfig()).energy_head[0], torch.nn.LayerNorm)  # new default
+
+
 def test_load_errors_are_user_errors(tmp_path):
     with pytest.raises(InputError, match="not a model directory"):
         load_model(tmp_path)

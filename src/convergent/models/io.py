@@ -73,7 +73,8 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
         )
     try:
         meta = json.loads(cfg_path.read_text(encoding="utf-8"))
-        cfg = ModelConfig.model_validate(meta["model"])
+        # saved before model.head_norm existed: those models had the head's LayerNorm
+        cfg = ModelConfig.model_validate({"head_norm": True, **meta["model"]})
     except (json.JSONDecodeError, KeyError, ValueError) as exc:
         raise InputError(f"{cfg_path}: unreadable model config ({exc})") from None
     try:

@@ -9,13 +9,15 @@ Architecture (read top to bottom in ten minutes):
 * ``layers``: L pre-norm Transformer blocks. Atom ``i`` attends to its neighbours ``j``
   only (the edges of the cutoff graph from :func:`~convergent.models.atoms.neighbor_list`):
   ``s_ij = <q_i, k_j> / sqrt(d) + b(r_ij)`` per head (distance bias), weights
-  ``a_ij = φ(r_ij) exp(s_ij) / (1 + Σ_j' φ(r_ij') exp(s_ij'))`` with the cosine cutoff
-  ``φ`` (the 1 is a zero-score sink slot: weights fade smoothly as atoms cross the cutoff),
-  or with ``attention_weights: silu`` the unnormalised gate ``a_ij = silu(s_ij) φ(r_ij)``
-  (a sum over neighbours, as in SchNet-style convolutions), message
+  ``a_ij = silu(s_ij) φ(r_ij)`` with the cosine cutoff ``φ`` (``attention_weights: silu``,
+  the default: an unnormalised gate, so the message is a sum over neighbours as in
+  SchNet-style convolutions and torchmd-net's equivariant transformer), or with
+  ``attention_weights: softmax`` ``a_ij = φ(r_ij) exp(s_ij) / (1 + Σ_j' φ(r_ij') exp(s_ij'))``
+  (a weighted mean; the 1 is a zero-score sink slot, so weights fade smoothly as atoms
+  cross the cutoff), message
   ``Σ_j a_ij v_j ⊙ f_v(r_ij)``, then an MLP. Only distances enter, so the energy is invariant to rotation, translation and
   permutation; cost is O(N·k) for k neighbours per atom.
-* ``energy_head``: per-atom MLP -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
+* ``energy_head``: per-atom MLP (LayerNorm first only with ``head_norm``) -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
   summed per molecule with ``index_add_`` (fp32 for the network part, fp64 for the sum and
   the element reference energies, which are large in eV).
 * forces ``F = -dE/dpositions`` by autograd (:func:`energy_and_forces`), or with
@@ -86,8 +88,8 @@ class MolecularTransformer(nn.Module):
             block(cfg.hidden, cfg.heads, cfg.num_rbf, cfg.mlp_ratio, cfg.attention_weights)
             for _ in range(cfg.layers)
         )
-        self.energy_head = nn.Sequential(
-            nn.LayerNorm(cfg.hidden),
+        self.energy_head = nn.Sequential(  # index 0 stays a slot so weight names keep their place
+            nn.LayerNorm(cfg.hidden) if cfg.head_norm else nn.Identity(),
             nn.Linear(cfg.hidden, cfg.hidden // 2),
             nn.SiLU(),
             nn.Linear(cfg.hidden // 2, 1),
