@@ -3,7 +3,7 @@ B3LYP/6-31G*, on the same molecules, one thread each.
 
 Surrogate timings: batched screening (all structures in atom-budget batches of 2048
 atoms) and one-at-a-time through the ASE calculator. The surrogate's weights do not
-change its cost; it loads bench/data/xtb_pretrained (from model_accuracy.py) if present.
+change its cost; it loads bench/data/xtb_pretrained (from model_accuracy.py --dataset g2) if present.
 CPU time (process) is the headline because the CPU is shared; wall time is recorded too.
 
 Writes bench/results/model_cost.json. Usage: .venv/bin/python bench/model_cost.py

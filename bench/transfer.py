@@ -4,7 +4,7 @@ training from scratch on the same small set; MAE on a held-out DFT test set.
 DFT: PySCF B3LYP/6-31G* energies/forces of rattled small G2 molecules (<= 7 atoms, 3
 conformers each, no fluorine), split molecule-wise (60 % of molecules for the small training set,
 40 % held out). Pretrained model: bench/data/xtb_pretrained, trained by
-bench/model_accuracy.py on GFN2-xTB labels of the training molecules of its
+``bench/model_accuracy.py --dataset g2`` on GFN2-xTB labels of the training molecules of its
 cross-validation fold 0 (the bench's ``ours`` model: silu attention weights; cheap labels cover
 many molecules, including some whose DFT labels are held out here: that is the intended
 use of the cheap tier). Every variant gets the same CPU-time budget and the same batches;
@@ -121,7 +121,7 @@ def main() -> None:
         (DATA / f"transfer_{args.one}.json").write_text(json.dumps(res))
         return
     if not (DATA / "xtb_pretrained").exists():
-        sys.exit("run bench/model_accuracy.py first (it writes bench/data/xtb_pretrained)")
+        sys.exit("run bench/model_accuracy.py --dataset g2 first (it writes bench/data/xtb_pretrained)")
     recs = dft_dataset()
     tr, te = molecule_split(recs, 0.4, seed=1)
     train, test = [recs[i] for i in tr], [recs[i] for i in te]
