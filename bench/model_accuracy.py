@@ -171,6 +171,8 @@ def cv_summary(folds: list[dict]) -> dict:
         out[f"{key}_fold_mean"] = float(v.mean())
         out[f"{key}_fold_std"] = float(v.std(ddof=1)) if len(v) > 1 else 0.0
         out[f"{key}_per_fold"] = v.tolist()
+    out["diverged_folds"] = [f["fold"] for f in folds if f["train"].get("diverged_at_step") is not None
+                             or not np.isfinite(f["test"]["energy_mae"])]
     out["train_structures_per_cpu_second_mean"] = float(np.mean([f["train"]["structures_per_cpu_second"] for f in folds]))
     return out
 
@@ -205,7 +207,8 @@ def summarize(results: dict) -> dict:
         best_mae = summary["energy_mae_pooled"][summary["best_peer"]]
         summary["every_variant_of_ours"] = {
             n: {"energy_mae_pooled": r["cv"]["energy_mae_pooled"], "force_mae_pooled": r["cv"]["force_mae_pooled"],
-                "ratio_to_best_peer_pooled": r["cv"]["energy_mae_pooled"] / best_mae}
+                "ratio_to_best_peer_pooled": r["cv"]["energy_mae_pooled"] / best_mae,
+                "diverged_folds": r["cv"]["diverged_folds"]}
             for n, r in results.items() if n.startswith("ours") and len(r["folds"]) > 1}
     if "ours" in results and "ours_bf16" in results:
         a = next(f for f in results["ours"]["folds"] if f["fold"] == 0)

@@ -446,7 +446,8 @@ def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: 
     """Train ``pot`` until ``budget_cpu_s`` seconds of this thread's CPU time are used.
 
     Loss: mean (ΔE/n_atoms)² + force_weight · mean ΔF²; Adam; cosine LR over the budget
-    (or ``sched_fn(fraction) -> factor``). CPU time rather than wall time makes the budget
+    (or ``sched_fn(fraction) -> factor``); a non-finite loss stops training and is reported
+    as ``diverged_at_step``. CPU time rather than wall time makes the budget
     fair on a CPU shared with other jobs; wall time is reported too. ``ema_decay`` > 0
     keeps an exponential moving average of the parameters (decay ramped up as
     (1+step)/(10+step) early on) and installs it at the end.
@@ -466,7 +467,7 @@ def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: 
     sched_fn = sched_fn or (lambda x: 0.5 * (1 + math.cos(math.pi * min(1.0, x))))
     counts = [len(r["numbers"]) for r in records]
     c0, w0 = time.thread_time(), time.perf_counter()
-    step, epoch, structures = 0, 0, 0
+    step, epoch, structures, diverged_at = 0, 0, 0, None
     losses = []
     ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
     pot.train(True)
@@ -484,6 +485,10 @@ def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: 
             with ctx:
                 e, f = pot.predict(b, training=True)
             loss, _ = energy_force_loss(e, f, b, force_weight=force_weight)
+            if not torch.isfinite(loss):  # diverged: stop and say so (the test MAE will be NaN)
+                diverged_at = step
+                done = True
+                break
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 10.0)
@@ -505,4 +510,5 @@ def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: 
     return {"steps": step, "epochs_started": epoch, "structures_seen": structures,
             "cpu_seconds": cpu, "wall_seconds": time.perf_counter() - w0,
             "structures_per_cpu_second": structures / max(cpu, 1e-9),
-            "final_loss_avg20": float(np.mean(losses[-20:])) if losses else None}
+            "final_loss_avg20": float(np.mean(losses[-20:])) if losses else None,
+            "diverged_at_step": diverged_at}
