@@ -41,18 +41,28 @@ def watchdog(dask_key: str, timeout_s: float) -> threading.Timer | None:
         if worker is not None:
             with contextlib.suppress(Exception):
                 worker.log_event(TIMEOUT_TOPIC, {"key": dask_key, "timeout_s": timeout_s})
-                # let the batched stream deliver the event before the process ends
-                deadline = time.monotonic() + 5.0
-                stream = getattr(worker, "batched_stream", None)
-                while stream is not None and stream.buffer and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                time.sleep(0.2)
+                _wait_until_scheduler_has(worker, dask_key, deadline=time.monotonic() + 10.0)
         os._exit(75)
 
     timer = threading.Timer(timeout_s, fire)
     timer.daemon = True
     timer.start()
     return timer
+
+
+def _wait_until_scheduler_has(worker, dask_key: str, deadline: float) -> None:
+    """Block (this timer thread) until the scheduler holds the timeout event of
+    ``dask_key``, or until ``deadline`` (monotonic s). From a thread other than the
+    worker's event loop, ``log_event`` only *schedules* the send, so waiting on the send
+    buffer alone races a busy loop; asking the scheduler confirms delivery."""
+    from distributed.utils import sync
+
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            events = sync(worker.loop, worker.scheduler.events, topic=TIMEOUT_TOPIC, callback_timeout=2.0)
+            if any(isinstance(m, dict) and m.get("key") == dask_key for _, m in events):
+                return
+        time.sleep(0.05)
 
 
 def failure_reason(client, exc: BaseException, dask_key: str,
