@@ -94,9 +94,9 @@ class EdgeAttentionBlock(nn.Module):
     def _scores(self, q_src: torch.Tensor, k_dst: torch.Tensor, bias: torch.Tensor,
                 acc: torch.dtype) -> torch.Tensor:
         """Per-head scores [E, heads] in ``acc``: ``<q_i, k_j> / sqrt(d) + b(r_ij)``."""
-        nh = self.heads
-        qk = (q_src * k_dst).view(-1, nh, self.hidden // nh).sum(-1)
-        return qk.to(acc) / math.sqrt(self.hidden // nh) + bias.to(acc)
+        d = self.hidden // self.heads
+        qk = (q_src * k_dst).view(-1, self.heads, d).sum(-1)
+        return qk.to(acc) / math.sqrt(d) + bias.to(acc)
 
     def _weights(self, score: torch.Tensor, src: torch.Tensor, env: torch.Tensor, n: int) -> torch.Tensor:
         """Attention weights [E, heads] from scores [E, heads] and envelope ``env`` [E].

@@ -19,8 +19,8 @@ carry geometry:
 Scalars see vectors only through norms and inner products of channel mixes, and vectors
 are built from ``r̂_ij`` with invariant coefficients, so ``x`` (and the energy read from
 it) is invariant and ``v`` rotates with the structure. The angular information (bond
-angles through the inner products of bond directions) is what a distance-only model lacks. Costs O(N·k) like
-the scalar block, with ~3x its per-edge memory.
+angles through the inner products of bond directions) is what a distance-only model
+lacks. Costs O(N·k) like the scalar block, with ~3x its per-edge memory.
 """
 
 from __future__ import annotations
