@@ -29,11 +29,16 @@ bench/data/xtb_pretrained for bench/transfer.py.
 
 Writes bench/results/model_accuracy.json (or ``--out``). Usage:
     .venv/bin/python bench/model_accuracy.py [--budget 100] [--probe-budget 12] [--folds 5]
+The budget curve in bench/results/model_accuracy_fold0_{300,1000}s*.json is this with
+``--fold-list 0 --budget 300|1000 --models ours,schnet,painn --no-save-pretrained --out ...``.
+A CPU-second buys fewer steps when more jobs than cores run (``--jobs 3`` on 2 cores
+halved structures per CPU second): compare models within one run, not across runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -263,8 +268,13 @@ def main() -> None:
         res = run_probe(args.probe, args) if args.probe else run_fold(args.one, args.fold, args.lr, args)
         args.part.write_text(json.dumps(res))
         return
-    load_start = os.getloadavg()
     names = args.models.split(",")
+    if {"schnet", "painn"} & set(names) and importlib.util.find_spec("schnetpack") is None:
+        print("model_accuracy: --models names a schnetpack peer but schnetpack is not installed; "
+              "run: .venv/bin/pip install -e '.[bench]'", file=sys.stderr)
+        sys.exit(2)
+    load_start = os.getloadavg()
+    recs = DATASETS[args.dataset][0]()  # built (and cached) once here, before the parallel workers read it
     folds = args.fold_list if args.fold_list is not None else list(range(args.folds))
     tag = (args.out.stem if args.out else "model_accuracy")
     part = lambda kind, n, k="": DATA / f"{tag}_{kind}_{n}{k}.json"  # noqa: E731
@@ -293,7 +303,6 @@ def main() -> None:
         results[n] = {"parameters": fl[0]["parameters"], "lr": lrs[n], "lr_probe_val_energy_mae": probes[n],
                       "cv": cv_summary(fl), "folds": fl}
     summary = summarize(results)
-    recs = DATASETS[args.dataset][0]()
     path = write_result("model_accuracy", {
         "data": {"dataset": args.dataset, "source": DATASETS[args.dataset][1], "structures": len(recs),
                  "molecules": len({r["molecule_id"] for r in recs}),

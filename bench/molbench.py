@@ -89,7 +89,8 @@ def dft_label(atoms: Any, xc: str = "b3lyp", basis: str = "6-31g*") -> tuple[flo
 def write_extxyz(path: Path, frames: list[Any]) -> None:
     import ase.io
 
-    tmp = path.with_suffix(".tmp.extxyz")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.extxyz")  # per process: concurrent builders never share it
     ase.io.write(tmp, frames, format="extxyz")
     os.replace(tmp, path)
 
