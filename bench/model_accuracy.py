@@ -269,7 +269,7 @@ def main() -> None:
         args.part.write_text(json.dumps(res))
         return
     names = args.models.split(",")
-    if {"schnet", "painn"} & set(names) and importlib.util.find_spec("schnetpack") is None:
+    if set(PEERS) & set(names) and importlib.util.find_spec("schnetpack") is None:
         print("model_accuracy: --models names a schnetpack peer but schnetpack is not installed; "
               "run: .venv/bin/pip install -e '.[bench]'", file=sys.stderr)
         sys.exit(2)
