@@ -7,6 +7,7 @@ type validation and raises :class:`~convergent.errors.ConfigError` naming the ba
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +68,9 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for depth, key in enumerate(keys):
         if model is not None and key not in model.model_fields:
             where = ".".join(keys[:depth]) or "top level"
-            choices = ", ".join(sorted(model.model_fields))
             raise ConfigError(
                 f"unknown config key '{dotted}' ('{key}' is not a field of {where})",
-                hint=f"valid keys here: {choices}",
+                hint=_key_hint(key, keys[:depth], model),
             )
         annotation = model.model_fields[key].annotation if model is not None else None
         is_section = isinstance(annotation, type) and issubclass(annotation, Section)
@@ -85,16 +85,66 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
         model = annotation
 
 
-def _format_validation_error(exc: ValidationError, source: str) -> ConfigError:
-    """Turn pydantic's multi-line report into one line naming the first bad field."""
+def _key_hint(key: str, parents: list[str], model: type[Section] | None) -> str:
+    """``did you mean train.steps?`` (difflib), else the valid keys of that section."""
+    fields = sorted(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    if close:
+        return "did you mean " + ".".join([*parents, close[0]]) + "?"
+    return "valid keys here: " + ", ".join(fields)
+
+
+def _section_at(loc: list[str]) -> type[Section] | None:
+    """The Section class reached by following ``loc`` from the top (None if not a section)."""
+    model: type[Section] = ConvergentConfig
+    for key in loc:
+        ann = model.model_fields[key].annotation if key in model.model_fields else None
+        if not (isinstance(ann, type) and issubclass(ann, Section)):
+            return None
+        model = ann
+    return model
+
+
+def yaml_line(path: str | Path, loc: tuple[str | int, ...]) -> int | None:
+    """1-based line of the key ``loc`` (e.g. ``('train', 'steps')``) in a YAML file."""
+    try:
+        node = yaml.compose(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            hit = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if hit is None:
+                return line
+            line, node = hit[0].start_mark.line + 1, hit[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _format_validation_error(exc: ValidationError, source: str,
+                             path: str | Path | None = None) -> ConfigError:
+    """Turn pydantic's multi-line report into one line naming the first bad field
+    (and, for a YAML file, its line: ``demo.yaml:12``)."""
     first = exc.errors()[0]
-    field = ".".join(str(p) for p in first["loc"])
+    loc = tuple(first["loc"])
+    field = ".".join(str(p) for p in loc)
+    line = yaml_line(path, loc) if path is not None else None
+    where = f"{source}:{line}" if line else source
     value = first.get("input")
     shown = f" (got {value!r})" if not isinstance(value, dict) else ""
     msg = first["msg"].lower()
+    if msg.startswith("value error, "):
+        msg = msg[len("value error, "):]
     if first["type"] == "extra_forbidden":
-        return ConfigError(f"{source}: unknown config key '{field}'", hint="check the spelling")
-    return ConfigError(f"{source}: invalid value for '{field}': {msg}{shown}")
+        parents = [str(p) for p in loc[:-1]]
+        return ConfigError(f"{where}: unknown config key '{field}'",
+                           hint=_key_hint(str(loc[-1]), parents, _section_at(parents)))
+    return ConfigError(f"{where}: invalid value for '{field}': {msg}{shown}")
 
 
 def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
@@ -127,9 +177,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        where = f":{line + 1}" if line is not None else ""
-        raise ConfigError(f"{p}{where}: not valid YAML") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None)
+        raise ConfigError(f"{p}{where}: not valid YAML" + (f" ({problem})" if problem else "")) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections")
     return data
@@ -145,8 +196,9 @@ def load_config(
     try:
         return ConvergentConfig.model_validate(data)
     except ValidationError as exc:
-        src = "--set" if overrides and _override_caused(exc, overrides) else source
-        raise _format_validation_error(exc, src) from None
+        if overrides and _override_caused(exc, overrides):
+            raise _format_validation_error(exc, "--set") from None
+        raise _format_validation_error(exc, source, path) from None
 
 
 def _override_caused(exc: ValidationError, overrides: list[str]) -> bool:

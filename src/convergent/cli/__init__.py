@@ -2,8 +2,8 @@
 
 Each stage module in this package has ``register(app)`` adding its commands; heavy
 imports (torch, dask, tblite) happen inside the commands so ``--help`` stays fast.
-A :class:`~convergent.errors.ConvergentError` prints ``error: ...`` (and ``hint: ...``)
-and exits 2 without a traceback unless ``--debug`` is given.
+Every failure prints one line ``error: ... (hint: ...)`` and exits 2 (a user's
+mistake: usage, config, input) or 1 (a bug); ``--debug`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 
 from convergent import __version__
 from convergent.cli import data, demo, report, screen, serve, simulate, train
-from convergent.errors import ConvergentError
 
 app = typer.Typer(
     name="convergent",
@@ -50,30 +48,35 @@ for _module in (demo, simulate, data, train, screen, report, serve):
     _module.register(app)
 
 
-def _print_error(exc: ConvergentError) -> None:
-    click.echo(f"error: {exc.message}", err=True)
-    if exc.hint:
-        click.echo(f"hint: {exc.hint}", err=True)
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("CONVERGENT_DEBUG", "") not in ("", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``convergent`` console script; returns the exit code."""
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    """Entry point of the ``convergent`` console script; returns the exit code.
+
+    Every failure ends as one line ``error: ...`` on stderr (see :mod:`convergent.cli.errors`):
+    exit 2 for a user's mistake, 1 for a bug; ``--debug`` re-raises with the traceback.
+    """
+    from convergent.cli import errors
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(args)
     try:
-        result = app(args=argv, standalone_mode=False)
-    except ConvergentError as exc:
+        command = typer.main.get_command(app)
+        result = command.main(args=args, prog_name="convergent", standalone_mode=False)
+    except errors.EXITS as exc:
+        return int(getattr(exc, "exit_code", 0) or 0)
+    except errors.ABORTS:
+        typer.echo("aborted", err=True)
+        return 130
+    except KeyboardInterrupt:
+        typer.echo("aborted", err=True)
+        return 130
+    except Exception as exc:
         if debug:
             raise
-        _print_error(exc)
-        return exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        return 130
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
+        return errors.report(exc, args)
     return result if isinstance(result, int) else 0
 
 
