@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from convergent.configbase import Section
+from convergent.configbase import Name, PathStr, Section
 from convergent.data.config import DataConfig
 from convergent.errors import ConfigError
 from convergent.fsutil import atomic_write_text
@@ -29,8 +29,8 @@ from convergent.train.config import CheckpointConfig, ParallelConfig, PrecisionC
 class RunConfig(Section):
     """Naming of the run directory ``<root>/<name>``."""
 
-    name: str | None = None  # None: the command's own name (demo, train, simulate, ...)
-    root: str = "runs"
+    name: Name | None = None  # None: the command's own name (demo, train, simulate, ...)
+    root: PathStr = "runs"
 
 
 class ConvergentConfig(Section):

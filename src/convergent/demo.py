@@ -113,10 +113,19 @@ def screen_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
     return summary
 
 
+def check_inputs(cfg: ConvergentConfig) -> None:
+    """What can fail before any work: the molecule source, the training shape."""
+    from convergent.sim.sources import check_source
+    from convergent.train.tasks import check_before_launch
+
+    check_source(cfg.simulate.source, cfg.simulate.on_bad_input)
+    check_before_launch(cfg, data=False)  # the datasets are made by the run itself
+
+
 def run_demo(cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False) -> Path:
     """Run every stage of the converged loop; returns the report path."""
     t0 = time.perf_counter()
-    run = open_run(cfg, run_dir, resume=resume, command="demo")
+    run = open_run(cfg, run_dir, resume=resume, command="demo", check=lambda: check_inputs(cfg))
     console.print(f"run directory: [bold]{run.path}[/bold]")
     _stage(run, "simulate", simulate_stage, cfg, run)
     _stage(run, "data", split_stage, cfg, run)

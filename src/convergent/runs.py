@@ -3,12 +3,19 @@
 Starting into an existing run either resumes it (``resume=True``) or refuses with a clear
 message; nothing is ever silently overwritten. Stages record completion in
 ``stages.json`` so a resumed run skips what is done.
+
+A start is validated before anything is created (``open_run(..., check=...)`` runs the
+stage's input checks first), and a run directory whose start failed before it produced
+anything (no finished stage, no metric, no file under ``ckpt/``, ``data/``, ``report/``;
+logs do not count) is started again by the same or a corrected command, so a fixed retry
+is never refused with "already exists" or "different config".
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,18 @@ class RunDir:
             return {}
         return json.loads(self.stages_file.read_text())
 
+    def has_results(self) -> bool:
+        """True once the run holds something worth keeping: a finished stage, a metric
+        record, or any file under ``ckpt/``, ``data/`` or ``report/`` (logs do not count)."""
+        if self.stages_file.exists() and self.stages_file.stat().st_size > 2:
+            return True
+        if self.metrics.exists() and self.metrics.stat().st_size > 0:
+            return True
+        for sub in (self.ckpt, self.data, self.report):
+            if sub.is_dir() and any(p.is_file() for p in sub.rglob("*")):
+                return True
+        return False
+
     def is_done(self, stage: str) -> bool:
         return stage in self.stages()
 
@@ -99,36 +118,44 @@ def run_path(cfg: ConvergentConfig, run_dir: str | Path | None, command: str) ->
 
 def open_run(
     cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False,
-    command: str = "run",
+    command: str = "run", check: Callable[[], None] | None = None,
 ) -> RunDir:
     """Create a new run directory, or resume an existing one.
 
     Without ``run_dir`` the directory is ``<run.root>/<run.name or command>``.
-    An existing directory with a config is resumed only when ``resume`` is true and its
+    An existing directory with results is resumed only when ``resume`` is true and its
     config equals ``cfg`` (else :class:`RunDirError`); a non-empty directory without a
-    config is refused.
+    config is refused. An existing run without results (a start that failed) is started
+    again with ``cfg``. ``check`` (the stage's input validation) runs after these checks
+    and before anything is created, so a failed check leaves nothing behind.
     """
     path = run_path(cfg, run_dir, command)
     run = RunDir(path)
+    restart = False
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{path} exists and is not a directory", hint="choose another --run-dir")
     if path.exists() and any(path.iterdir()):
         if not run.config.exists():
             raise RunDirError(
                 f"{path} exists and is not a convergent run directory",
                 hint="choose another --run-dir",
             )
-        if not resume:
+        if not run.has_results():
+            restart = True  # an earlier start failed before producing anything
+        elif not resume:
             raise RunDirError(
                 f"run directory {path} already exists",
                 hint="pass --resume to continue it, or choose another --run-dir / --name",
             )
-        previous = run.config.read_text(encoding="utf-8")
-        if previous != dump_config(cfg):
+        elif run.config.read_text(encoding="utf-8") != dump_config(cfg):
             raise RunDirError(
                 f"{path}: cannot resume with a different config than {run.config}",
                 hint="resume without --set changes, or start a new run",
             )
+    if check is not None:
+        check()
     for sub in (run.logs, run.ckpt, run.data, run.report):
         sub.mkdir(parents=True, exist_ok=True)
-    if not run.config.exists():
+    if restart or not run.config.exists():
         save_config(cfg, run.config)
     return run

@@ -52,14 +52,40 @@ def test_train_command_runs_two_processes(tmp_path, capsys):
                  "--run-dir", str(run_dir)]) == 2
 
 
-def test_bad_dataset_reports_error(tmp_path, capsys):
-    (tmp_path / "nope").mkdir()  # exists (passes the pre-launch check) but is no dataset
+def test_bad_dataset_is_refused_before_the_run_directory_exists(tmp_path, capsys):
+    (tmp_path / "nope").mkdir()  # exists but holds no dataset
     code = main(["train", "--set", f"train.dataset={tmp_path / 'nope'}", "--set",
                  "train.steps=1", "--nproc", "1", "--set", "parallel.strategy=single",
                  "--run-dir", str(tmp_path / "r")])
     assert code == 2
     err = capsys.readouterr().err
-    assert "training failed" in err and "nope" in err
+    assert err.startswith("error: train.dataset: ") and "nope" in err and "manifest.json" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_shard_error_inside_training_is_one_line_and_the_fixed_retry_runs(
+        moldata, tmp_path, capsys):
+    import shutil
+
+    from trainhelpers import mol_overrides
+
+    train = tmp_path / "train"
+    shutil.copytree(moldata[0], train)
+    shard = sorted(train.glob("shard-*"))[0]
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # truncated: the ranks fail opening it
+    args = ["train", *_sets([*mol_overrides((train, moldata[1])), "train.steps=2",
+                             "parallel.strategy=single", "train.val_every=0"]),
+            "--run-dir", str(tmp_path / "r")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: training failed on rank 0: shard ")
+    assert shard.name in lines[0] and "rank0.log" in lines[0]
+    shard.write_bytes(good)  # repaired: the same command starts the run again
+    assert main(args) == 0
+    assert "trained 2 steps" in capsys.readouterr().out
 
 
 @pytest.mark.slow

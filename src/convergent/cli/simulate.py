@@ -90,8 +90,10 @@ def register(app: typer.Typer) -> None:
         run = None
         if out is None:
             from convergent.runs import open_run
+            from convergent.sim.sources import check_source
 
-            run = open_run(cfg, run_dir, resume=resume, command="simulate")
+            run = open_run(cfg, run_dir, resume=resume, command="simulate",
+                           check=lambda: check_source(cfg.simulate.source, cfg.simulate.on_bad_input))
             out = run.data / "sim"
         on_task = None
         if run is not None:

@@ -44,7 +44,11 @@ def register(app: typer.Typer) -> None:
             )
             typer.echo(shlex.join(cmd))
             return
-        run = open_run(cfg, run_dir, resume=resume, command="train")
+        from convergent.train.tasks import check_before_launch
+
+        # inputs are checked before the run directory exists: a failed start leaves nothing
+        run = open_run(cfg, run_dir, resume=resume, command="train",
+                       check=lambda: check_before_launch(cfg))
 
         def show(rec: dict) -> None:
             if rec["kind"] == "val":

@@ -6,20 +6,20 @@ from typing import Literal
 
 from pydantic import Field
 
-from convergent.configbase import Section
+from convergent.configbase import PathStr, Section, Seed
 
 
 class DataConfig(Section):
     """Shard layout, reader and node-local cache settings (defaults fit a 2-core laptop)."""
 
-    shard_bytes: int = Field(128 * 2**20, ge=4096)  # target shard size, bytes (64-256 MiB on a cluster)
+    shard_bytes: int = Field(128 * 2**20, ge=4096, le=2**40)  # target shard size, bytes (64-256 MiB on a cluster)
     compression: Literal["none", "zstd"] = "zstd"  # per-record, kept only where it shrinks the record
-    inline_bytes: int = Field(256, ge=0)  # bytes-schema payloads up to this size live in the index
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # fraction of *molecules* held out
-    seed: int = 0  # split and shuffle seed
+    inline_bytes: int = Field(256, ge=0, le=2**24)  # bytes-schema payloads up to this size live in the index
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0, allow_inf_nan=False)  # fraction of *molecules* held out
+    seed: Seed = 0  # split and shuffle seed
     shuffle: bool = True  # block shuffle with shard locality, from (seed, epoch)
     block_size: int = Field(16384, ge=1)  # shuffle window, samples
     drop_last: bool = False  # equal per-rank counts by dropping the tail (default: pad)
-    cache_dir: str | None = None  # node-local cache directory (None: read shards in place)
+    cache_dir: PathStr | None = None  # node-local cache directory (None: read shards in place)
     cache_bytes: int = Field(10 * 2**30, gt=0)  # cache byte budget
     prefetch_shards: int = Field(2, ge=0)  # shards copied into the cache ahead of the reader

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from convergent.configbase import Section
+from convergent.configbase import Count, Count0, Positive, Section
 
 
 class ModelConfig(Section):
@@ -29,11 +29,11 @@ class ModelConfig(Section):
     """
 
     kind: Literal["molecular", "llama"] = "molecular"
-    hidden: int = 64
-    layers: int = 3
-    heads: int = 4
-    cutoff: float = 5.0  # Å
-    max_neighbors: int | None = None
+    hidden: Count = 64
+    layers: Count = 3
+    heads: Count = 4
+    cutoff: Positive = 5.0  # Å
+    max_neighbors: Count | None = None
     neighbor_overflow: Literal["error", "drop"] = "error"
     attention: Literal["neighbor", "topk", "dense"] = "neighbor"
     # silu (default): gated sum over neighbours (grows with the neighbour count, as an
@@ -49,15 +49,23 @@ class ModelConfig(Section):
     # through inner products of bond directions; the energy stays invariant. Needs
     # edge_chunk=0 (the vector block runs all edges in one pass).
     vectors: bool = False
-    topk: int = 32  # neighbours kept per atom by attention="topk"
-    num_rbf: int = 32  # radial basis functions on [0, cutoff]
-    max_z: int = 94  # largest atomic number the embedding accepts
-    mlp_ratio: int = 2  # feed-forward width = mlp_ratio * hidden
+    topk: Count = 32  # neighbours kept per atom by attention="topk"
+    num_rbf: Count = 32  # radial basis functions on [0, cutoff]
+    max_z: int = Field(94, ge=1, le=255)  # largest atomic number the embedding accepts
+    mlp_ratio: Count = 2  # feed-forward width = mlp_ratio * hidden
     keep_fp32: list[str] = ["energy_head"]
     forces: Literal["autograd", "direct"] = "autograd"  # how forces are predicted
     # Edges per chunk in attention (0 = all at once). Chunking bounds forward temporaries
     # but adds an O(N) gradient buffer per chunk in backward: superlinear at large N.
-    edge_chunk: int = 0
+    edge_chunk: Count0 = 0
+
+    @field_validator("heads")
+    @classmethod
+    def _heads_divide_hidden(cls, v: int, info: ValidationInfo) -> int:
+        hidden = info.data.get("hidden")
+        if hidden and hidden % v:
+            raise ValueError(f"must divide model.hidden ({hidden})")
+        return v
 
     @field_validator("edge_chunk")
     @classmethod

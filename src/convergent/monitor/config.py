@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convergent.configbase import Section
+from convergent.configbase import Count, Port, Positive, Section
 
 
 class MetricsConfig(Section):
@@ -14,7 +14,7 @@ class MetricsConfig(Section):
     """
 
     tensorboard: bool = True
-    prometheus_port: int | None = None  # serve /metrics on 127.0.0.1:<port> when set
-    log_every: int = 10
-    reduce_every: int = 10  # steps whose cross-rank metric sums share one all-reduce
-    peak_flops: float | None = None  # FLOP/s per process; None = measure (CPU) / table (GPU)
+    prometheus_port: Port | None = None  # serve /metrics on 127.0.0.1:<port> when set
+    log_every: Count = 10
+    reduce_every: Count = 10  # steps whose cross-rank metric sums share one all-reduce
+    peak_flops: Positive | None = None  # FLOP/s per process; None = measure (CPU) / table (GPU)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from convergent.configbase import Section
+from pydantic import Field
+
+from convergent.configbase import Count, Count0, PathStr, Section
 
 
 class ScreenConfig(Section):
@@ -18,11 +20,11 @@ class ScreenConfig(Section):
     spread, eV/Å). ``max_per_molecule`` limits picks per molecule id (0 = no limit).
     """
 
-    models: list[str] = []
-    dataset: str | None = None
-    output: str | None = None
-    batch_atoms: int = 2048
-    select: int = 50  # candidates sent back to simulation
+    models: list[PathStr] = []
+    dataset: PathStr | None = None
+    output: PathStr | None = None
+    batch_atoms: Count = 2048
+    select: Count0 = 50  # candidates sent back to simulation
     select_by: Literal["energy_std", "force_std"] = "force_std"
-    max_per_molecule: int = 0
-    device: str = "cpu"
+    max_per_molecule: Count0 = 0
+    device: str = Field("cpu", pattern=r"^[a-z]+(:[0-9]+)?$")  # cpu, cuda, cuda:1

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from convergent.configbase import Section
+from pydantic import Field
+
+from convergent.configbase import Count, Port, Section
 
 
 class ServeConfig(Section):
@@ -18,24 +20,24 @@ class ServeConfig(Section):
 
     model: str = ""
     scheduler: Literal["sequential", "interleaved", "tdpipe"] = "tdpipe"
-    stages: int = 2  # pipeline stages (processes); sequential always uses one process
+    stages: Count = 2  # pipeline stages (processes); sequential always uses one process
     predictor: Literal["learned", "oracle", "constant"] = "learned"
     predictor_path: str = ""  # a trained predictor (.json); empty: train on a trace at start
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field("127.0.0.1", min_length=1)
+    port: Port = 8000
     api_key: str = ""  # empty: no authentication
-    kv_budget_bytes: int = 256 * 2**20  # bytes of K+V over all stages
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # sequences per micro-batch (decode)
-    max_batched_tokens: int = 1024  # token budget of a micro-batch (prefill)
+    kv_budget_bytes: Count = 256 * 2**20  # bytes of K+V over all stages
+    block_size: Count = 16  # tokens per KV block
+    max_num_seqs: Count = 256  # sequences per micro-batch (decode)
+    max_batched_tokens: Count = 1024  # token budget of a micro-batch (prefill)
     chunked_prefill: bool = False  # interleaved only: split prompts to fit the budget
-    max_model_len: int = 2048  # prompt + output tokens per request
+    max_model_len: Count = 2048  # prompt + output tokens per request
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
-    torch_threads: int = 1  # per stage process
+    torch_threads: Count = 1  # per stage process
     profile_costs: bool = True  # tdpipe: profile the stage cost table in situ at start-up
     # tdpipe: predicted peak KV use (whole blocks) allowed by prefill; a mispredicted
     # request that outgrows it is preempted by recompute
-    tdpipe_memory_fraction: float = 1.0
+    tdpipe_memory_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     work_stealing: bool = True  # tdpipe: balance decode micro-batches
-    default_max_tokens: int = 128  # API requests without max_tokens
+    default_max_tokens: Count = 128  # API requests without max_tokens

@@ -9,9 +9,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from convergent.configbase import Section
+from convergent.configbase import (
+    Count,
+    Count0,
+    NonNegative,
+    PathStr,
+    Positive,
+    Section,
+    Seed,
+    Walltime,
+)
 
 
 class SlurmConfig(Section):
@@ -23,16 +32,22 @@ class SlurmConfig(Section):
 
     queue: str | None = None  # -p / --partition
     account: str | None = None  # -A
-    cores: int = 4  # cores per job = single-threaded workers per job
-    memory: str = "8GB"  # memory per job
-    walltime: str = "01:00:00"
+    cores: Count = 4  # cores per job = single-threaded workers per job
+    memory: str = Field("8GB", pattern=r"^[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]?|[bB])?$")  # memory per job
+    walltime: Walltime = "01:00:00"
     job_extra_directives: list[str] = []  # extra '#SBATCH ...' lines, e.g. ['--qos=debug']
     job_script_prologue: list[str] = []  # shell lines run before the worker (module load ...)
     interface: str | None = None  # network interface of workers, e.g. 'ib0'
-    local_directory: str | None = None  # node-local scratch for worker spill files
-    python: str | None = None  # python executable on compute nodes (default: this one)
-    adapt_min: int = 0  # workers
-    adapt_max: int = 64  # workers
+    local_directory: PathStr | None = None  # node-local scratch for worker spill files
+    python: PathStr | None = None  # python executable on compute nodes (default: this one)
+    adapt_min: Count0 = 0  # workers
+    adapt_max: Count = 64  # workers
+
+    @model_validator(mode="after")
+    def _adapt_range(self) -> SlurmConfig:
+        if self.adapt_min > self.adapt_max:
+            raise ValueError(f"adapt_min ({self.adapt_min}) must be <= adapt_max ({self.adapt_max})")
+        return self
 
 
 class ClusterConfig(Section):
@@ -44,12 +59,12 @@ class ClusterConfig(Section):
     """
 
     kind: Literal["local", "slurm", "address"] = "local"
-    n_workers: int | None = None  # None: one per usable core (local)
-    threads_per_worker: int = 1
+    n_workers: Count | None = None  # None: one per usable core (local)
+    threads_per_worker: Count = 1
     address: str | None = None  # for kind=address, e.g. tcp://10.0.0.1:8786
     dashboard_address: str | None = ":0"  # ':8787', ':0' (any free port) or None (off)
     memory_limit: str = "auto"  # per local worker
-    allowed_failures: int = 0  # scheduler re-runs of a task after a worker death (local/slurm)
+    allowed_failures: Count0 = 0  # scheduler re-runs of a task after a worker death (local/slurm)
     slurm: SlurmConfig = SlurmConfig()
 
 
@@ -62,12 +77,12 @@ class RelabelConfig(Section):
     basis: str = "6-31G*"
     density_fit: bool = True
     auxbasis: str | None = None  # None: PySCF's default for the basis
-    conv_tol: float = 1e-8  # Hartree
-    max_cycle: int = 100
-    chunk_size: int = 2
-    timeout_s: float = 1800.0
-    retries: int = 1
-    seed: int = 0
+    conv_tol: Positive = 1e-8  # Hartree
+    max_cycle: Count = 100
+    chunk_size: Count = 2
+    timeout_s: Positive = 1800.0
+    retries: Count0 = 1
+    seed: Seed = 0
 
 
 class SimulateConfig(Section):
@@ -82,37 +97,45 @@ class SimulateConfig(Section):
     saved every ``md_interval`` steps per task.
     """
 
-    source: str = "g2"  # g2 | s22 | nci | smiles:<file> | <xyz/extxyz path>
+    source: str = Field("g2", min_length=1)  # g2 | s22 | nci | smiles:<file> | <xyz/extxyz path>
     elements: list[str] = ["C", "H", "N", "O"]  # empty list: any element
-    max_atoms: int = 12
-    min_atoms: int = 2
-    max_molecules: int | None = None  # cap after filtering (first n in source order)
+    max_atoms: Count = 12
+    min_atoms: Count = 2
+    max_molecules: Count | None = None  # cap after filtering (first n in source order)
     sampler: Literal["rattle", "md"] = "rattle"
     frames: int = Field(2000, ge=1)
-    rattle_sigma: float = 0.05  # Å
+    rattle_sigma: NonNegative = 0.05  # Å
     temperatures: list[float] = [300.0]  # K, for md
-    md_timestep_fs: float = 0.5
-    md_friction: float = 0.01  # 1/fs
-    md_interval: int = 10  # MD steps between saved frames
-    md_warmup: int = 20  # MD steps before the first saved frame
-    md_frames: int = 25  # frames per trajectory (= one task)
+    md_timestep_fs: Positive = 0.5
+    md_friction: NonNegative = 0.01  # 1/fs
+    md_interval: Count = 10  # MD steps between saved frames
+    md_warmup: Count0 = 20  # MD steps before the first saved frame
+    md_frames: Count = 25  # frames per trajectory (= one task)
     calculator: Literal["xtb", "dft", "emt"] = "xtb"
     method: str | None = "GFN2-xTB"  # xtb: GFN2-xTB|GFN1-xTB|IPEA1-xTB; dft: HF|<xc>
     basis: str = "6-31G*"  # dft only
     density_fit: bool = True  # dft only
-    xtb_accuracy: float = 1.0
-    xtb_max_iterations: int = 250
-    xtb_electronic_temperature: float = 300.0  # K
-    min_distance: float = 0.5  # Å; closer atom pairs are quarantined as bad geometry
+    xtb_accuracy: Positive = 1.0
+    xtb_max_iterations: Count = 250
+    xtb_electronic_temperature: NonNegative = 300.0  # K
+    min_distance: NonNegative = 0.5  # Å; closer atom pairs are quarantined as bad geometry
     chunk_size: int = Field(100, ge=1)  # frames per Dask task (rattle); bench/sim_throughput.py
-    timeout_s: float = 300.0  # per task
+    timeout_s: Positive = 300.0  # per task
     retries: int = Field(2, ge=0)  # per task, before it is split / quarantined
-    max_in_flight: int | None = None  # tasks submitted at once; None: 3 per worker
-    flush_every_s: float = 10.0  # seal a shard + commit the manifest at most this often
+    max_in_flight: Count | None = None  # tasks submitted at once; None: 3 per worker
+    flush_every_s: NonNegative = 10.0  # seal a shard + commit the manifest at most this often
     on_bad_input: Literal["error", "quarantine"] = "error"  # malformed xyz / invalid SMILES
     retry_quarantined: bool = False  # on resume, recompute previously quarantined frames
-    seed: int = 0
+    seed: Seed = 0
     relabel: RelabelConfig = RelabelConfig()
+
+    @field_validator("min_atoms")
+    @classmethod
+    def _atom_range(cls, v: int, info: ValidationInfo) -> int:
+        hi = info.data.get("max_atoms")
+        if hi is not None and v > hi:
+            raise ValueError(f"must be <= simulate.max_atoms ({hi})")
+        return v
 
     @field_validator("temperatures")
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from convergent.errors import InputError
+from convergent.xyzfile import check_layout, read_frames, read_lines
 
 # Symbols of elements 1..118 (index = atomic number).
 _SYMBOLS = (
@@ -270,84 +271,6 @@ def smiles_molecules(
 # ---------------------------------------------------------------------------- xyz / extxyz
 
 
-def _columns(comment: str) -> tuple[int, int, int]:
-    """(species column, first position column, minimum columns) from an extxyz comment.
-
-    Plain xyz (or no ``Properties=``): species in column 0, positions in 1..3.
-    """
-    m = re.search(r"Properties=([^\s]+)", comment, flags=re.IGNORECASE)
-    if not m:
-        return 0, 1, 4
-    fields = m.group(1).strip("\"'").split(":")
-    species = pos = None
-    col = 0
-    for i in range(0, len(fields) - 2, 3):
-        name, count = fields[i].lower(), fields[i + 2]
-        n = int(count) if count.isdigit() else 1
-        if name in ("species", "z") and species is None:
-            species = col
-        elif name in ("pos", "positions") and pos is None:
-            pos = col
-        col += n
-    if species is None or pos is None:
-        return 0, 1, 4
-    return species, pos, max(species + 1, pos + 3)
-
-
-def _check_xyz(path: Path) -> list[tuple[int, str]]:
-    """Validate the frame layout of an xyz/extxyz file line by line.
-
-    Returns a list of (line, problem) for malformed frames (empty if the file is sound).
-    Checks: an integer atom count line, a comment line, then that many atom lines each
-    with an element symbol (or atomic number) and three finite coordinates, in the
-    columns named by an extxyz ``Properties=`` entry if there is one.
-    """
-    problems: list[tuple[int, str]] = []
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    i = 0
-    n_lines = len(lines)
-    while i < n_lines:
-        if not lines[i].strip():
-            i += 1
-            continue
-        head = lines[i].split()
-        if len(head) != 1 or not head[0].isdigit():
-            problems.append((i + 1, f"expected an atom count, got {lines[i].strip()[:40]!r}"))
-            return problems  # the layout is lost from here on
-        n = int(head[0])
-        start = i
-        if start + 1 >= n_lines:
-            problems.append((start + 1, f"frame of {n} atoms has no comment line"))
-            return problems
-        sp_col, pos_col, min_cols = _columns(lines[start + 1])
-        for k in range(n):
-            ln = start + 2 + k
-            if ln >= n_lines:
-                problems.append((ln + 1, f"frame starting at line {start + 1} declares {n} "
-                                 f"atoms but the file ends after {k}"))
-                return problems
-            cols = lines[ln].split()
-            if len(cols) < min_cols:
-                problems.append((ln + 1, f"atom line needs 'symbol x y z', got "
-                                 f"{lines[ln].strip()[:40]!r}"))
-                return problems
-            sym = cols[sp_col]
-            if sym not in _NUMBER and not (sym.isdigit() and 0 < int(sym) < len(_SYMBOLS)):
-                problems.append((ln + 1, f"unknown element {sym!r}"))
-                return problems
-            try:
-                xyz = [float(c) for c in cols[pos_col:pos_col + 3]]
-            except ValueError:
-                problems.append((ln + 1, "coordinates are not numbers: "
-                                 f"{' '.join(cols[pos_col:pos_col + 3])!r}"))
-                return problems
-            if not all(np.isfinite(xyz)):
-                problems.append((ln + 1, "non-finite coordinate"))
-                return problems
-        i = start + 2 + n
-    return problems
-
-
 def xyz_molecules(path: str | Path, on_bad_input: str = "error") -> tuple[list[Molecule], list[InputRejection]]:
     """Read every frame of an xyz/extxyz file through ``ase.io`` (ids ``<stem>-<index>``).
 
@@ -358,7 +281,7 @@ def xyz_molecules(path: str | Path, on_bad_input: str = "error") -> tuple[list[M
     p = Path(path)
     if not p.is_file():
         raise InputError(f"structure file not found: {p}", hint="pass an existing .xyz/.extxyz file")
-    problems = _check_xyz(p)
+    problems = check_layout(read_lines(p))
     rejected: list[InputRejection] = []
     if problems:
         line, what = problems[0]
@@ -377,14 +300,12 @@ def xyz_molecules(path: str | Path, on_bad_input: str = "error") -> tuple[list[M
 
         frames = read(io.StringIO("\n".join(good) + "\n"), index=":", format="extxyz")
     else:
-        try:
-            frames = read(str(p), index=":", format="extxyz")
-        except Exception as exc:  # ase's own parser: extxyz comment-line syntax etc.
+        try:  # ase's own parser: extxyz comment-line syntax etc. (located by line)
+            frames = [atoms for _, atoms in read_frames(p)]
+        except InputError as exc:
             if on_bad_input != "quarantine":
-                raise InputError(
-                    f"{p}: malformed extxyz: {exc}", hint="check the comment (second) lines"
-                ) from None
-            return [], [InputRejection(str(p), f"malformed extxyz: {exc}")]
+                raise
+            return [], [InputRejection(str(p), exc.message)]
     mols = []
     for idx, atoms in enumerate(frames):
         info = dict(atoms.info)
@@ -418,6 +339,34 @@ def stable_int(*parts: object) -> int:
     """A 63-bit integer hash of ``parts`` that is the same in every process and run."""
     h = hashlib.blake2b("\x1f".join(str(p) for p in parts).encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & 0x7FFFFFFFFFFFFFFF
+
+
+def check_source(source: str, on_bad_input: str = "error") -> None:
+    """Fail fast on a source that cannot be read, without embedding or labelling anything:
+    an unknown kind, a missing file, an invalid SMILES or a malformed xyz/extxyz file
+    (``file:line``; skipped with ``on_bad_input="quarantine"``). Run before a run
+    directory is created; :func:`load_molecules` does the full work later."""
+    low = source.strip().lower()
+    if low in ("g2", "s22", "nci"):
+        return
+    if low.startswith("smiles:") or low.endswith((".smi", ".smiles")):
+        entries = read_smiles_file(source.split(":", 1)[1] if low.startswith("smiles:") else source)
+        if on_bad_input != "quarantine":
+            bad = next((e for e in entries if _smiles_counts(e.smiles) is None), None)
+            if bad is not None:
+                raise InputError(f"{bad.where}: invalid SMILES {bad.smiles!r}",
+                                 hint="fix or remove that line, or set simulate.on_bad_input=quarantine")
+    elif low.startswith(("xyz:", "extxyz:")) or low.endswith((".xyz", ".extxyz")):
+        path = Path(source.split(":", 1)[1] if low.startswith(("xyz:", "extxyz:")) else source)
+        if on_bad_input == "quarantine":
+            read_lines(path)  # exists and readable
+        else:
+            read_frames(path)
+    else:
+        raise InputError(
+            f"unknown molecule source {source!r}",
+            hint="use g2, s22, nci, smiles:<file> or a path to an .xyz/.extxyz file",
+        )
 
 
 def load_molecules(

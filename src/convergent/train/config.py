@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from convergent.configbase import Section
+from pydantic import Field
+
+from convergent.configbase import (
+    Count,
+    Count0,
+    Endpoint,
+    Fraction,
+    NonNegative,
+    PathStr,
+    Positive,
+    Section,
+    Seed,
+)
 
 
 class TrainConfig(Section):
@@ -21,29 +33,29 @@ class TrainConfig(Section):
     so runs with different process counts see identical data per optimizer step.
     """
 
-    dataset: str | None = None  # training dataset directory (convergent.data store)
-    val_dataset: str | None = None  # held-out dataset directory (split by molecule)
-    steps: int = 300  # optimizer steps
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 10
+    dataset: PathStr | None = None  # training dataset directory (convergent.data store)
+    val_dataset: PathStr | None = None  # held-out dataset directory (split by molecule)
+    steps: Count = 300  # optimizer steps
+    lr: Positive = 1e-3
+    min_lr_ratio: Fraction = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: Count0 = 10
     lr_schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = 0.0
-    batch_atoms: int = 512  # atom budget per micro-batch per rank (molecular)
-    global_batch_atoms: int | None = None  # fixed global atom budget per step (overrides)
-    batch_seqs: int = 8  # sequences per micro-batch per rank (LM)
-    global_batch_seqs: int | None = None  # fixed global sequences per step (LM, overrides)
-    seq_len: int = 64  # tokens per sequence (LM)
-    vocab_size: int = 256  # synthetic LM vocabulary when no token dataset is given
-    grad_accum: int = 1  # micro-steps per optimizer step (no gradient sync until the last)
-    grad_clip: float | None = 10.0  # max global grad norm; None disables clipping
-    force_weight: float = 10.0  # weight of the force term (eV/Å)^2 vs energy (eV)^2
-    seed: int = 0
-    threads: int = 1  # torch intra-op threads per process
+    weight_decay: NonNegative = 0.0
+    batch_atoms: Count = 512  # atom budget per micro-batch per rank (molecular)
+    global_batch_atoms: Count | None = None  # fixed global atom budget per step (overrides)
+    batch_seqs: Count = 8  # sequences per micro-batch per rank (LM)
+    global_batch_seqs: Count | None = None  # fixed global sequences per step (LM, overrides)
+    seq_len: Count = 64  # tokens per sequence (LM)
+    vocab_size: int = Field(256, ge=2)  # synthetic LM vocabulary when no token dataset is given
+    grad_accum: Count = 1  # micro-steps per optimizer step (no gradient sync until the last)
+    grad_clip: Positive | None = 10.0  # max global grad norm; None disables clipping
+    force_weight: NonNegative = 10.0  # weight of the force term (eV/Å)^2 vs energy (eV)^2
+    seed: Seed = 0
+    threads: Count = 1  # torch intra-op threads per process
     activation_checkpointing: bool = False  # recompute each block in backward
     compile: bool = False  # torch.compile each block
-    val_every: int = 50  # validate every N steps (and at the end); 0 = only at the end
-    val_max_batches: int = 20  # cap validation cost
+    val_every: Count0 = 50  # validate every N steps (and at the end); 0 = only at the end
+    val_max_batches: Count = 20  # cap validation cost
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
@@ -57,25 +69,25 @@ class ParallelConfig(Section):
     """
 
     strategy: Literal["single", "ddp", "fsdp", "hsdp", "pipeline"] = "ddp"
-    nproc: int = 2  # processes per node
-    nnodes: int = 1
+    nproc: Count = 2  # processes per node
+    nnodes: Count = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
-    rdzv_endpoint: str | None = None  # host:port; default first Slurm node:29500
+    rdzv_endpoint: Endpoint | None = None  # host:port; default first Slurm node:29500
     # FSDP / HSDP
     reshard_after_forward: bool = True  # free unsharded params after forward (ZeRO-3)
-    shard_size: int | None = None  # HSDP shard group size; None = from topology
-    topology_file: str | None = None  # YAML/JSON {hostname: {rack: name}} or rank lists
+    shard_size: Count | None = None  # HSDP shard group size; None = from topology
+    topology_file: PathStr | None = None  # YAML/JSON {hostname: {rack: name}} or rank lists
     topology_level: Literal["node", "rack"] = "node"
     # Pipeline
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
-    microbatches: int = 4
-    stages_per_rank: int = 2  # for interleaved
+    microbatches: Count = 4
+    stages_per_rank: Count = 2  # for interleaved
     # DDP gradient compression (comm hook)
     compression: Literal["none", "fp16", "powersgd", "topk"] = "none"
-    powersgd_rank: int = 2
-    powersgd_start_iter: int = 10
-    topk_ratio: float = 0.01  # fraction of gradient entries sent per step
-    bucket_cap_mb: float = 25.0
+    powersgd_rank: Count = 2
+    powersgd_start_iter: Count0 = 10
+    topk_ratio: float = Field(0.01, gt=0, le=1, allow_inf_nan=False)  # fraction of gradient entries sent per step
+    bucket_cap_mb: Positive = 25.0
 
 
 class PrecisionConfig(Section):
@@ -84,14 +96,14 @@ class PrecisionConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     keep_fp32: list[str] = ["energy_head", "norm"]
     reduce_dtype: Literal["fp32", "param"] = "fp32"  # FSDP gradient reduction dtype
-    init_scale: float = 2.0**12  # fp16 GradScaler initial scale
+    init_scale: Positive = 2.0**12  # fp16 GradScaler initial scale
 
 
 class CheckpointConfig(Section):
     """DCP checkpoints: interval in steps, how many to keep, async writing, resume."""
 
-    interval: int = 100
-    keep: int = 2
+    interval: Count = 100
+    keep: Count = 2
     async_save: bool = False  # write in a background thread (separate gloo group)
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
     export_final: bool = True  # safetensors export to ckpt/final at the end

@@ -162,6 +162,69 @@ def failure_lines(run: RunDir, launcher_log: Path, n: int = 15) -> tuple[str, li
     return "torchrun", _tail(launcher_log, n)
 
 
+@dataclass
+class RankFailure:
+    """Why a rank stopped, written by :mod:`convergent.train.main` as
+    ``logs/train/rank<R>.failed.json`` so the launcher can say it in one line."""
+
+    rank: int
+    attempt: int
+    type: str  # exception class name
+    message: str  # first line of str(exc)
+    hint: str | None = None
+    user_error: bool = False  # a ConvergentError (bad data/config), not a bug
+    time: float = 0.0
+
+
+def write_rank_failure(run_path: Path, rank: int, exc: BaseException) -> None:
+    """Record ``exc`` for the launcher (never raises: it runs while a rank is failing)."""
+    try:
+        msg = str(getattr(exc, "message", None) or exc or type(exc).__name__)
+        rec = RankFailure(
+            rank=rank, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            type=type(exc).__name__, message=" ".join(msg.split("\n")[0].split()),
+            hint=getattr(exc, "hint", None), user_error=isinstance(exc, ConvergentError),
+            time=time.time(),
+        )
+        atomic_write_text(run_path / "logs" / "train" / f"rank{rank}.failed.json",
+                          json.dumps(vars(rec)))
+    except Exception:  # noqa: BLE001 - the log line above already holds the traceback
+        pass
+
+
+def first_failure(run: RunDir) -> RankFailure | None:
+    """The earliest rank failure recorded in this launch (None if no rank wrote one)."""
+    found = []
+    for p in (run.logs / "train").glob("rank*.failed.json"):
+        try:
+            found.append(RankFailure(**json.loads(p.read_text(encoding="utf-8"))))
+        except (OSError, ValueError, TypeError):
+            continue
+    # the root cause fails first; the other ranks then fail on the broken collective
+    return min(found, key=lambda f: (not f.user_error, f.time)) if found else None
+
+
+def _failure_error(run: RunDir, launcher_log: Path, returncode: int | None) -> ConvergentError:
+    """One line naming the failing rank and its error; ``--debug`` adds the log tail."""
+    fail = first_failure(run)
+    where, lines = failure_lines(run, launcher_log)
+    if fail is not None:
+        log = run.logs / "train" / f"rank{fail.rank}.log"
+        kind = "" if fail.user_error else f"{fail.type}: "
+        msg = f"training failed on rank {fail.rank}: {kind}{fail.message}"
+        hint = (fail.hint + "; " if fail.hint else "") + f"full log: {log}"
+    else:
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), "no log lines")
+        msg = f"training failed (exit code {returncode}); last line of {where}: {last}"
+        hint = f"full logs in {run.logs / 'train'} and {launcher_log}"
+    if os.environ.get("CONVERGENT_DEBUG", "") not in ("", "0"):
+        msg += f"\nlast lines of {where}:\n  " + "\n  ".join(lines)
+    err = ConvergentError(msg, hint=hint)
+    if fail is not None and not fail.user_error:
+        err.exit_code = 1  # a bug or a crash inside training, not the user's input
+    return err
+
+
 def _count_restarts(run: RunDir) -> int:
     attempts = set()
     for p in (run.logs / "train").glob("rank*.log"):
@@ -209,6 +272,8 @@ def launch_training(
     result_file = run.logs / "train_result.json"
     if result_file.exists():
         result_file.unlink()
+    for stale in (run.logs / "train").glob("rank*.failed.json"):
+        stale.unlink()
     offset = run.metrics.stat().st_size if run.metrics.exists() else 0
     t0 = time.time()
     with launcher_log.open("a", encoding="utf-8") as fh:
@@ -233,12 +298,7 @@ def launch_training(
     if progress is not None:
         _feed_progress(run.metrics, offset, progress)
     if proc.returncode != 0 or not result_file.exists():
-        where, lines = failure_lines(run, launcher_log)
-        shown = "\n  ".join(lines) if lines else "(no log lines)"
-        raise ConvergentError(
-            f"training failed (exit code {proc.returncode}); last lines of {where}:\n  {shown}",
-            hint=f"full logs in {run.logs / 'train'} and {launcher_log}",
-        )
+        raise _failure_error(run, launcher_log, proc.returncode)
     summary = json.loads(result_file.read_text())
     return TrainResult(
         steps=int(summary["steps"]),

@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("convergent.train").error(
             "FAILED: %s\n%s", exc, traceback.format_exc()
         )
+        from convergent.train.launch import write_rank_failure
+
+        write_rank_failure(Path(args.run_dir), int(os.environ.get("RANK", "0")), exc)
         sys.stderr.write(traceback.format_exc())
         sys.stderr.flush()
         raise
