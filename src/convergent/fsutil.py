@@ -21,6 +21,12 @@ def _umask() -> int:
     return mask
 
 
+def file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file: ``0o666`` minus the umask
+    (``tempfile.mkstemp`` makes 0600, which a shared group could not read)."""
+    return 0o666 & ~_umask()
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so a rename inside it is durable (no-op where unsupported)."""
     try:
@@ -47,7 +53,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; use the usual file mode
+        os.fchmod(fd, file_mode())  # mkstemp makes 0600; use the usual file mode
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()

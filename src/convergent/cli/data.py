@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import typer
@@ -25,26 +26,32 @@ def _data_config(config: Path | None, sets: list[str] | None):  # noqa: ANN202
 
 @data_app.command("pack")
 def pack(
-    src: Path = typer.Argument(..., help="Directory tree of small files (any files, or xyz/extxyz)."),
+    src: Path = typer.Argument(..., help="Directory tree of small files (any files, or xyz/extxyz), or one file."),
     out: Path | None = typer.Argument(None, help="Dataset directory to write (default DIR.dataset next to DIR)."),
     schema: str = typer.Option("auto", help="auto | bytes | molecular"),
-    workers: int = typer.Option(0, help="Parallel parts on a local Dask cluster (0: one process)."),
+    workers: int = typer.Option(0, min=0, help="Parallel parts on a local Dask cluster (0: one process)."),
     overwrite: bool = typer.Option(False, help="Replace an existing dataset at OUT."),
     config: Path | None = _CONFIG,
     sets: list[str] | None = _SET,
 ) -> None:
     """Turn a tree of many small files into a few checksummed shards."""
     from convergent.data.pack import pack_directory
+    from convergent.errors import InputError
 
     cfg = _data_config(config, sets)
+    if not src.exists():
+        raise InputError(f"{src}: no such file or directory", hint="pass the directory (or file) to pack")
     if out is None:
-        out = src.parent / f"{src.resolve().name}.dataset"
+        name = src.resolve().name
+        out = src.parent / f"{src.resolve().stem if src.is_file() else name}.dataset"
     client = cluster = None
     if workers > 0:
         from dask.distributed import Client, LocalCluster
 
+        # a bad input file fails its task; the driver reports it in one line, so the
+        # workers' own "Compute Failed" tracebacks are silenced
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None)
+                               dashboard_address=None, silence_logs=logging.CRITICAL)
         client = Client(cluster)
     try:
         m = pack_directory(src, out, schema=schema, shard_bytes=cfg.shard_bytes,
@@ -61,7 +68,7 @@ def pack(
 @data_app.command("inspect")
 def inspect(
     path: Path = typer.Argument(..., help="Dataset directory."),
-    sample: int | None = typer.Option(None, help="Decode at most N records for the element histogram."),
+    sample: int | None = typer.Option(None, min=1, help="Decode at most N records for the element histogram."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Counts, sizes, schema, element histogram and energy statistics."""
@@ -86,13 +93,16 @@ def inspect(
 def verify(
     path: Path = typer.Argument(..., help="Dataset directory."),
     quick: bool = typer.Option(False, help="Checksums and layout only, skip record frames."),
+    clean: bool = typer.Option(False, help="Delete stray temp files and orphan shards of interrupted writes."),
+    min_age: float = typer.Option(3600.0, "--min-age", min=0.0,
+                                  help="--clean only deletes leftovers untouched this many seconds."),
 ) -> None:
     """Check every shard checksum and record frame; exit 2 naming the first bad shard."""
     from rich.console import Console
     from rich.progress import Progress
 
     from convergent.data.manifest import read_manifest
-    from convergent.data.verify import verify_dataset
+    from convergent.data.verify import clean_leftovers, verify_dataset
     from convergent.errors import DataError
 
     n = len(read_manifest(path).shards)
@@ -100,8 +110,19 @@ def verify(
     with Progress(transient=True, console=err, disable=not err.is_terminal) as bar:
         task = bar.add_task("verifying", total=n)
         rep = verify_dataset(path, deep=not quick, on_shard=lambda _: bar.advance(task))
+    if clean:
+        removed, recent = clean_leftovers(path, min_age_s=min_age)
+        for name in removed:
+            typer.echo(f"removed: {name} (left by an interrupted write)")
+        for name in recent:
+            typer.echo(f"kept: {name} (modified less than {min_age:g} s ago: a writer may be using it)")
+        rep.orphans = [o for o in rep.orphans if o not in removed]
+        rep.temp_files = [t for t in rep.temp_files if t not in removed]
     for o in rep.orphans:
         typer.echo(f"note: {o} is not in the manifest (left by an interrupted write)")
+    for t in rep.temp_files:
+        typer.echo(f"note: {t} is a temporary file of an unfinished write "
+                   "('convergent data verify --clean' removes it)")
     if not rep.ok:
         for p in rep.problems[1:]:
             typer.echo(f"also: {p}")
@@ -115,7 +136,7 @@ def export(
     path: Path = typer.Argument(..., help="Dataset directory."),
     out: Path = typer.Argument(..., help="Output directory."),
     to: str = typer.Option(..., "--to", help="webdataset | mds"),
-    shard_mib: int = typer.Option(128, help="Target shard size, MiB."),
+    shard_mib: int = typer.Option(128, min=1, help="Target shard size, MiB."),
 ) -> None:
     """Write the same data in a peer format (for the benchmarks)."""
     from convergent.data.export import export_dataset
@@ -128,7 +149,7 @@ def export(
 def cache(
     path: Path = typer.Argument(..., help="Dataset directory (the 'remote' copy)."),
     cache_dir: Path | None = typer.Option(None, "--dir", help="Node-local cache directory."),
-    budget_gib: float | None = typer.Option(None, help="Byte budget, GiB."),
+    budget_gib: float | None = typer.Option(None, min=0.0, help="Byte budget, GiB."),
     warm: bool = typer.Option(False, help="Copy shards in (checked) until the budget is full."),
     clear: bool = typer.Option(False, help="Delete the cached copies (never an only copy)."),
     config: Path | None = _CONFIG,

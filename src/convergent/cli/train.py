@@ -8,10 +8,10 @@ import typer
 
 from convergent.cli.common import CONFIG_ARG, RESUME_OPT, RUN_DIR_OPT, SET_OPT, config_from_cli
 
-NPROC_OPT = typer.Option(None, "--nproc", help="Processes per node (default parallel.nproc).")
-NNODES_OPT = typer.Option(None, "--nnodes", help="Nodes (>1 needs Slurm or parallel.rdzv_endpoint).")
+NPROC_OPT = typer.Option(None, "--nproc", min=1, help="Processes per node (default parallel.nproc).")
+NNODES_OPT = typer.Option(None, "--nnodes", min=1, help="Nodes (>1 needs Slurm or parallel.rdzv_endpoint).")
 PRINT_OPT = typer.Option(False, "--print-launch", help="Print the launch command and exit.")
-RESTARTS_OPT = typer.Option(0, "--max-restarts", help="Elastic restarts after a worker failure.")
+RESTARTS_OPT = typer.Option(0, "--max-restarts", min=0, help="Elastic restarts after a worker failure.")
 
 
 def register(app: typer.Typer) -> None:

@@ -32,7 +32,7 @@ import xxhash
 
 from convergent.data.format import SHARD_SUFFIX
 from convergent.errors import DataError
-from convergent.fsutil import fsync_dir
+from convergent.fsutil import file_mode, fsync_dir
 
 if TYPE_CHECKING:
     from convergent.data.manifest import ShardInfo
@@ -164,6 +164,7 @@ class ShardCache:
 
     def _copy(self, src: Path, local: Path, info: ShardInfo) -> None:
         fd, tmp = tempfile.mkstemp(prefix=f".{local.name}.", suffix=".tmp", dir=local.parent)
+        os.fchmod(fd, file_mode())  # as readable as the source shard's group allows
         try:
             h = xxhash.xxh3_64()
             n = 0

@@ -3,12 +3,24 @@
 Any files become ``bytes`` records (key = path relative to DIR, payload = contents);
 ``.xyz``/``.extxyz`` files become ``molecular`` records (one per frame; energy and forces
 from the extxyz properties or an attached calculator). ``schema="auto"`` picks molecular
-when every file is xyz/extxyz.
+when every file is xyz/extxyz. ``DIR`` may also be a single file.
+
+Molecule ids (what the by-molecule split keeps on one side): a frame's own
+``molecule_id`` (an extxyz comment key) wins; otherwise the file's path relative to DIR
+without its suffix, plus ``-<k>`` when the file holds several molecules, where ``k``
+numbers the runs of consecutive frames with the same atoms in the same order. So every
+molecule of a multi-molecule file gets its own id, while a trajectory or conformer set of
+one molecule keeps one id and never straddles the train/validation split.
+
+A malformed xyz/extxyz file is reported as ``FILE:LINE: ...``; a failed pack removes its
+shards and, if it created the output directory, the directory too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +29,7 @@ import numpy as np
 
 from convergent.data.manifest import Manifest
 from convergent.errors import DataError, InputError
-
-XYZ_SUFFIXES = (".xyz", ".extxyz")
+from convergent.xyzfile import is_xyz, read_frames
 
 
 def list_files(root: str | os.PathLike[str]) -> list[str]:
@@ -43,17 +54,29 @@ def list_files(root: str | os.PathLike[str]) -> list[str]:
     return out
 
 
-def xyz_records(root: Path, rel: str) -> Iterator[dict[str, Any]]:
-    """Molecular records of every frame of an xyz/extxyz file (InputError if malformed)."""
-    import ase.io
-
-    path = root / rel
-    try:
-        frames = ase.io.read(path, index=":", format="extxyz")
-    except Exception as exc:  # ase raises many types for malformed input
-        raise InputError(f"{path}: not a readable xyz/extxyz file: {exc}",
-                         hint="check the atom count line and the coordinates") from None
+def frame_molecule_ids(base: str, frames: list[Any]) -> list[str]:
+    """Molecule id of each frame (rule in the module docstring): ``molecule_id`` from
+    the frame's info, else ``base`` (one molecule) or ``base-<k>`` (run ``k`` of
+    consecutive frames with identical atomic numbers)."""
+    runs: list[int] = []
     for i, atoms in enumerate(frames):
+        same = i > 0 and np.array_equal(atoms.numbers, frames[i - 1].numbers)
+        runs.append(runs[-1] if same else (runs[-1] + 1 if runs else 0))
+    several = bool(runs) and runs[-1] > 0
+    return [
+        str(a.info["molecule_id"]) if "molecule_id" in a.info
+        else (f"{base}-{k}" if several else base)
+        for a, k in zip(frames, runs, strict=True)
+    ]
+
+
+def xyz_records(root: Path, rel: str) -> Iterator[dict[str, Any]]:
+    """Molecular records of every frame of an xyz/extxyz file (InputError ``FILE:LINE``)."""
+    located = read_frames(root / rel)
+    frames = [a for _, a in located]
+    base = rel[: -len(Path(rel).suffix)] if Path(rel).suffix else rel
+    ids = frame_molecule_ids(base, frames)
+    for i, ((line, atoms), mol_id) in enumerate(zip(located, ids, strict=True)):
         energy, forces = atoms.info.get("energy"), atoms.arrays.get("forces")
         if atoms.calc is not None:
             res = getattr(atoms.calc, "results", {})
@@ -61,10 +84,10 @@ def xyz_records(root: Path, rel: str) -> Iterator[dict[str, Any]]:
             forces = res.get("forces", forces)
         cell = np.asarray(atoms.cell.array, np.float64)
         meta = {k: v for k, v in atoms.info.items() if isinstance(v, (str, int, float, bool))}
-        meta["source"] = rel
+        meta["source"] = f"{rel}:{line}"
         yield {
             "key": rel if len(frames) == 1 else f"{rel}#{i}",
-            "molecule_id": str(atoms.info.get("molecule_id", Path(rel).stem)),
+            "molecule_id": mol_id,
             "numbers": atoms.numbers, "positions": atoms.positions,
             "energy": float(energy) if energy is not None else None,
             "forces": None if forces is None else np.asarray(forces, np.float64),
@@ -104,22 +127,42 @@ def pack_directory(
         workers: > 0 packs in that many parallel parts on Dask (one writer per part,
             then an index merge); ``client`` selects a cluster.
     """
-    root = Path(src)
-    files = list_files(root)
-    if not files:
-        raise InputError(f"{root}: no files to pack")
-    if Path(out).resolve() == root.resolve() or Path(out).resolve().is_relative_to(root.resolve()):
-        raise InputError(f"output {out} is inside the input directory {root}",
-                         hint="write the dataset somewhere else")
+    given = Path(src)
+    if given.is_file():  # one file: pack it alone (its name is the key)
+        root, files = given.parent, [given.name]
+        if Path(out).resolve() == given.resolve():
+            raise InputError(f"output {out} is the input file", hint="name another dataset directory")
+    else:
+        root = given
+        files = list_files(root)
+        if not files:
+            raise InputError(f"{root}: no files to pack")
+        if Path(out).resolve() == root.resolve() or Path(out).resolve().is_relative_to(root.resolve()):
+            raise InputError(f"output {out} is inside the input directory {root}",
+                             hint="write the dataset somewhere else")
     if schema == "auto":
-        schema = "molecular" if all(f.lower().endswith(XYZ_SUFFIXES) for f in files) else "bytes"
+        schema = "molecular" if all(is_xyz(f) for f in files) else "bytes"
     if schema == "molecular":
-        bad = [f for f in files if not f.lower().endswith(XYZ_SUFFIXES)]
+        bad = [f for f in files if not is_xyz(f)]
         if bad:
             raise InputError(f"{root / bad[0]}: not an xyz/extxyz file but schema is molecular",
                              hint="use --schema bytes to pack arbitrary files")
     elif schema != "bytes":
         raise DataError(f"unknown schema {schema!r}", hint="use auto, bytes or molecular")
+    created = not Path(out).exists()
+    try:
+        return _pack(root, files, Path(out), schema, shard_bytes, compression, overwrite,
+                     progress, workers, client)
+    except BaseException:
+        if created:  # the writers removed their shards; leave no empty directory behind
+            with contextlib.suppress(OSError):
+                shutil.rmtree(out)
+        raise
+
+
+def _pack(root: Path, files: list[str], out: Path, schema: str, shard_bytes: int,
+          compression: str, overwrite: bool, progress: bool, workers: int,
+          client: Any) -> Manifest:
     if workers > 0:
         from convergent.data.parallel import write_parallel
 

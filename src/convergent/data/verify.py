@@ -2,12 +2,16 @@
 
 The report names each bad shard and, where it can be located, the record and byte
 offset of the damage. Shard files present but not in the manifest (leftovers of an
-interrupted write) are listed as orphans, not errors.
+interrupted write) are listed as orphans, and temporary files of writes that never
+finished (``.<name>.<random>.tmp``) as stray temp files; neither is an error.
+:func:`clean_leftovers` removes both once they are older than ``min_age_s`` (a live
+writer touches its files constantly, so only abandoned ones qualify).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +34,7 @@ class VerifyReport:
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)  # '.<name>.<random>.tmp' leftovers
 
     @property
     def ok(self) -> bool:
@@ -92,6 +97,7 @@ def verify_dataset(path: str | os.PathLike[str], deep: bool = True,
     rep = VerifyReport(str(root))
     listed = {s.name for s in manifest.shards}
     rep.orphans = sorted(p.name for p in root.glob(f"shard-*{fmt.SHARD_SUFFIX}") if p.name not in listed)
+    rep.temp_files = stray_temp_files(root)
     seen: dict[str, str] = {}
     for info in manifest.shards:
         probs = verify_shard(root, info, deep=deep)
@@ -108,3 +114,33 @@ def verify_dataset(path: str | os.PathLike[str], deep: bool = True,
         if on_shard is not None:
             on_shard(info.name)
     return rep
+
+
+def stray_temp_files(root: str | os.PathLike[str]) -> list[str]:
+    """Names of temporary files left in a dataset directory by writes that did not finish
+    (shards and manifest are written as ``.<name>.<random>.tmp`` and renamed)."""
+    return sorted(p.name for p in Path(root).glob(".*.tmp") if p.is_file())
+
+
+def clean_leftovers(path: str | os.PathLike[str], min_age_s: float = 3600.0) -> tuple[list[str], list[str]]:
+    """Delete stray temp files and orphan shards not modified for ``min_age_s`` seconds.
+
+    Returns ``(removed, kept_recent)`` file names. Files the manifest lists are never
+    touched; recent leftovers are kept because a writer may still be working on them.
+    """
+    root = Path(path)
+    listed = {s.name for s in read_manifest(root).shards}
+    candidates = [root / n for n in stray_temp_files(root)]
+    candidates += [p for p in root.glob(f"shard-*{fmt.SHARD_SUFFIX}") if p.name not in listed]
+    removed, recent = [], []
+    now = time.time()
+    for p in sorted(candidates):
+        try:
+            if now - p.stat().st_mtime < min_age_s:
+                recent.append(p.name)
+                continue
+            p.unlink()
+            removed.append(p.name)
+        except FileNotFoundError:
+            continue
+    return removed, recent

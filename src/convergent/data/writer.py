@@ -30,10 +30,11 @@ from convergent.data.manifest import (
     write_manifest,
 )
 from convergent.errors import DataError
-from convergent.fsutil import fsync_dir
+from convergent.fsutil import file_mode, fsync_dir
 
 DEFAULT_SHARD_BYTES = 128 * 2**20
 DEFAULT_INLINE_BYTES = 256  # bytes-schema payloads up to this size live in the index
+TMP_SUFFIX = ".tmp"  # shards being written: '.<name>.<random>.tmp' (see data verify --clean)
 
 
 class _OpenShard:
@@ -41,7 +42,8 @@ class _OpenShard:
 
     def __init__(self, directory: Path, name: str, schema: int, codec: int) -> None:
         self.directory, self.name = directory, name
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TMP_SUFFIX, dir=directory)
+        os.fchmod(fd, file_mode())  # group-readable as the umask allows, like the manifest
         self.fh = os.fdopen(fd, "wb")
         self.hash = xxhash.xxh3_64()
         self.header = fmt.pack_header(schema, codec)

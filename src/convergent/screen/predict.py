@@ -21,6 +21,7 @@ import torch
 from convergent.errors import InputError
 from convergent.fsutil import atomic_write_text
 from convergent.models.batching import batches_by_atom_budget, collate_records
+from convergent.xyzfile import is_xyz, read_frames
 
 
 @dataclass
@@ -199,13 +200,17 @@ def read_structures(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         raise InputError(f"{p}: no such dataset directory or structure file",
                          hint="pass a dataset written by 'convergent data' or an .extxyz file")
-    import ase.io
+    if is_xyz(p):  # located errors: FILE:LINE
+        frames = [atoms for _, atoms in read_frames(p)]
+    else:
+        import ase.io
 
-    try:
-        frames = ase.io.read(str(p), index=":")
-    except Exception as exc:  # ASE raises many types for malformed files
-        raise InputError(f"{p}: cannot read structures ({type(exc).__name__}: {exc})") from None
-    frames = frames if isinstance(frames, list) else [frames]
+        try:
+            frames = ase.io.read(str(p), index=":")
+        except Exception as exc:  # ASE raises many types for malformed files
+            raise InputError(f"{p}: cannot read structures ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())})") from None
+        frames = frames if isinstance(frames, list) else [frames]
     recs = []
     for i, a in enumerate(frames):
         rec = atoms_to_record(a, key=str(a.info.get("key", f"{p.stem}-{i}")))
