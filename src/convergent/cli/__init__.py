@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(args)
+    saved = os.environ.get("CONVERGENT_DEBUG")  # the --debug callback sets it for this run
+    command = typer.main.get_command(app)
     try:
-        command = typer.main.get_command(app)
         result = command.main(args=args, prog_name="convergent", standalone_mode=False)
     except errors.EXITS as exc:
         return int(getattr(exc, "exit_code", 0) or 0)
@@ -76,7 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        return errors.report(exc, args)
+        return errors.report(exc, args, command)
+    finally:
+        if saved is None:
+            os.environ.pop("CONVERGENT_DEBUG", None)
+        else:
+            os.environ["CONVERGENT_DEBUG"] = saved
     return result if isinstance(result, int) else 0
 
 

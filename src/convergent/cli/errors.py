@@ -103,12 +103,27 @@ def _given_value(argv: Sequence[str], param: Any) -> str | None:
     return None
 
 
-def usage_error(exc: Any, argv: Sequence[str]) -> tuple[str, str | None]:
-    """(message, hint) for a click/typer UsageError."""
+def _named_path(ctx: Any, argv: Sequence[str], root: Any = None) -> tuple[str, Any]:
+    """(command path, command) of the sub-command ``argv`` names, from ``ctx`` (or the
+    ``root`` command) down: some parser errors carry no context or the root's."""
+    if ctx is None:
+        path, command = "convergent", root
+    else:
+        path, command = ctx.command_path, ctx.command
+    for tok in argv:
+        subs = getattr(command, "commands", None)
+        if not subs:
+            break
+        if tok in subs:
+            path, command = f"{path} {tok}", subs[tok]
+    return path, command
+
+
+def usage_error(exc: Any, argv: Sequence[str], root: Any = None) -> tuple[str, str | None]:
+    """(message, hint) for a click/typer UsageError (``root``: the top command)."""
     ctx = getattr(exc, "ctx", None)
-    where = ctx.command_path if ctx is not None else "convergent"
+    where, command = _named_path(ctx, argv, root)
     help_hint = f"see '{where} --help'"
-    command = ctx.command if ctx is not None else None
     name = type(exc).__name__
     if name == "NoSuchOption":
         opt = exc.option_name
@@ -137,7 +152,7 @@ def usage_error(exc: Any, argv: Sequence[str]) -> tuple[str, str | None]:
         if got is not None and repr(got) not in msg:
             msg += f" (got {got!r})"
         return f"{where}: {msg}", help_hint
-    return f"{where}: {_lower_first(exc.format_message())}", help_hint
+    return f"{where}: {_lower_first(exc.format_message()).rstrip('.')}", help_hint
 
 
 def _param_label(param: Any, ctx: Any) -> str:
@@ -159,8 +174,9 @@ def validation_error(exc: Any) -> tuple[str, str | None]:
     return f"invalid value for '{field}': {first['msg'].lower()}{shown}", None
 
 
-def report(exc: BaseException, argv: Sequence[str]) -> int:
-    """Print ``exc`` as one line on stderr and return the exit code."""
+def report(exc: BaseException, argv: Sequence[str], root: Any = None) -> int:
+    """Print ``exc`` as one line on stderr and return the exit code (``root``: the top
+    click command, to name the sub-command in usage errors)."""
     from pydantic import ValidationError
 
     if isinstance(exc, ConvergentError):
@@ -169,7 +185,7 @@ def report(exc: BaseException, argv: Sequence[str]) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":  # bare group: show its help
             exc.show()
             return 2
-        line, code = error_line(*usage_error(exc, argv)), 2
+        line, code = error_line(*usage_error(exc, argv, root)), 2
     elif isinstance(exc, ValidationError):
         line, code = error_line(*validation_error(exc)), 2
     elif isinstance(exc, CLICK_ERRORS):
