@@ -77,3 +77,77 @@ def test_example_configs_are_valid():
     assert examples, "examples/ should hold at least demo.yaml"
     for path in examples:
         load_config(path)
+
+
+def _numeric_fields(model=ConvergentConfig, prefix=""):
+    """Dotted names of every int/float field (also inside ``X | None``) of every section."""
+    import typing
+
+    from convergent.configbase import Section
+
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            yield from _numeric_fields(ann, f"{prefix}{name}.")
+            continue
+        args = typing.get_args(ann) if typing.get_origin(ann) in (typing.Union, __import__("types").UnionType) else (ann,)
+        bases = {typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args}
+        if bases & {int, float} and bool not in bases:
+            yield f"{prefix}{name}"
+
+
+NUMERIC = sorted(_numeric_fields())
+
+
+def test_the_bound_walk_sees_every_section():
+    assert {"train.steps", "data.shard_bytes", "serve.port", "simulate.relabel.max_cycle",
+            "cluster.slurm.cores", "metrics.log_every", "model.hidden"} <= set(NUMERIC)
+
+
+@pytest.mark.parametrize("field", NUMERIC)
+def test_every_count_size_and_rate_is_bounded(field):
+    """-1 is wrong for every count, size, rate, seed and port: refused at load, named."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{field}=-1"])
+    assert f"'{field}'" in err.value.message and "\n" not in err.value.message
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.steps=0", "greater than or equal to 1"),
+    ("train.lr=nan", "finite"),
+    ("model.heads=5", "must divide model.hidden"),
+    ("simulate.min_atoms=50", "simulate.max_atoms"),
+    ("run.name=a/b", "single name"),
+    ("parallel.rdzv_endpoint=host", "host:port"),
+    ("cluster.slurm.walltime=2h", "Slurm time"),
+    ("cluster.slurm.memory=lots", "pattern"),
+    ("serve.port=70000", "less than or equal to 65535"),
+    ("data.val_fraction=1", "less than 1"),
+])
+def test_cross_field_and_format_bounds(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in err.value.message and override.split("=")[0] in err.value.message
+
+
+def test_unknown_keys_get_a_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        parse_overrides(["train.stpes=3"])
+    assert err.value.hint == "did you mean train.steps?"
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  name: x\nmodel:\n  hidden: 32\n  hiddn: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.message == f"{path}:5: unknown config key 'model.hiddn'"
+    assert err.value.hint == "did you mean model.hidden?"
+
+
+def test_yaml_validation_errors_name_the_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("# demo\ntrain:\n  lr: 1e-3\n  steps: -5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.message.startswith(f"{path}:4: invalid value for 'train.steps'")
+    path.write_text("train:\n  steps: 3\n lr: [1\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: not valid YAML \(expected"):
+        load_config(path)

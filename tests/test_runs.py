@@ -58,3 +58,35 @@ def test_default_run_directory_is_named_after_the_command(tmp_path):
     assert open_run(cfg, command="demo").path == tmp_path / "demo"  # no collision
     named = load_config(None, [f"run.root={tmp_path}", "run.name=mine"])
     assert open_run(named, command="train").path == tmp_path / "mine"
+
+
+def test_a_failed_check_creates_nothing(tmp_path):
+    from convergent.errors import InputError
+
+    def check():
+        raise InputError("bad input")
+
+    with pytest.raises(InputError):
+        open_run(ConvergentConfig(), tmp_path / "r", check=check)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_whose_start_failed_is_started_again_by_the_fixed_command(tmp_path):
+    first = load_config(None, ["train.steps=5"])
+    run = open_run(first, tmp_path / "r")
+    (run.logs / "torchrun.log").write_text("a failed start\n")  # logs alone are no result
+    fixed = load_config(None, ["train.steps=6"])
+    again = open_run(fixed, tmp_path / "r")  # no --resume needed, a new config is fine
+    assert load_config(again.config) == fixed
+    assert (run.logs / "torchrun.log").exists()
+    again.log_metrics({"kind": "train_step", "step": 1})  # now it has a result
+    with pytest.raises(RunDirError, match="already exists"):
+        open_run(fixed, tmp_path / "r")
+    with pytest.raises(RunDirError, match="different config"):
+        open_run(first, tmp_path / "r", resume=True)
+
+
+def test_a_file_where_the_run_directory_should_be_is_refused(tmp_path):
+    (tmp_path / "r").write_text("x")
+    with pytest.raises(RunDirError, match="not a directory"):
+        open_run(ConvergentConfig(), tmp_path / "r")

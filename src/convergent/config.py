@@ -137,9 +137,10 @@ def _format_validation_error(exc: ValidationError, source: str,
     where = f"{source}:{line}" if line else source
     value = first.get("input")
     shown = f" (got {value!r})" if not isinstance(value, dict) else ""
-    msg = first["msg"].lower()
-    if msg.startswith("value error, "):
-        msg = msg[len("value error, "):]
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    msg = msg[:1].lower() + msg[1:]
     if first["type"] == "extra_forbidden":
         parents = [str(p) for p in loc[:-1]]
         return ConfigError(f"{where}: unknown config key '{field}'",
