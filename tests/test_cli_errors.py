@@ -167,6 +167,18 @@ def test_bounds_and_inputs_are_checked_before_anything_is_created(argv, needle, 
     assert needle in line, line
 
 
+def test_a_busy_port_is_refused_before_serve_loads_anything(capsys, empty_cwd):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        argv = ["serve", "--port", str(port)]
+        line = _one_error_line(capsys, argv, main(argv))
+    assert f"cannot listen on 127.0.0.1:{port}" in line, line
+
+
 def test_debug_shows_the_traceback_of_a_usage_error(capsys):
     from convergent.cli.errors import USAGE_ERRORS
 

@@ -39,3 +39,25 @@ def set_torch_threads(n: int | None = None) -> int:
     n = 1 if n is None else max(1, int(n))
     torch.set_num_threads(n)
     return n
+
+
+def check_port_free(host: str, port: int) -> None:
+    """InputError if ``host:port`` cannot be bound now (in use, or not an address here),
+    checked before a server loads anything. SO_REUSEADDR as servers set it, so a port in
+    TIME_WAIT is not mistaken for a busy one."""
+    import socket
+
+    from convergent.errors import InputError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise InputError(f"{host}: not a usable address ({exc.strerror})", hint="pass --host 127.0.0.1") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise InputError(f"cannot listen on {host}:{port}: {exc.strerror}",
+                             hint="pass another --port (or stop what holds this one)") from None

@@ -165,8 +165,8 @@ def cache(
     if directory is None:
         raise ConfigError("no cache directory given", hint="pass --dir or set data.cache_dir")
     budget = int(budget_gib * 2**30) if budget_gib is not None else cfg.cache_bytes
+    ds = open_dataset(path)  # a bad dataset fails before the cache directory is made
     c = ShardCache(directory, budget_bytes=budget)
-    ds = open_dataset(path)
     if clear:
         typer.echo(f"freed {c.clear() / 2**20:.1f} MiB")
     if warm:

@@ -49,13 +49,16 @@ def register(app: typer.Typer) -> None:
         sets: list[str] | None = SET_OPT,
         model: Path | None = MODEL_OPT,
         host: str | None = typer.Option(None, help="Bind address (default serve.host, 127.0.0.1)."),
-        port: int | None = typer.Option(None, help="Port (default serve.port)."),
+        port: int | None = typer.Option(None, min=1, max=65535, help="Port (default serve.port)."),
         api_key: str | None = typer.Option(
             None, "--api-key", envvar="CONVERGENT_API_KEY", help="Require this bearer key."
         ),
     ) -> None:
         """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming)."""
         cfg = config_from_cli(config, sets)
+        from convergent.resources import check_port_free
+
+        check_port_free(host or cfg.serve.host, port or cfg.serve.port)  # before loading anything
         import uvicorn
 
         from convergent.serve.api import create_app
@@ -85,8 +88,8 @@ def register(app: typer.Typer) -> None:
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
         sets: list[str] | None = SET_OPT,
         model: Path | None = MODEL_OPT,
-        max_tokens: int = typer.Option(32, "--max-tokens", "-n", help="Tokens to generate."),
-        temperature: float = typer.Option(0.0, help="0 = greedy."),
+        max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1, help="Tokens to generate."),
+        temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
         ids: bool = typer.Option(False, "--ids", help="Print token ids instead of text."),
     ) -> None:
         """Generate a completion for one prompt through the pipeline."""
@@ -117,7 +120,7 @@ def register(app: typer.Typer) -> None:
         config: Path | None = CONFIG_ARG,
         sets: list[str] | None = SET_OPT,
         model: Path | None = MODEL_OPT,
-        requests: int = typer.Option(64, "--requests", "-r", help="Trace requests."),
+        requests: int = typer.Option(64, "--requests", "-r", min=1, help="Trace requests."),
         scale: float = typer.Option(
             0.125, help="Scale trace lengths (1.0 = ShareGPT-like; smaller for laptops)."
         ),

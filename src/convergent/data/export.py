@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -93,9 +94,16 @@ def export_mds(path: str | os.PathLike[str], out: str | os.PathLike[str],
 
 def export_dataset(path: str | os.PathLike[str], out: str | os.PathLike[str], to: str,
                    shard_bytes: int = 128 * 2**20) -> Any:
-    """Export to ``to`` in ``{"webdataset", "mds"}``."""
-    if to == "webdataset":
-        return export_webdataset(path, out, shard_bytes)
-    if to == "mds":
-        return export_mds(path, out, shard_bytes)
-    raise DataError(f"unknown export format {to!r}", hint="use webdataset or mds")
+    """Export to ``to`` in ``{"webdataset", "mds"}`` (a failed export removes the output
+    directory it created)."""
+    writers = {"webdataset": export_webdataset, "mds": export_mds}
+    if to not in writers:
+        raise DataError(f"unknown export format {to!r}", hint="use webdataset or mds")
+    open_dataset(path).manifest  # noqa: B018 - a missing/bad dataset fails before any output
+    created = not Path(out).exists()
+    try:
+        return writers[to](path, out, shard_bytes)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
