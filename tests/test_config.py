@@ -96,7 +96,10 @@ def _numeric_fields(model=ConvergentConfig, prefix=""):
             yield f"{prefix}{name}"
 
 
-NUMERIC = sorted(_numeric_fields())
+# Numeric fields where a negative value is meaningful (none today). A new count, size,
+# rate, seed or port belongs in configbase's bounded types instead of this list.
+SIGNED: set[str] = set()
+NUMERIC = sorted(set(_numeric_fields()) - SIGNED)
 
 
 def test_the_bound_walk_sees_every_section():
