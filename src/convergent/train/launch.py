@@ -180,6 +180,9 @@ def write_rank_failure(run_path: Path, rank: int, exc: BaseException) -> None:
     """Record ``exc`` for the launcher (never raises: it runs while a rank is failing)."""
     try:
         msg = str(getattr(exc, "message", None) or exc or type(exc).__name__)
+        if "Original Traceback" in msg:  # re-raised from a DataLoader worker: its last line
+            last = [ln for ln in msg.splitlines() if ln.strip()][-1]
+            msg = last.split(": ", 1)[1] if ": " in last else last
         rec = RankFailure(
             rank=rank, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             type=type(exc).__name__, message=" ".join(msg.split("\n")[0].split()),
