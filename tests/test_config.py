@@ -154,3 +154,18 @@ def test_yaml_validation_errors_name_the_line(tmp_path):
     path.write_text("train:\n  steps: 3\n lr: [1\n")
     with pytest.raises(ConfigError, match=r"c\.yaml:3: not valid YAML \(expected"):
         load_config(path)
+
+
+def test_json_and_yaml_side_files_name_their_line(tmp_path):
+    from convergent.errors import InputError
+    from convergent.models.llama import read_config
+    from convergent.train.topology import read_topology_file
+
+    topo = tmp_path / "topo.yaml"
+    topo.write_text("racks:\n  r1: [a, b\n  r2: [c]\n")
+    with pytest.raises(ConfigError, match=r"topo\.yaml:3: not valid YAML"):
+        read_topology_file(topo)
+    hf = tmp_path / "config.json"
+    hf.write_text('{\n  "hidden_size": 8,\n}\n')
+    with pytest.raises(InputError, match=r"config\.json:3: not valid JSON \(Expecting property name"):
+        read_config(hf)

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from convergent.configbase import Name, PathStr, Section
 from convergent.data.config import DataConfig
-from convergent.errors import ConfigError
+from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text
 from convergent.models.config import ModelConfig
 from convergent.monitor.config import MetricsConfig
@@ -178,10 +178,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None)
-        raise ConfigError(f"{p}{where}: not valid YAML" + (f" ({problem})" if problem else "")) from None
+        if isinstance(exc, UnicodeDecodeError):
+            raise ConfigError(f"{p}: not valid YAML (not UTF-8 text: {exc.reason})") from None
+        raise ConfigError(parse_error_text(p, "YAML", exc)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping of sections")
     return data

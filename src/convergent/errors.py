@@ -41,3 +41,21 @@ class InputError(ConvergentError):
 
 class NotAvailableError(ConvergentError):
     """A feature needs hardware or a package that this machine does not have."""
+
+
+def parse_location(exc: BaseException) -> tuple[int | None, str]:
+    """(1-based line or None, problem) of a YAML or JSON parse error, for messages
+    of the form ``FILE:LINE: not valid JSON (problem)``."""
+    mark = getattr(exc, "problem_mark", None)  # yaml.MarkedYAMLError
+    if mark is not None:
+        return mark.line + 1, str(getattr(exc, "problem", None) or exc)
+    lineno = getattr(exc, "lineno", None)  # json.JSONDecodeError
+    if isinstance(lineno, int) and hasattr(exc, "msg"):
+        return lineno, str(exc.msg)
+    return None, " ".join(str(exc).split()) or type(exc).__name__
+
+
+def parse_error_text(path: object, kind: str, exc: BaseException) -> str:
+    """``FILE:LINE: not valid KIND (problem)`` (``FILE: ...`` when the line is unknown)."""
+    line, problem = parse_location(exc)
+    return f"{path}{f':{line}' if line else ''}: not valid {kind} ({problem})"

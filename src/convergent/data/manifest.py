@@ -21,7 +21,7 @@ from convergent.data.format import (
     SCHEMA_VERSION,
     SCHEMAS,
 )
-from convergent.errors import DataError
+from convergent.errors import DataError, parse_error_text
 from convergent.fsutil import atomic_write_text
 
 
@@ -89,7 +89,9 @@ def read_manifest(path: str | Path) -> Manifest:
         )
     try:
         d = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except json.JSONDecodeError as exc:
+        raise DataError(parse_error_text(p, "JSON", exc), hint="restore manifest.json from a good copy") from None
+    except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{p}: unreadable manifest: {exc}") from None
     if not isinstance(d, dict) or d.get("format") != MANIFEST_FORMAT:
         raise DataError(f"{p}: not a convergent dataset manifest")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from convergent.errors import InputError
+from convergent.errors import InputError, parse_error_text
 from convergent.fsutil import atomic_write_bytes, atomic_write_text
 from convergent.models.config import ModelConfig
 
@@ -75,8 +75,10 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
         meta = json.loads(cfg_path.read_text(encoding="utf-8"))
         # saved before model.head_norm existed: those models had the head's LayerNorm
         cfg = ModelConfig.model_validate({"head_norm": True, **meta["model"]})
-    except (json.JSONDecodeError, KeyError, ValueError) as exc:
-        raise InputError(f"{cfg_path}: unreadable model config ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(parse_error_text(cfg_path, "JSON", exc)) from None
+    except (KeyError, ValueError) as exc:
+        raise InputError(f"{cfg_path}: unreadable model config ({' '.join(str(exc).split())})") from None
     try:
         state = load_file(str(w_path), device="cpu")
     except (SafetensorError, OSError) as exc:

@@ -649,8 +649,14 @@ def read_config(path: str | Path) -> LlamaConfig:
     """Read ``config.json`` of a Hugging Face Llama checkpoint directory."""
     p = Path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
-    with open(cfg_file, encoding="utf-8") as fh:
-        return LlamaConfig.from_hf_dict(json.load(fh))
+    try:
+        with open(cfg_file, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        from convergent.errors import InputError, parse_error_text
+
+        raise InputError(parse_error_text(cfg_file, "JSON", exc)) from None
+    return LlamaConfig.from_hf_dict(data)
 
 
 def load_pretrained(

@@ -59,7 +59,9 @@ def read_topology_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text()) if p.suffix != ".json" else json.loads(p.read_text())
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
-        raise ConfigError(f"{p}: not valid YAML/JSON ({exc.__class__.__name__})") from exc
+        from convergent.errors import parse_error_text
+
+        raise ConfigError(parse_error_text(p, "JSON" if p.suffix == ".json" else "YAML", exc)) from None
     if not isinstance(data, dict) or not ({"groups", "racks", "hosts"} & set(data)):
         raise ConfigError(f"{p}: expected a mapping with 'groups', 'racks' or 'hosts'")
     return data
