@@ -90,3 +90,23 @@ def test_a_file_where_the_run_directory_should_be_is_refused(tmp_path):
     (tmp_path / "r").write_text("x")
     with pytest.raises(RunDirError, match="not a directory"):
         open_run(ConvergentConfig(), tmp_path / "r")
+
+
+def test_a_run_in_use_by_another_process_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from convergent.config import ConvergentConfig; "
+            "from convergent.runs import open_run; "
+            f"open_run(ConvergentConfig(), {str(tmp_path / 'r')!r}); print('ready', flush=True); "
+            "sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(RunDirError, match=rf"in use by another process \(pid {child.pid}\)"):
+            open_run(ConvergentConfig(), tmp_path / "r")
+    finally:
+        child.communicate("", timeout=60)
+    # the holder has exited (its start produced nothing): the same command starts again
+    assert open_run(ConvergentConfig(), tmp_path / "r").config.exists()

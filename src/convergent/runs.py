@@ -8,12 +8,18 @@ A start is validated before anything is created (``open_run(..., check=...)`` ru
 stage's input checks first), and a run directory whose start failed before it produced
 anything (no finished stage, no metric, no file under ``ckpt/``, ``data/``, ``report/``;
 logs do not count) is started again by the same or a corrected command, so a fixed retry
-is never refused with "already exists" or "different config".
+is never refused with "already exists" or "different config". While a process uses a run
+it holds an advisory lock on ``<run>/.lock`` (released when it exits, even by a crash),
+so a second process is refused instead of restarting or resuming the same run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +115,36 @@ class RunDir:
         return rows
 
 
+LOCK_NAME = ".lock"
+_held: dict[Path, int] = {}  # run directories this process has locked (fd kept open)
+
+
+def lock_run(path: Path) -> None:
+    """Hold the advisory lock of run ``path`` for this process's lifetime.
+
+    RunDirError if another process holds it. Filesystems without ``flock`` are not
+    locked (no error)."""
+    key = path.resolve()
+    if key in _held:
+        return
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        owner = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunDirError(
+                f"run directory {path} is in use by another process" + (f" (pid {owner})" if owner else ""),
+                hint="wait for it to finish, or choose another --run-dir",
+            ) from None
+        return  # no locking on this filesystem
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[key] = fd
+
+
 def run_path(cfg: ConvergentConfig, run_dir: str | Path | None, command: str) -> Path:
     """``run_dir`` if given, else ``<run.root>/<run.name>`` with the command's name as default."""
     if run_dir is not None:
@@ -134,12 +170,13 @@ def open_run(
     restart = False
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{path} exists and is not a directory", hint="choose another --run-dir")
-    if path.exists() and any(path.iterdir()):
+    if path.exists() and any(p.name != LOCK_NAME for p in path.iterdir()):
         if not run.config.exists():
             raise RunDirError(
                 f"{path} exists and is not a convergent run directory",
                 hint="choose another --run-dir",
             )
+        lock_run(path)  # another process using this run is refused, never restarted
         if not run.has_results():
             restart = True  # an earlier start failed before producing anything
         elif not resume:
@@ -156,6 +193,7 @@ def open_run(
         check()
     for sub in (run.logs, run.ckpt, run.data, run.report):
         sub.mkdir(parents=True, exist_ok=True)
+    lock_run(path)
     if restart or not run.config.exists():
         save_config(cfg, run.config)
     return run
