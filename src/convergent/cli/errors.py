@@ -171,7 +171,8 @@ def validation_error(exc: Any) -> tuple[str, str | None]:
     field = ".".join(str(p) for p in first["loc"]) or exc.title
     value = first.get("input")
     shown = f" (got {value!r})" if isinstance(value, (int, float, str, bool)) else ""
-    return f"invalid value for '{field}': {first['msg'].lower()}{shown}", None
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return f"invalid value for '{field}': {msg[:1].lower()}{msg[1:]}{shown}", None
 
 
 def report(exc: BaseException, argv: Sequence[str], root: Any = None) -> int:

@@ -124,3 +124,12 @@ def read_manifest(path: str | Path) -> Manifest:
     if len(set(names)) != len(names):
         raise DataError(f"{p}: a shard is listed twice")
     return m
+
+
+def check_dataset(path: str | Path, field: str) -> None:
+    """Raise DataError ``<field>: <problem>`` unless ``path`` holds a readable manifest
+    (checked before a stage creates anything)."""
+    try:
+        read_manifest(path)
+    except DataError as exc:
+        raise DataError(f"{field}: {exc.message}", hint=exc.hint) from None

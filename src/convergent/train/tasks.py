@@ -165,13 +165,9 @@ def check_before_launch(cfg: Any, data: bool = True) -> None:
         if path and not Path(path).exists():
             raise ConfigError(f"train.{key}: {path} does not exist")
         if path:  # a readable dataset (its manifest), before any process starts
-            from convergent.data.manifest import read_manifest
-            from convergent.errors import DataError
+            from convergent.data.manifest import check_dataset
 
-            try:
-                read_manifest(path)
-            except DataError as exc:
-                raise ConfigError(f"train.{key}: {exc.message}", hint=exc.hint) from None
+            check_dataset(path, f"train.{key}")
 
 
 # ----------------------------------------------------------------------------- LM
