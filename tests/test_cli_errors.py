@@ -214,3 +214,26 @@ def test_real_process_bad_steps_then_the_fixed_command_runs(tmp_path):
     good = _run(["train", *LM, "--set", "train.steps=2"], tmp_path)
     assert good.returncode == 0, good.stderr
     assert "trained 2 steps" in good.stdout and (tmp_path / "runs" / "train" / "ckpt").is_dir()
+
+
+def test_other_failures_are_one_line_too(capsys):
+    from pydantic import ValidationError
+
+    from convergent.cli.errors import report
+    from convergent.config import ConvergentConfig
+
+    cfg = ConvergentConfig()
+    with pytest.raises(ValidationError) as err:  # a validated assignment deep in a stage
+        cfg.train.steps = -1
+    assert report(err.value, []) == 2
+    assert capsys.readouterr().err == ("error: invalid value for 'steps': input should be "
+                                       "greater than or equal to 1 (got -1)\n")
+    try:
+        open("/nonexistent/dir/file")  # noqa: SIM115
+    except OSError as exc:
+        assert report(exc, []) == 2
+    assert capsys.readouterr().err == "error: /nonexistent/dir/file: No such file or directory\n"
+    assert report(ZeroDivisionError("division by zero"), []) == 1  # a bug: exit 1, still one line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: internal error: ZeroDivisionError")
+    assert "--debug" in err
