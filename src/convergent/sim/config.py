@@ -80,7 +80,7 @@ class RelabelConfig(Section):
     conv_tol: Positive = 1e-8  # Hartree
     max_cycle: Count = 100
     chunk_size: Count = 2
-    timeout_s: Positive = 1800.0
+    timeout_s: NonNegative = 1800.0  # 0: no timeout
     retries: Count0 = 1
     seed: Seed = 0
 
@@ -120,7 +120,7 @@ class SimulateConfig(Section):
     xtb_electronic_temperature: NonNegative = 300.0  # K
     min_distance: NonNegative = 0.5  # Å; closer atom pairs are quarantined as bad geometry
     chunk_size: int = Field(100, ge=1)  # frames per Dask task (rattle); bench/sim_throughput.py
-    timeout_s: Positive = 300.0  # per task
+    timeout_s: NonNegative = 300.0  # per task; 0: no timeout
     retries: int = Field(2, ge=0)  # per task, before it is split / quarantined
     max_in_flight: Count | None = None  # tasks submitted at once; None: 3 per worker
     flush_every_s: NonNegative = 10.0  # seal a shard + commit the manifest at most this often

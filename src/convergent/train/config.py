@@ -102,7 +102,7 @@ class PrecisionConfig(Section):
 class CheckpointConfig(Section):
     """DCP checkpoints: interval in steps, how many to keep, async writing, resume."""
 
-    interval: Count = 100
+    interval: Count0 = 100  # steps between checkpoints; 0: only the final one
     keep: Count = 2
     async_save: bool = False  # write in a background thread (separate gloo group)
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
