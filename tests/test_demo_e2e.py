@@ -9,7 +9,8 @@ from pathlib import Path
 
 EXE = str(Path(sys.executable).parent / "convergent")
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
-        "--set", "train.steps=6", "--set", "checkpoint.interval=3"]
+        "--set", "train.steps=6", "--set", "checkpoint.interval=3",
+        "--set", "train.device=cpu"]  # the 2-rank CPU job it asserts, on any machine
 
 
 def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):

@@ -83,11 +83,13 @@ def train_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
             if row.get("kind") == "train_step":
                 bar.update(task, completed=row["step"], loss=f"loss {row['loss']:.4g}")
 
-        result = launch_training(training_config(cfg, run), run, nproc=cfg.parallel.nproc,
-                                 progress=follow)
+        result = launch_training(training_config(cfg, run), run, progress=follow)
     vals = run.read_metrics("val")
-    out = {"steps": result.steps, "nproc": cfg.parallel.nproc, "strategy": cfg.parallel.strategy,
-           "restarts": result.restarts}
+    pl = result.placement
+    out = {"steps": result.steps, "nproc": pl.nproc if pl else cfg.parallel.nproc,
+           "strategy": cfg.parallel.strategy, "restarts": result.restarts,
+           "device": pl.device if pl else None, "backend": pl.backend if pl else None,
+           "gpu_names": pl.gpu_names if pl else []}
     if vals:
         out.update(val_energy_mae=vals[-1].get("energy_mae"), val_force_mae=vals[-1].get("force_mae"))
     return out
@@ -116,10 +118,12 @@ def screen_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
 def check_inputs(cfg: ConvergentConfig) -> None:
     """What can fail before any work: the molecule source, the training shape."""
     from convergent.sim.sources import check_source
+    from convergent.train.launch import plan_placement
     from convergent.train.tasks import check_before_launch
 
     check_source(cfg.simulate.source, cfg.simulate.on_bad_input)
     check_before_launch(cfg, data=False)  # the datasets are made by the run itself
+    plan_placement(cfg)  # more ranks than GPUs: refused before the run dir exists
 
 
 def run_demo(cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: bool = False) -> Path:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# multi-process tests pin the device they mean (gloo on CPU), on any machine
 MOL_BASE = [
+    "train.device=cpu",
     "model.hidden=32",
     "model.layers=2",
     "model.heads=4",
@@ -19,6 +21,7 @@ MOL_BASE = [
 ]
 
 LM_BASE = [
+    "train.device=cpu",
     "model.kind=llama",
     "model.hidden=32",
     "model.layers=2",

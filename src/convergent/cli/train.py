@@ -32,14 +32,15 @@ def register(app: typer.Typer) -> None:
         import shlex
 
         from convergent.runs import RunDir, open_run, run_path
-        from convergent.train.launch import build_command, launch_training
+        from convergent.train.launch import build_command, launch_training, preflight
 
         cfg = config_from_cli(config, sets)
+        placement = preflight(cfg, nproc, data=not print_launch)  # before any run dir
         if print_launch:
             path = run_path(cfg, run_dir, "train")
-            n = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
             cmd = build_command(
-                RunDir(path).config, path, n, nnodes or cfg.parallel.nnodes, max_restarts,
+                RunDir(path).config, path, placement.nproc, nnodes or cfg.parallel.nnodes,
+                max_restarts,
                 cfg.parallel.rdzv_endpoint,
             )
             typer.echo(shlex.join(cmd))
@@ -61,6 +62,10 @@ def register(app: typer.Typer) -> None:
                     f"{unit.split('_')[0]}/s {rec[unit]:.0f} mfu {mfu}"
                 )
 
+        typer.echo(
+            f"placement: {placement.nproc} x {placement.device} ({placement.backend})"
+            + (f" on {', '.join(placement.gpu_names)}" if placement.gpu_names else "")
+        )
         result = launch_training(
             cfg, run, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes, progress=show
         )

@@ -461,11 +461,14 @@ class Attention(nn.Module):
         """Packed attention over a paged cache.
 
         x [T, H]; k_cache / v_cache [num_slots, n_kv_heads, head_dim] (written in place).
+        Everything runs in ``x.dtype`` (the serving dtype: RoPE tables are cast to it,
+        like transformers); in bf16/fp16 every attention is a fused SDPA kernel, whose
+        scores and softmax accumulate in float32.
         """
         t = x.shape[0]
         nq, nkv, hd = self.nq, self.nkv, self.hd
         rep = nq // nkv
-        cos, sin = batch._rope["cos"], batch._rope["sin"]
+        cos, sin = batch._rope["cos"].to(x.dtype), batch._rope["sin"].to(x.dtype)
         q = apply_rope(self.q_proj(x).view(t, nq, hd), cos, sin)
         k = apply_rope(self.k_proj(x).view(t, nkv, hd), cos, sin)
         v = self.v_proj(x).view(t, nkv, hd)
@@ -480,9 +483,15 @@ class Attention(nn.Module):
             qd = q.index_select(0, g.rows).view(n, nkv, rep, hd)
             kd = kb.index_select(0, g.blocks).view(n, length, nkv, hd).to(x.dtype)
             vd = vb.index_select(0, g.blocks).view(n, length, nkv, hd).to(x.dtype)
-            s = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * self.scale  # [G, nkv, rep, L]
-            p = torch.softmax(s + g.bias.to(s.dtype)[:, None, None, :], dim=-1)
-            od = torch.matmul(p, vd.transpose(1, 2))  # [G, nkv, rep, hd]
+            if x.dtype == torch.float32:
+                s = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * self.scale  # [G, nkv, rep, L]
+                p = torch.softmax(s + g.bias[:, None, None, :], dim=-1)
+                od = torch.matmul(p, vd.transpose(1, 2))  # [G, nkv, rep, hd]
+            else:  # fused kernel: scores and softmax accumulate in float32, not rounded
+                od = F.scaled_dot_product_attention(
+                    qd, kd.transpose(1, 2), vd.transpose(1, 2),
+                    attn_mask=g.bias.to(x.dtype)[:, None, None, :], scale=self.scale,
+                )
             out.index_copy_(0, g.rows, od.reshape(n, nq, hd))
         for g in batch.prefill_groups:  # fresh prompts: causal over their own tokens
             n, ln = g.gather.numel() // g.length, g.length

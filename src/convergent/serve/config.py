@@ -32,7 +32,7 @@ class ServeConfig(Section):
     max_batched_tokens: Count = 1024  # token budget of a micro-batch (prefill)
     chunked_prefill: bool = False  # interleaved only: split prompts to fit the budget
     max_model_len: Count = 2048  # prompt + output tokens per request
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights, KV, attention
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
     torch_threads: Count = 1  # per stage process
     profile_costs: bool = True  # tdpipe: profile the stage cost table in situ at start-up

@@ -213,6 +213,10 @@ class Engine:
                 f"serve.stages={cfg.stages}: must be between 1 and the model's "
                 f"{self.mcfg.num_hidden_layers} layers"
             )
+        from convergent.placement import check_serve_stages, visible_gpus
+
+        # one GPU per stage: too many stages for the GPUs is a one-line error (exit 2)
+        check_serve_stages(cfg.device, p, visible_gpus() if cfg.device == "cuda" else 0)
         self.num_stages = p
         dtype_bytes = 4 if cfg.dtype == "float32" else 2
         num_blocks = blocks_for_budget(

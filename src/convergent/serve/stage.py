@@ -65,7 +65,7 @@ class StageSpec:
     block_size: int
     dtype: str = "float32"
     threads: int = 1
-    device: str = "cpu"  # "cpu" or "cuda" (stage s uses cuda:s mod device count)
+    device: str = "cpu"  # "cpu" or "cuda" (stage s uses cuda:s; one GPU per stage)
 
 
 class StageRunner:
@@ -86,7 +86,11 @@ class StageRunner:
         self.first = spec.stage == 0
         self.last = spec.stage == spec.num_stages - 1
         if spec.device.startswith("cuda"):
-            self.device = torch.device("cuda", spec.stage % torch.cuda.device_count())
+            from convergent.placement import check_serve_stages
+
+            # stage s on cuda:s (within CUDA_VISIBLE_DEVICES); never two stages on one GPU
+            check_serve_stages("cuda", spec.num_stages, torch.cuda.device_count())
+            self.device = torch.device("cuda", spec.stage)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")

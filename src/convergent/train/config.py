@@ -56,7 +56,9 @@ class TrainConfig(Section):
     compile: bool = False  # torch.compile each block
     val_every: Count0 = 50  # validate every N steps (and at the end); 0 = only at the end
     val_max_batches: Count = 20  # cap validation cost
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible
+    tf32: bool = True  # CUDA: TF32 tensor cores for fp32 matmuls/convolutions
+    prefetch: int = Field(2, ge=0, le=16)  # steps of batches prepared ahead (0: inline)
 
 
 class ParallelConfig(Section):
@@ -69,7 +71,8 @@ class ParallelConfig(Section):
     """
 
     strategy: Literal["single", "ddp", "fsdp", "hsdp", "pipeline"] = "ddp"
-    nproc: Count = 2  # processes per node
+    # processes per node; auto: one per visible GPU on CUDA, 2 on CPU
+    nproc: Count | Literal["auto"] = "auto"
     nnodes: Count = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     rdzv_endpoint: Endpoint | None = None  # host:port; default first Slurm node:29500

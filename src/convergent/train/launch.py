@@ -32,6 +32,7 @@ from typing import Any
 from convergent.config import ConvergentConfig, dump_config
 from convergent.errors import ConfigError, ConvergentError
 from convergent.fsutil import atomic_write_text
+from convergent.placement import Placement, gpu_names, plan_training, visible_gpus
 from convergent.runs import RunDir
 from convergent.train.topology import expand_hostlist
 
@@ -50,6 +51,7 @@ class TrainResult:
     checkpoint: Path | None  # last DCP checkpoint directory
     final_dir: Path | None  # safetensors export (models.io layout), or None
     command: list[str] = field(default_factory=list)
+    placement: Placement | None = None  # device, processes, backend, GPU names
 
     @property
     def final_loss(self) -> float | None:
@@ -240,6 +242,31 @@ def _count_restarts(run: RunDir) -> int:
     return max(attempts) if attempts else 0
 
 
+def plan_placement(
+    cfg: ConvergentConfig, nproc: int | None = None, env: Mapping[str, str] | None = None
+) -> Placement:
+    """Device, processes per node and backend of this job on this node's GPUs.
+
+    ``nproc`` (``--nproc``) overrides ``parallel.nproc``. Raises ConfigError (exit 2)
+    when more ranks than visible GPUs are asked for on CUDA (see :mod:`convergent.placement`).
+    """
+    gpus = visible_gpus(env)
+    return plan_training(
+        cfg.train.device, nproc or cfg.parallel.nproc, cfg.parallel.strategy,
+        cfg.parallel.backend, gpus, cfg.precision.dtype, gpu_names() if gpus else [],
+    )
+
+
+def preflight(
+    cfg: ConvergentConfig, nproc: int | None = None, data: bool = True
+) -> Placement:
+    """Every check that can fail before a run directory is created; the placement."""
+    from convergent.train.tasks import check_before_launch
+
+    check_before_launch(cfg, data=data)
+    return plan_placement(cfg, nproc)
+
+
 def launch_training(
     cfg: ConvergentConfig,
     run: RunDir,
@@ -252,16 +279,15 @@ def launch_training(
 ) -> TrainResult:
     """Run training with torchrun (or srun+torchrun inside Slurm) and wait for it.
 
-    ``nproc`` defaults to ``cfg.parallel.nproc`` (1 for ``strategy: single``), ``nnodes``
+    ``nproc`` defaults to ``cfg.parallel.nproc`` (``auto``: one per visible GPU on
+    CUDA, 2 on CPU; 1 for ``strategy: single``), ``nnodes``
     to ``cfg.parallel.nnodes``. ``progress`` is called with each new metrics record
     (rank 0's ``train_step``/``val`` lines) while the job runs. ``print_only`` returns at
     once with the command in ``TrainResult.command``. Raises ConvergentError naming the
     failing rank and showing its last log lines.
     """
-    from convergent.train.tasks import check_before_launch
-
-    check_before_launch(cfg, data=not print_only)  # fail before launching (exit code 2)
-    nproc = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
+    placement = preflight(cfg, nproc, data=not print_only)  # fail before launching (exit 2)
+    nproc = placement.nproc
     nnodes = nnodes or cfg.parallel.nnodes
     for sub in (run.logs, run.ckpt):
         sub.mkdir(parents=True, exist_ok=True)
@@ -270,7 +296,7 @@ def launch_training(
         config_path, run.path, nproc, nnodes, max_restarts, cfg.parallel.rdzv_endpoint
     )
     if print_only:
-        return TrainResult(0, None, None, 0.0, 0, None, None, cmd)
+        return TrainResult(0, None, None, 0.0, 0, None, None, cmd, placement)
     launcher_log = run.logs / "torchrun.log"
     result_file = run.logs / "train_result.json"
     if result_file.exists():
@@ -312,6 +338,7 @@ def launch_training(
         checkpoint=Path(summary["last_checkpoint"]) if summary.get("last_checkpoint") else None,
         final_dir=Path(summary["final_dir"]) if summary.get("final_dir") else None,
         command=cmd,
+        placement=placement,
     )
 
 

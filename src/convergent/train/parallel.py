@@ -320,8 +320,9 @@ def build_pipeline(
     return par
 
 
-def clip_grad_norm(par: Parallelized, max_norm: float | None) -> float:
-    """Clip the global gradient norm (across stages for pipeline); returns the norm."""
+def clip_grad_norm(par: Parallelized, max_norm: float | None) -> float | torch.Tensor:
+    """Clip the global gradient norm (across stages for pipeline); returns the norm
+    (a 0-d tensor, left on the device so the step need not wait for it; ``float()`` it)."""
     params = [p for p in par.parameters() if p.grad is not None]
     if par.strategy == "pipeline":
         sq = torch.zeros((), dtype=torch.float64)
@@ -340,7 +341,7 @@ def clip_grad_norm(par: Parallelized, max_norm: float | None) -> float:
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm.detach()
 
 
 Loss = Callable[..., Any]

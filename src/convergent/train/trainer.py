@@ -29,6 +29,7 @@ import math
 import os
 import signal
 import time
+from contextlib import nullcontext as _null
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,11 @@ from convergent.monitor import commtime
 from convergent.monitor.flops import count_flops, device_peak, mfu
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
+from convergent.placement import placement_record
 from convergent.train import precision
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
+from convergent.train.prefetch import Prefetcher
 from convergent.train.tasks import MicroBatch, Task, make_task
 
 log = logging.getLogger("convergent.train")
@@ -49,9 +52,13 @@ log = logging.getLogger("convergent.train")
 FAULT_ENV = "CONVERGENT_TRAIN_FAULT"  # "rank=R,step=S": SIGKILL rank R at step S, attempt 0
 
 
-def pick_device(pref: str, local_rank: int) -> torch.device:
+def pick_device(pref: str, local_rank: int, tf32: bool = True) -> torch.device:
+    """``cuda:LOCAL_RANK`` (within CUDA_VISIBLE_DEVICES) or the CPU; TF32 on CUDA."""
     if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
+        # TF32 tensor cores for fp32 matmuls (and cuDNN convolutions) unless disabled
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -82,6 +89,17 @@ def _maybe_fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _stats_rows(rows: list[list[Any]]) -> torch.Tensor:
+    """Steps' sums (floats, or float64 0-d tensors left on the device so that the step
+    never waits for them) as one float64 CPU matrix: a single device->host copy."""
+    dev = [v for r in rows for v in r if isinstance(v, torch.Tensor)]
+    vals = iter(torch.stack(dev).cpu().tolist()) if dev else iter(())
+    return torch.tensor(
+        [[next(vals) if isinstance(v, torch.Tensor) else float(v) for v in r] for r in rows],
+        dtype=torch.float64,
+    )
+
+
 def _reduce_sums(sums: dict[str, float], keys: list[str]) -> dict[str, float]:
     t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -98,7 +116,7 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = pick_device(cfg.train.device, local_rank)
+        self.device = pick_device(cfg.train.device, local_rank, cfg.train.tf32)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         torch.manual_seed(cfg.train.seed)
         self.task: Task = make_task(cfg)
@@ -110,7 +128,8 @@ class Trainer:
         t = cfg.train
         self.optims = [
             torch.optim.AdamW(
-                p.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=False
+                p.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                foreach=self.device.type == "cuda",  # one kernel per op group on GPU
             )
             for p in self.par.parts
         ]
@@ -132,6 +151,12 @@ class Trainer:
                 tensorboard_dir=(run.logs / "tensorboard") if cfg.metrics.tensorboard else None,
                 prometheus_port=cfg.metrics.prometheus_port,
             )
+        self.placement = placement_record(
+            self.device, dist.get_backend() if dist.is_initialized() else None, self.world,
+            cfg.precision.dtype, cfg.train.tf32,
+        )
+        if self.sinks is not None and self.start_step == 0:
+            self.sinks.write(self.placement)
         self.peak_info = device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
         self.peak = self.peak_info.flops
         self.timer = StepTimer(self.device)
@@ -204,9 +229,10 @@ class Trainer:
     def _forward_backward(self, mbs: list[MicroBatch]) -> dict[str, float]:
         par, task, cfg = self.par, self.task, self.cfg
         sums: dict[str, float] = {}
+        on_device = self.timer.on_device  # CUDA: event-timed, nothing synchronised
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
-            with par.no_sync(not last):
+            with par.no_sync(not last), self.timer.section("compute") if on_device else _null():
                 t0 = time.perf_counter()
                 with precision.autocast(cfg.precision.dtype, self.device.type, par.autocast):
                     loss, stats = task.loss(par.forward_model, mb, par.loss_scale)
@@ -215,13 +241,15 @@ class Trainer:
                 else:
                     loss.backward()
                 t1 = time.perf_counter()
-            exposed = 0.0
-            if last and par.comm.last_ready is not None:
-                exposed = max(0.0, t1 - max(par.comm.last_ready, t0))
-            self.timer.add("compute", (t1 - t0) - exposed)
-            self.timer.add("comm", exposed)
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            if not on_device:
+                exposed = 0.0
+                if last and par.comm.last_ready is not None:
+                    exposed = max(0.0, t1 - max(par.comm.last_ready, t0))
+                self.timer.add("compute", (t1 - t0) - exposed)
+                self.timer.add("comm", exposed)
+            for k, v in stats.items():  # float64 sums; tensors stay on the device
+                v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+                sums[k] = sums[k] + v if k in sums else v
             sums["samples"] = sums.get("samples", 0.0) + mb.samples
             sums["units"] = sums.get("units", 0.0) + mb.units
         return sums
@@ -252,7 +280,7 @@ class Trainer:
             losses += kwargs.get("losses", [])
         return task.pipeline_sums(par.hook_state, mb, last, losses)
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self) -> float | torch.Tensor:
         with self.timer.section("optimizer"):
             if self.scaler is not None:
                 for o in self.optims:
@@ -322,15 +350,26 @@ class Trainer:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        stats = torch.stack([row for row, _ in pending])
+        stats = _stats_rows([row for row, _ in pending])
         if dist.is_initialized() and dist.get_world_size() > 1:
+            if dist.get_backend() == "nccl":
+                stats = stats.to(self.device)
             dist.all_reduce(stats)
+            stats = stats.cpu()
         for row, (_, partial) in zip(stats.tolist(), pending, strict=True):
             self._write(dict(zip(self._sum_keys, row, strict=True)), partial)
 
     def _write(self, tot: dict[str, float], partial: dict[str, Any]) -> None:
         """Complete one step's record from its global sums and send it to the sinks."""
-        task, step_s = self.task, partial["step_s"]
+        task = self.task
+        partial = dict(partial)
+        timing = partial.pop("timing")
+        times = timing.resolve()
+        step_s = times["step_s"]
+        for key in ("data_wait", "compute", "comm", "optimizer"):
+            partial[f"{key}_s"] = times.get(key, 0.0)
+        partial["step_s"] = step_s
+        partial["grad_norm"] = float(partial["grad_norm"])
         rec = {
             **{k: partial[k] for k in ("kind", "step")},
             **task.finalize_stats(tot),
@@ -357,26 +396,35 @@ class Trainer:
         t_start = time.time()
         steps = cfg.train.steps
         accum = 1 if par.strategy == "pipeline" else cfg.train.grad_accum
-        sum_keys: list[str] | None = None
         # per-step sums are reduced across ranks in batches of metrics.reduce_every steps
         # (and before validation / checkpoints / the end): no collective in every step
-        self._pending: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        self._pending: list[tuple[list[Any], dict[str, Any]]] = []
         last_ckpt = self.start_step
+        feed = Prefetcher(
+            lambda s: task.micro_batches(s, par.dp_rank, par.dp_world, accum),
+            range(self.start_step, steps), self.device, cfg.train.prefetch,
+        )
+        try:
+            return self._loop(feed, t_start, steps, last_ckpt)
+        finally:
+            feed.close()
+
+    def _loop(self, feed: Prefetcher, t_start: float, steps: int, last_ckpt: int) -> dict[str, Any]:
+        cfg, par = self.cfg, self.par
+        sum_keys: list[str] | None = None
         for step in range(self.start_step, steps):
             _maybe_fault(self.rank, step)
             self.timer.reset()
             start_time = time.time()
             par.comm.reset()
-            with self.timer.section("data_wait"):
-                mbs = [
-                    task.to(mb, self.device)
-                    for mb in task.micro_batches(step, par.dp_rank, par.dp_world, accum)
-                ]
+            with self.timer.section("data_wait"):  # CUDA: the time the device waited
+                mbs = feed.get(step)
             blocked = self._comm_clock()
             if par.strategy == "pipeline":
                 sums = self._pipeline_step(mbs)
             else:
                 sums = self._forward_backward(mbs)
+            feed.ahead()  # the next batch's copy overlaps this step's GPU work
             self.timer.move("compute", "comm", self._comm_clock() - blocked)
             lr = self.scheds[0].get_last_lr()[0]
             blocked = self._comm_clock()
@@ -384,19 +432,15 @@ class Trainer:
             self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
             if sum_keys is None:
                 sum_keys = self._sum_keys = sorted(sums)
-            stats = torch.tensor([float(sums.get(k, 0.0)) for k in sum_keys], dtype=torch.float64)
-            step_s = self.timer.elapsed()
+            stats = [sums.get(k, 0.0) for k in sum_keys]
+            timing = self.timer.snapshot()  # resolved when the record is written
             done = step + 1
             partial: dict[str, Any] = {
                 "kind": "train_step",
                 "step": done,
                 "lr": lr,
                 "grad_norm": grad_norm,
-                "data_wait_s": self.timer.get("data_wait"),
-                "compute_s": self.timer.get("compute"),
-                "comm_s": self.timer.get("comm"),
-                "optimizer_s": self.timer.get("optimizer"),
-                "step_s": step_s,
+                "timing": timing,
                 "start_time": start_time,  # unix s at step start (wall-clock throughput)
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 # gradient payload counted by the DDP comm hook (None: not instrumented)
@@ -438,4 +482,5 @@ class Trainer:
             "val": self.val_history[-1] if self.val_history else None,
             "world": self.world,
             "strategy": par.strategy,
+            "placement": self.placement,
         }
