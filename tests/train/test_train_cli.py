@@ -46,6 +46,11 @@ def test_train_command_runs_two_processes(tmp_path, capsys):
     steps = [r for r in rows if r["kind"] == "train_step"]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert {"tokens_per_s", "mfu", "comm_s", "peak_mem_bytes"} <= set(steps[0])
+    assert "placement: 2 x cpu (gloo)" in out
+    placed = [r for r in rows if r["kind"] == "placement"]  # what the job ran on
+    assert len(placed) == 1 and placed[0]["device"] == "cpu"
+    assert placed[0]["backend"] == "gloo" and placed[0]["world"] == 2
+    assert placed[0]["dtype"] == "fp32" and placed[0]["gpu_names"] == []
     assert (run_dir / "ckpt" / "final" / "model.safetensors").exists()
     # a second invocation without --resume refuses to touch the run
     assert main(["train", *_sets([*LM_BASE, "parallel.strategy=ddp", "metrics.log_every=1"]),

@@ -1,0 +1,68 @@
+"""Serving on a CUDA GPU against transformers on the same device and dtype (marked
+``gpu``; skipped with the reason where CUDA is absent)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from convergent.serve.config import ServeConfig  # noqa: E402
+from convergent.serve.engine import Engine  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"),
+]
+
+PROMPTS = [[256, 72, 105, 33], [256] + list(range(60, 90)), [256, 7]]
+N_NEW = 32
+TIE = {"float32": 1e-3, "bfloat16": 4 * 2**-5}  # see test_serve_dtype.py
+
+
+def _hf_generate(model_dir, name):
+    m = transformers.LlamaForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, name)).to("cuda").eval()
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device="cuda")
+        g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return m, out
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_gpu_serving_matches_transformers_same_device_and_dtype(hf_llama_dir, name):
+    """float32: token for token; bfloat16: >= 90% of tokens, partings only at near ties."""
+    hf, ref = _hf_generate(hf_llama_dir, name)
+    cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
+                      profile_costs=False, dtype=name, device="cuda")
+    with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
+        reqs = [eng.add_request(eng.make_request(p, N_NEW)) for p in PROMPTS]
+        eng.run()
+    got = [r.output for r in reqs]
+    if name == "float32":
+        assert got == ref
+        return
+    same = sum(a == b for g, w in zip(got, ref, strict=True) for a, b in zip(g, w, strict=True))
+    assert same / (N_NEW * len(PROMPTS)) >= 0.9
+    for p, g, w in zip(PROMPTS, got, ref, strict=True):
+        split = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
+        if split is not None:
+            with torch.no_grad():
+                logits = hf(torch.tensor([p + w[:split]], device="cuda")).logits[0, -1].float()
+            assert abs((logits[w[split]] - logits[g[split]]).item()) <= TIE[name]
+
+
+def test_two_stages_on_one_gpu_is_refused_with_the_fix(hf_llama_dir):
+    from convergent.errors import ConfigError
+
+    n = torch.cuda.device_count()
+    cfg = ServeConfig(scheduler="tdpipe", stages=n + 1, device="cuda", profile_costs=False,
+                      kv_budget_bytes=2**20, block_size=4)
+    if n + 1 > 4:  # the test model has 4 layers
+        pytest.skip("more than 3 GPUs: cannot ask for more stages than GPUs on this model")
+    with pytest.raises(ConfigError, match=r"serve\.stages"):
+        Engine(hf_llama_dir, cfg)

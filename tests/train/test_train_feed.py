@@ -1,0 +1,83 @@
+"""The input pipeline (prefetch thread) and the step timer, on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from convergent.monitor.timers import StepTimer
+from convergent.train.prefetch import Prefetcher, map_tensors
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    n: int
+
+
+def _make(step: int) -> list[_Batch]:
+    g = torch.Generator().manual_seed(step)
+    return [_Batch(torch.randn(3, generator=g), step), _Batch(torch.randn(2, generator=g), -step)]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_prefetch_yields_the_same_batches_in_step_order(depth):
+    feed = Prefetcher(_make, range(2, 9), torch.device("cpu"), depth)
+    try:
+        for step in range(2, 9):
+            got, want = feed.get(step), _make(step)
+            feed.ahead()
+            assert [b.n for b in got] == [b.n for b in want]
+            assert all(torch.equal(a.x, b.x) for a, b in zip(got, want, strict=True))
+        with pytest.raises(RuntimeError, match="no batches left"):
+            feed.get(9)
+    finally:
+        feed.close()
+
+
+def test_prefetch_works_ahead_in_a_thread_and_reraises_its_errors():
+    made: list[tuple[int, str]] = []
+
+    def make(step: int) -> list[_Batch]:
+        made.append((step, threading.current_thread().name))
+        if step == 3:
+            raise ValueError("shard 7 is corrupt")
+        return _make(step)
+
+    feed = Prefetcher(make, range(0, 6), torch.device("cpu"), depth=2)
+    try:
+        feed.get(0)
+        deadline = time.monotonic() + 10
+        while len(made) < 3 and time.monotonic() < deadline:  # steps 1, 2 built ahead
+            time.sleep(0.01)
+        assert [s for s, _ in made[:3]] == [0, 1, 2]
+        assert {name for _, name in made} == {"prefetch"}
+        feed.get(1)
+        feed.get(2)
+        with pytest.raises(ValueError, match="shard 7"):
+            feed.get(3)
+    finally:
+        feed.close()
+
+
+def test_map_tensors_reaches_nested_dataclasses_and_keeps_the_rest():
+    b = {"a": (_Batch(torch.ones(2), 4), [torch.zeros(1)]), "k": "text"}
+    out = map_tensors(b, lambda t: t + 1)
+    assert torch.equal(out["a"][0].x, torch.full((2,), 2.0)) and out["a"][0].n == 4
+    assert torch.equal(out["a"][1][0], torch.ones(1)) and out["k"] == "text"
+
+
+def test_cpu_step_timer_snapshot_resolves_sections_and_moves():
+    t = StepTimer()
+    with t.section("data_wait"):
+        time.sleep(0.01)
+    t.add("compute", 0.5)
+    t.move("compute", "comm", 0.2)
+    snap = t.snapshot().resolve()
+    assert snap["data_wait"] > 0 and snap["comm"] == pytest.approx(0.2)
+    assert snap["compute"] == pytest.approx(0.3)
+    assert snap["step_s"] >= snap["data_wait"]

@@ -1,0 +1,58 @@
+"""Training on CUDA GPUs (marked ``gpu``; skipped with the reason where CUDA is absent)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from trainhelpers import LM_BASE, run_training
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"),
+]
+
+ON_GPU = [o for o in LM_BASE if not o.startswith("train.device=")] + ["train.device=cuda"]
+
+
+def _final_loss(tmp_path, overrides, nproc, name):
+    result, steps, run = run_training(tmp_path, overrides, nproc, name)
+    placed = run.read_metrics("placement")
+    return result.final_loss, steps, placed[0]
+
+
+@pytest.mark.parametrize("dtype,rel", [("fp32", 2e-2), ("bf16", 5e-2)])
+def test_single_gpu_training_close_to_cpu_fp32(tmp_path, dtype, rel):
+    """One GPU (TF32 on for fp32; bf16 autocast) ends near the CPU fp32 loss."""
+    cpu, _, _ = _final_loss(tmp_path, [*LM_BASE, "parallel.strategy=single"], 1, "cpu")
+    gpu, steps, placed = _final_loss(
+        tmp_path, [*ON_GPU, "parallel.strategy=single", f"precision.dtype={dtype}"], 1, dtype
+    )
+    assert placed["device"] == "cuda" and placed["gpu_names"] and placed["dtype"] == dtype
+    assert all(r["data_wait_s"] >= 0 and r["step_s"] > 0 for r in steps)
+    assert math.isclose(gpu, cpu, rel_tol=rel), (gpu, cpu)
+
+
+def test_ddp_on_every_visible_gpu(tmp_path):
+    """``parallel.nproc: auto`` starts one rank per visible GPU, NCCL between them."""
+    n = torch.cuda.device_count()
+    _, steps, placed = _final_loss(tmp_path, [*ON_GPU, "parallel.strategy=ddp"], None, "ddp")
+    assert placed["world"] == n and placed["backend"] == "nccl"
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r["world"] == n for r in steps)
+
+
+def test_cuda_event_timer_measures_device_time_without_syncing():
+    from convergent.monitor.timers import StepTimer
+
+    dev = torch.device("cuda", 0)
+    t = StepTimer(dev)
+    t.reset()
+    a = torch.randn(2048, 2048, device=dev)
+    with t.section("compute"):
+        for _ in range(20):
+            a = a @ a / 2048
+    snap = t.snapshot()  # nothing waited for yet
+    times = snap.resolve()
+    assert times["compute"] > 0 and times["step_s"] >= times["compute"] * 0.99
