@@ -1,0 +1,387 @@
+"""GPU benchmark: ours fp32 vs bf16 vs the transformers / plain-PyTorch baselines, one run.
+
+Needs one CUDA GPU (and the project installed: ``pip install -e '.[dev]'`` for
+transformers). On a machine without CUDA it prints one line and exits with code 2.
+Runs in under 10 minutes on one H100; writes ``bench/results/gpu.json``.
+
+Measured side by side, every side once per round, rounds interleaved (``--rounds``,
+default 3); each number is the median over rounds of the per-round median over the
+timed steps, with the spread (min, max) over rounds:
+
+* **molecular** (the surrogate, hidden 256, 6 layers, batches of ``--mol-atoms`` atoms,
+  default 16,384 <= 32,768, autograd forces): our trainer (``convergent.train``, one
+  process, prefetch thread, CUDA-event step timer) in fp32 (TF32) and bf16, and a plain
+  PyTorch loop on the same model with every batch prebuilt on the GPU (the model's
+  ceiling, no input pipeline) in bf16. Atoms/s, ``data_wait_s / step_s``.
+* **LM** (a Llama of hidden 768, 12 layers, 12 heads, seq 1024, 16 sequences, vocab
+  32,000): our trainer in bf16 and fp32, and transformers' ``LlamaForCausalLM`` of the
+  same shape (SDPA attention, bf16 autocast, AdamW) eager and under ``torch.compile``.
+  Tokens/s; MFU = counted FLOPs x tokens/s / the GPU's dense bf16 peak.
+* **serving** (a random 1.1B Llama: 22 layers, hidden 2048, GQA 32/4, vocab 32,000; the
+  ``bench-serve -r 256 --scale 0.5 --seed 0`` trace): our engine, one stage on the GPU,
+  bf16 and fp32, and transformers' ``generate`` in bf16 on the same prompts in static
+  batches of 64 (each batch runs to its longest output; only requested tokens count).
+
+Top-level keys of the JSON: ``device``, ``molecular_atoms_per_s_bf16`` (with
+``molecular_batch_atoms``), ``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``,
+``lm_mfu_bf16``, ``lm_vs_hf_train``, ``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``,
+``commit``, ``torch``, ``cuda``; the per-side details under ``molecular``, ``lm``, ``serve``.
+
+Usage: ``python bench/gpu.py [--rounds 3] [--steps 30] [--only molecular,lm,serve]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
+         "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
+DEVICE = "cuda"  # the trainer sides run here
+LM_SHAPE = dict(hidden=768, layers=12, heads=12, seq=1024, batch=16, vocab=32000, mlp_ratio=4)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "rounds": values}
+
+
+# ----------------------------------------------------------------------------- molecular
+
+
+def make_molecules(root: Path, n: int, seed: int = 0) -> Path:
+    """``n`` rattled G2 molecules with random labels (throughput only: labels unused)."""
+    import numpy as np
+    from ase.build import molecule
+
+    from convergent.data.writer import write_records
+
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(n):
+        atoms = molecule(NAMES[i % len(NAMES)])
+        pos = atoms.positions + rng.normal(0, 0.08, atoms.positions.shape)
+        recs.append({"key": f"m{i}", "molecule_id": NAMES[i % len(NAMES)],
+                     "numbers": atoms.numbers.astype(np.int64), "positions": pos,
+                     "energy": float(rng.normal()), "forces": rng.normal(0, 0.1, pos.shape)})
+    write_records(root / "train", recs, compression="none")
+    return root / "train"
+
+
+def _trainer_run(tmp: Path, sets: list[str], name: str, warmup: int) -> dict[str, float]:
+    """Our trainer in this process (strategy single); medians over the timed steps."""
+    from convergent.config import load_config
+    from convergent.runs import open_run
+    from convergent.train.trainer import Trainer
+
+    cfg = load_config(None, [
+        *sets, "parallel.strategy=single", f"train.device={DEVICE}", "train.val_every=0",
+        "checkpoint.interval=0", "checkpoint.export_final=false", "checkpoint.resume=false",
+        "metrics.tensorboard=false", "metrics.log_every=100000", "train.warmup_steps=2",
+    ])
+    run = open_run(cfg, tmp / f"{name}-{time.monotonic_ns()}")
+    trainer = Trainer(cfg, run)
+    trainer.train()
+    rows = trainer.history[warmup:]
+    unit = "atoms_per_s" if "atoms_per_s" in rows[0] else "tokens_per_s"
+    return {
+        "per_s": statistics.median(r[unit] for r in rows),
+        "step_s": statistics.median(r["step_s"] for r in rows),
+        "data_wait_fraction": statistics.median(r["data_wait_s"] / r["step_s"] for r in rows),
+        "mfu": statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None,
+    }
+
+
+def _plain_molecular(data: Path, atoms: int, steps: int, warmup: int) -> Callable[[], dict]:
+    """Plain PyTorch bf16 loop, every batch prebuilt on the GPU (the model's ceiling)."""
+    import torch
+
+    from convergent.config import load_config
+    from convergent.train.tasks import make_task
+
+    cfg = load_config(None, [f"train.dataset={data}", "model.hidden=256", "model.layers=6",
+                             f"train.global_batch_atoms={atoms}"])
+    task = make_task(cfg)
+    dev = torch.device("cuda")
+    batches = [task.micro_batches(s, 0, 1, 1)[0] for s in range(4)]
+    batches = [task.to(mb, dev) for mb in batches]
+
+    def run() -> dict:
+        torch.manual_seed(0)
+        model = task.build_model().to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        times = []
+        for i in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            mb = batches[i % len(batches)]
+            a.record()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = task.loss(model, mb, 1)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            b.record()
+            b.synchronize()
+            times.append((a.elapsed_time(b) / 1e3, mb.units))
+        t = times[warmup:]
+        return {"per_s": statistics.median(u / s for s, u in t),
+                "step_s": statistics.median(s for s, _ in t)}
+
+    return run
+
+
+def bench_molecular(tmp: Path, rounds: int, steps: int, atoms: int) -> dict[str, Any]:
+    n_mol = max(64, atoms // 6)  # G2 molecules average ~6 atoms: about one batch per epoch
+    data = make_molecules(tmp / "mol", n_mol)
+    base = [f"train.dataset={data}", "model.hidden=256", "model.layers=6",
+            f"train.global_batch_atoms={atoms}", f"train.steps={steps}"]
+    warmup = min(5, steps // 3)
+    sides: dict[str, Callable[[], dict]] = {
+        "ours_fp32": lambda: _trainer_run(tmp, [*base, "precision.dtype=fp32"], "mol32", warmup),
+        "ours_bf16": lambda: _trainer_run(tmp, [*base, "precision.dtype=bf16"], "mol16", warmup),
+        "plain_bf16_prebuilt": _plain_molecular(data, atoms, steps, warmup),
+    }
+    return _rounds(sides, rounds) | {"batch_atoms": atoms}
+
+
+# ----------------------------------------------------------------------------- LM
+
+
+def _hf_lm(steps: int, warmup: int, compiled: bool) -> Callable[[], dict]:
+    import torch
+    import transformers
+
+    s = LM_SHAPE
+    cfg = transformers.LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["heads"],
+        intermediate_size=s["mlp_ratio"] * s["hidden"], max_position_embeddings=2 * s["seq"],
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda()
+    fwd = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), device="cuda", generator=g)
+
+    def run() -> dict:
+        times = []
+        for _ in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = fwd(ids[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, s["vocab"]), ids[:, 1:].reshape(-1))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        step = statistics.median(times[warmup:])
+        return {"per_s": s["batch"] * s["seq"] / step, "step_s": step}
+
+    return run
+
+
+def bench_lm(tmp: Path, rounds: int, steps: int) -> dict[str, Any]:
+    s = LM_SHAPE
+    base = ["model.kind=llama", f"model.hidden={s['hidden']}", f"model.layers={s['layers']}",
+            f"model.heads={s['heads']}", f"model.mlp_ratio={s['mlp_ratio']}",
+            f"train.seq_len={s['seq']}", f"train.vocab_size={s['vocab']}",
+            f"train.global_batch_seqs={s['batch']}", f"train.batch_seqs={s['batch']}",
+            f"train.steps={steps}"]
+    warmup = min(5, steps // 3)
+    sides: dict[str, Callable[[], dict]] = {
+        "ours_bf16": lambda: _trainer_run(tmp, [*base, "precision.dtype=bf16"], "lm16", warmup),
+        "ours_fp32": lambda: _trainer_run(tmp, [*base, "precision.dtype=fp32"], "lm32", warmup),
+        "hf_sdpa_eager_bf16": _hf_lm(steps, warmup, compiled=False),
+        "hf_sdpa_compile_bf16": _hf_lm(steps, warmup, compiled=True),
+    }
+    return _rounds(sides, rounds) | {"shape": s}
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def _serve_model(tmp: Path) -> Path:
+    import torch
+
+    from convergent.models.llama import LlamaConfig, LlamaForCausalLM, save_pretrained
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                      max_position_embeddings=4096, bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.reset_parameters(std=0.02)
+    return save_pretrained(model.to(torch.bfloat16), tmp / "llama-1.1b")
+
+
+def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from convergent.serve.config import ServeConfig
+    from convergent.serve.offline import run_trace
+    from convergent.serve.tokenizer import ByteTokenizer
+    from convergent.serve.workload import make_trace, scale_trace
+
+    mdir = _serve_model(tmp)
+    trace = scale_trace(make_trace(256, seed=0), 0.5)
+
+    def ours(dtype: str) -> Callable[[], dict]:
+        cfg = ServeConfig(scheduler="interleaved", stages=1, device="cuda", dtype=dtype,
+                          kv_budget_bytes=16 * 2**30, max_num_seqs=256,
+                          max_batched_tokens=8192, profile_costs=False)
+
+        def run() -> dict:
+            res = run_trace(mdir, cfg, trace)
+            return {"per_s": res["output_tok_s"], "wall_s": res["wall_s"]}
+
+        return run
+
+    tok = ByteTokenizer(32000)
+    prompts = [tok.encode(r.prompt) for r in trace]
+    hf = transformers.LlamaForCausalLM.from_pretrained(mdir, dtype=torch.bfloat16).cuda().eval()
+
+    def hf_generate() -> dict:
+        t0 = time.monotonic()
+        useful = 0
+        for i in range(0, len(trace), 64):
+            chunk = list(range(i, min(i + 64, len(trace))))
+            width = max(len(prompts[j]) for j in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+            for r, j in enumerate(chunk):  # left padding
+                ids[r, width - len(prompts[j]):] = torch.tensor(prompts[j])
+                mask[r, width - len(prompts[j]):] = 1
+            n = max(trace[j].output_len for j in chunk)
+            with torch.no_grad():
+                hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+            useful += sum(trace[j].output_len for j in chunk)
+        torch.cuda.synchronize()
+        wall = time.monotonic() - t0
+        return {"per_s": useful / wall, "wall_s": wall}
+
+    sides = {"ours_bf16": ours("bfloat16"), "ours_fp32": ours("float32"),
+             "hf_generate_bf16_batch64": hf_generate}
+    return _rounds(sides, rounds) | {"requests": len(trace),
+                                     "output_tokens": sum(r.output_len for r in trace)}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _rounds(sides: dict[str, Callable[[], dict]], rounds: int) -> dict[str, Any]:
+    """Run every side once per round (interleaved); medians with the spread."""
+    got: dict[str, list[dict]] = {k: [] for k in sides}
+    for r in range(rounds):
+        for name, fn in sides.items():
+            t = time.monotonic()
+            got[name].append(fn())
+            print(f"  round {r + 1}/{rounds} {name}: {got[name][-1]['per_s']:.0f}/s "
+                  f"({time.monotonic() - t:.0f} s)", flush=True)
+    out: dict[str, Any] = {}
+    for name, rows in got.items():
+        out[name] = {k: _stats([row[k] for row in rows]) for k in rows[0]
+                     if all(isinstance(row[k], int | float) for row in rows)}
+    return out
+
+
+def _med(d: dict, side: str, key: str = "per_s") -> float | None:
+    try:
+        return d[side][key]["median"]
+    except (KeyError, TypeError):
+        return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30, help="training steps per side and round")
+    ap.add_argument("--mol-atoms", type=int, default=16384, help="atoms per batch (<= 32768)")
+    ap.add_argument("--only", default="molecular,lm,serve")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    if not 1 <= args.mol_atoms <= 32768:
+        print("--mol-atoms must be between 1 and 32768", file=sys.stderr)
+        return 2
+    only = set(args.only.split(","))
+    t0 = time.monotonic()
+    res: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="convergent-gpu-bench-") as d:
+        tmp = Path(d)
+        if "molecular" in only:
+            print("molecular", flush=True)
+            res["molecular"] = bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms)
+        if "lm" in only:
+            print("lm", flush=True)
+            res["lm"] = bench_lm(tmp, args.rounds, args.steps)
+        if "serve" in only:
+            print("serve", flush=True)
+            res["serve"] = bench_serve(tmp, max(1, args.rounds - 1))
+    mol, lm, srv = res.get("molecular", {}), res.get("lm", {}), res.get("serve", {})
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "molecular_atoms_per_s_bf16": _med(mol, "ours_bf16"),
+        "molecular_batch_atoms": args.mol_atoms,
+        "molecular_bf16_speedup_vs_fp32": _ratio(_med(mol, "ours_bf16"), _med(mol, "ours_fp32")),
+        "data_wait_fraction": _med(mol, "ours_bf16", "data_wait_fraction"),
+        "lm_mfu_bf16": _med(lm, "ours_bf16", "mfu"),
+        "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_compile_bf16")),
+        "serve_output_tok_s_bf16": _med(srv, "ours_bf16"),
+        "serve_vs_hf_generate": _ratio(_med(srv, "ours_bf16"),
+                                       _med(srv, "hf_generate_bf16_batch64")),
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "wall_s": time.monotonic() - t0,
+        **res,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = args.out.with_suffix(".json.partial")
+    tmp_out.write_text(json.dumps(out, indent=2))
+    tmp_out.replace(args.out)
+    print(json.dumps({k: v for k, v in out.items() if k not in res}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
