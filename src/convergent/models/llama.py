@@ -302,6 +302,14 @@ def pad_groups(
     return groups
 
 
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on ``dev``: on CUDA from pinned memory without blocking the host
+    (the copy is ordered on the current stream before the kernels that read it)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 @dataclass
 class DecodeGroup:
     """Decode sequences attended together: keys gathered block-wise, padded to ``width`` blocks."""
@@ -388,9 +396,9 @@ class PagedBatch:
             bias.masked_fill_(torch.arange(width * bs)[None, :] >= ctx[:, None], float("-inf"))
             self.decode_groups.append(
                 DecodeGroup(
-                    torch.tensor([starts[i] for i in seqs], device=dev),
-                    torch.tensor(blocks, device=dev),
-                    bias.to(dev),
+                    _to_device(torch.tensor([starts[i] for i in seqs]), dev),
+                    _to_device(torch.tensor(blocks), dev),
+                    _to_device(bias, dev),
                     width,
                 )
             )
@@ -407,9 +415,9 @@ class PagedBatch:
                 rows.extend(range(s0, s0 + n))
             self.prefill_groups.append(
                 PrefillGroup(
-                    torch.tensor(gather, device=dev),
-                    torch.tensor(valid, device=dev),
-                    torch.tensor(rows, device=dev),
+                    _to_device(torch.tensor(gather), dev),
+                    _to_device(torch.tensor(valid), dev),
+                    _to_device(torch.tensor(rows), dev),
                     length,
                 )
             )
@@ -462,8 +470,9 @@ class Attention(nn.Module):
 
         x [T, H]; k_cache / v_cache [num_slots, n_kv_heads, head_dim] (written in place).
         Everything runs in ``x.dtype`` (the serving dtype: RoPE tables are cast to it,
-        like transformers); in bf16/fp16 every attention is a fused SDPA kernel, whose
-        scores and softmax accumulate in float32.
+        like transformers); on GPU and in bf16/fp16 every attention is a fused SDPA
+        kernel over the gathered KV blocks, whose scores and softmax accumulate in
+        float32 (float32 on CPU keeps the explicit matmul-softmax reference path).
         """
         t = x.shape[0]
         nq, nkv, hd = self.nq, self.nkv, self.hd
@@ -483,11 +492,11 @@ class Attention(nn.Module):
             qd = q.index_select(0, g.rows).view(n, nkv, rep, hd)
             kd = kb.index_select(0, g.blocks).view(n, length, nkv, hd).to(x.dtype)
             vd = vb.index_select(0, g.blocks).view(n, length, nkv, hd).to(x.dtype)
-            if x.dtype == torch.float32:
+            if x.dtype == torch.float32 and x.device.type == "cpu":  # exact reference path
                 s = torch.matmul(qd, kd.permute(0, 2, 3, 1)) * self.scale  # [G, nkv, rep, L]
                 p = torch.softmax(s + g.bias[:, None, None, :], dim=-1)
                 od = torch.matmul(p, vd.transpose(1, 2))  # [G, nkv, rep, hd]
-            else:  # fused kernel: scores and softmax accumulate in float32, not rounded
+            else:  # fused kernel (GPU, reduced precision): float32 scores and softmax
                 od = F.scaled_dot_product_attention(
                     qd, kd.transpose(1, 2), vd.transpose(1, 2),
                     attn_mask=g.bias.to(x.dtype)[:, None, None, :], scale=self.scale,

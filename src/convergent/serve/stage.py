@@ -119,10 +119,10 @@ class StageRunner:
 
         with torch.inference_mode():
             if self.first:
-                x = torch.tensor(meta.input_ids, dtype=torch.int64, device=self.device)
+                x = self._ids(meta.input_ids)
             batch = PagedBatch(
-                torch.tensor(meta.positions, dtype=torch.int64, device=self.device),
-                torch.tensor(meta.slots, dtype=torch.int64, device=self.device),
+                self._ids(meta.positions),
+                self._ids(meta.slots),
                 meta.query_lens,
                 meta.context_lens,
                 meta.block_tables,
@@ -131,9 +131,16 @@ class StageRunner:
             h = self.model.model.forward_paged(x, batch, self.kv.layers)
             if not self.last:
                 return h
-            rows = torch.tensor(meta.sample_rows, dtype=torch.int64, device=self.device)
+            rows = self._ids(meta.sample_rows)
             logits = self.model.logits(h.index_select(0, rows)).float()
             return dict(zip(meta.sample_rids, self._sample(logits, meta), strict=True))
+
+    def _ids(self, values: list[int]):
+        """int64 index tensor on this stage's device (CUDA: pinned, non-blocking copy)."""
+        t = self.torch.tensor(values, dtype=self.torch.int64)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _sample(self, logits, meta: BatchMeta) -> list[int]:
         torch = self.torch
