@@ -68,9 +68,10 @@ class VectorAttentionBlock(EdgeAttentionBlock):
             src, dst, env, unit = src[keep], dst[keep], env[keep], unit[keep]
             score, filt = score[keep], filt[keep]
         a = self._weights(score, src, env, n)  # [E, heads]
-        msg = (val[dst] * filt).to(acc).view(-1, 3, nh, d) * a.view(-1, 1, nh, 1)
+        # a (and so msg, m1, m2) is in acc: products promote in-kernel, no [E, ...] cast copies
+        msg = (val[dst] * filt).view(-1, 3, nh, d) * a.view(-1, 1, nh, 1)
         mx, m1, m2 = msg.view(-1, 3, hd).unbind(1)  # [E, H] each
-        vmsg = v[dst].to(acc) * m1.unsqueeze(1) + m2.unsqueeze(1) * unit.to(acc).unsqueeze(-1)
+        vmsg = v[dst] * m1.unsqueeze(1) + m2.unsqueeze(1) * unit.unsqueeze(-1)
         x = x + torch.zeros(n, hd, dtype=acc, device=h.device).index_add_(0, src, mx).to(x.dtype)
         v = v + torch.zeros(n, 3, hd, dtype=acc, device=h.device).index_add_(0, src, vmsg).to(v.dtype)
         uv, wv = self.vec_mix(v).split(hd, dim=-1)  # [N, 3, H] each
