@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convergent.errors import ConfigError
-from convergent.placement import check_serve_stages, plan_training, visible_gpus
+from convergent.placement import check_serve_stages, gpu_names, plan_training, visible_gpus
 
 
 def test_auto_is_one_rank_per_gpu_on_cuda_and_two_on_cpu():
@@ -43,6 +43,7 @@ def test_serving_stages_need_one_gpu_each():
 def test_slurm_gpu_binding_counts():
     assert visible_gpus({"SLURM_GPUS_ON_NODE": "4"}) == 4
     assert visible_gpus({"SLURM_GPUS_ON_NODE": "0"}) == 0
+    assert gpu_names({"CUDA_VISIBLE_DEVICES": ""}) == []  # none visible: no names
 
 
 def test_nproc_config_accepts_auto_and_bounded_ints():

@@ -21,6 +21,7 @@ launcher may run on a node without the GPUs, so ``SLURM_GPUS_ON_NODE`` wins when
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -59,16 +60,25 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> int:
         return 0
 
 
-def gpu_names() -> list[str]:
-    """Names of the visible CUDA devices (empty without CUDA)."""
-    try:
-        import torch
+def gpu_names(env: Mapping[str, str] | None = None) -> list[str]:
+    """Names of the visible CUDA devices (empty without CUDA), from ``nvidia-smi``.
 
-        if not torch.cuda.is_available():
+    Asking torch would create a CUDA context (hundreds of MiB of GPU memory) in the
+    launcher for the whole run; ``nvidia-smi`` does not. ``CUDA_VISIBLE_DEVICES`` given
+    as indices or UUIDs selects the devices listed.
+    """
+    env = os.environ if env is None else env
+    cmd = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    vis = env.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        if not vis.strip():
             return []
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # noqa: BLE001
+        cmd.append(f"--id={vis.strip()}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
         return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
 @dataclass(frozen=True)
