@@ -25,6 +25,7 @@ def test_more_ranks_than_gpus_names_the_field_the_count_and_the_fix():
         plan_training("auto", 2, "ddp", "auto", gpus=1)
     assert "parallel.nproc=2" in str(e.value) and "1 GPU is visible" in str(e.value)
     assert "train.device=cpu" in e.value.hint
+    assert plan_training("auto", 4, "ddp", "auto", gpus=1, fit=False).nproc == 4  # printed
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         plan_training("cuda", "auto", "ddp", "auto", gpus=0)
     with pytest.raises(ConfigError, match="parallel.backend=nccl"):
@@ -66,6 +67,7 @@ def test_cli_refuses_too_many_gpu_ranks_before_creating_the_run_dir(tmp_path, mo
             "--run-dir", str(run_dir)]
     assert main(args) == 2
     assert not run_dir.exists()
+    assert main([*args, "--print-launch"]) == 0  # a command for other nodes: printed
     monkeypatch.setenv("SLURM_GPUS_ON_NODE", "0")
     ok = ["train", "-s", "model.kind=llama", "-s", "train.device=cpu", "--print-launch",
           "--run-dir", str(run_dir)]

@@ -108,12 +108,14 @@ def plan_training(
     gpus: int,
     dtype: str = "fp32",
     names: list[str] | None = None,
+    fit: bool = True,
 ) -> Placement:
     """Resolve ``train.device``/``parallel.nproc``/``parallel.backend`` for ``gpus`` GPUs.
 
-    Raises :class:`ConfigError` (one line, exit code 2) when the request does not fit.
+    Raises :class:`ConfigError` (one line, exit code 2) when the request does not fit
+    (``fit=False`` skips the ranks-vs-GPUs check: a command printed for other nodes).
     """
-    if device == "cuda" and gpus < 1:
+    if fit and device == "cuda" and gpus < 1:
         raise ConfigError(
             "train.device=cuda but no CUDA GPU is visible",
             hint="use train.device=cpu (or auto), or run on a GPU node",
@@ -127,7 +129,7 @@ def plan_training(
         n = int(nproc)
     if n < 1:
         raise ConfigError(f"parallel.nproc={nproc}: must be >= 1 (or auto)")
-    if dev == "cuda" and n > gpus:
+    if fit and dev == "cuda" and n > gpus:
         raise ConfigError(
             f"parallel.nproc={n} needs {n} GPUs per node but {_gpus_word(gpus)} "
             f"{'is' if gpus == 1 else 'are'} visible (one rank per GPU)",

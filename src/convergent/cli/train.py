@@ -35,7 +35,8 @@ def register(app: typer.Typer) -> None:
         from convergent.train.launch import build_command, launch_training, preflight
 
         cfg = config_from_cli(config, sets)
-        placement = preflight(cfg, nproc, data=not print_launch)  # before any run dir
+        # before any run dir; a printed command may be meant for other nodes' GPUs
+        placement = preflight(cfg, nproc, data=not print_launch, fit=not print_launch)
         if print_launch:
             path = run_path(cfg, run_dir, "train")
             cmd = build_command(

@@ -243,28 +243,31 @@ def _count_restarts(run: RunDir) -> int:
 
 
 def plan_placement(
-    cfg: ConvergentConfig, nproc: int | None = None, env: Mapping[str, str] | None = None
+    cfg: ConvergentConfig, nproc: int | None = None, env: Mapping[str, str] | None = None,
+    fit: bool = True,
 ) -> Placement:
     """Device, processes per node and backend of this job on this node's GPUs.
 
     ``nproc`` (``--nproc``) overrides ``parallel.nproc``. Raises ConfigError (exit 2)
-    when more ranks than visible GPUs are asked for on CUDA (see :mod:`convergent.placement`).
+    when more ranks than visible GPUs are asked for on CUDA (see :mod:`convergent.placement`;
+    ``fit=False``: not checked, for a command printed to run elsewhere).
     """
     gpus = visible_gpus(env)
     return plan_training(
         cfg.train.device, nproc or cfg.parallel.nproc, cfg.parallel.strategy,
-        cfg.parallel.backend, gpus, cfg.precision.dtype, gpu_names() if gpus else [],
+        cfg.parallel.backend, gpus, cfg.precision.dtype, gpu_names(env) if gpus else [], fit,
     )
 
 
 def preflight(
-    cfg: ConvergentConfig, nproc: int | None = None, data: bool = True
+    cfg: ConvergentConfig, nproc: int | None = None, data: bool = True, fit: bool = True
 ) -> Placement:
-    """Every check that can fail before a run directory is created; the placement."""
+    """Every check that can fail before a run directory is created; the placement
+    (``data``/``fit`` false: skip the dataset paths / the ranks-vs-GPUs check)."""
     from convergent.train.tasks import check_before_launch
 
     check_before_launch(cfg, data=data)
-    return plan_placement(cfg, nproc)
+    return plan_placement(cfg, nproc, fit=fit)
 
 
 def launch_training(
@@ -286,7 +289,8 @@ def launch_training(
     once with the command in ``TrainResult.command``. Raises ConvergentError naming the
     failing rank and showing its last log lines.
     """
-    placement = preflight(cfg, nproc, data=not print_only)  # fail before launching (exit 2)
+    # fail before launching (exit 2)
+    placement = preflight(cfg, nproc, data=not print_only, fit=not print_only)
     nproc = placement.nproc
     nnodes = nnodes or cfg.parallel.nnodes
     for sub in (run.logs, run.ckpt):
