@@ -151,7 +151,7 @@ def _plain_molecular(data: Path, atoms: int, steps: int, warmup: int) -> Callabl
 
 
 def bench_molecular(tmp: Path, rounds: int, steps: int, atoms: int) -> dict[str, Any]:
-    n_mol = max(64, atoms // 6)  # G2 molecules average ~6 atoms: about one batch per epoch
+    n_mol = max(64, 4 * atoms // 6)  # G2 molecules average ~6 atoms: ~4 batches per epoch
     data = make_molecules(tmp / "mol", n_mol)
     base = [f"train.dataset={data}", "model.hidden=256", "model.layers=6",
             f"train.global_batch_atoms={atoms}", f"train.steps={steps}"]
