@@ -81,3 +81,24 @@ def test_cpu_step_timer_snapshot_resolves_sections_and_moves():
     assert snap["data_wait"] > 0 and snap["comm"] == pytest.approx(0.2)
     assert snap["compute"] == pytest.approx(0.3)
     assert snap["step_s"] >= snap["data_wait"]
+
+
+def test_collate_checks_all_atoms_at_once_and_still_names_the_record():
+    import numpy as np
+
+    from convergent.errors import DataError
+    from convergent.models.batching import collate_records
+
+    good = {"key": "a", "numbers": [1, 8], "positions": np.zeros((2, 3)), "energy": 1.0,
+            "forces": np.zeros((2, 3)), "pbc": np.zeros(3, bool)}
+    bad = {**good, "key": "b", "positions": np.array([[0.0, 0.0, 0.0], [np.nan, 0, 0]])}
+    with pytest.raises(DataError, match="record b: positions contain NaN/inf"):
+        collate_records([good, bad])
+    unlabelled = {**good, "key": "c", "energy": float("nan"), "forces": np.full((2, 3), np.nan)}
+    b = collate_records([good, unlabelled])
+    assert b.energy is None and b.forces is None and b.cell is None and b.pbc is None
+    assert b.batch.tolist() == [0, 0, 1, 1] and b.n_atoms.tolist() == [2, 2]
+    periodic = {**good, "key": "d", "pbc": [True, True, False], "cell": np.eye(3) * 5}
+    b = collate_records([good, periodic])
+    assert b.pbc.tolist() == [[False] * 3, [True, True, False]]
+    assert b.cell[0].abs().sum() == 0 and b.cell[1, 0, 0] == 5

@@ -68,7 +68,10 @@ class AtomsBatch:
 
 
 def _get(rec: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    v = rec.get(name, default) if isinstance(rec, Mapping) else getattr(rec, name, default)
+    if type(rec) is dict:  # the common case, without the ABC isinstance check
+        v = rec.get(name, default)
+    else:
+        v = rec.get(name, default) if isinstance(rec, Mapping) else getattr(rec, name, default)
     return default if v is None else v
 
 
@@ -84,9 +87,10 @@ def collate_records(
     """
     if len(records) == 0:
         raise DataError("cannot collate an empty list of records")
-    nums, poss, bidx, ens, frcs, cells, pbcs, keys, mids = [], [], [], [], [], [], [], [], []
+    # one pass of cheap per-record work; the checks over all atoms run once, vectorised
+    # (a batch of thousands of small molecules is collated on the host every step)
+    nums, poss, ens, frcs, cells, pbcs, keys, mids = [], [], [], [], [], [], [], []
     counts = []
-    any_periodic = False
     for b, rec in enumerate(records):
         key = str(_get(rec, "key", b))
         z = np.asarray(_get(rec, "numbers"), dtype=np.int64)
@@ -95,43 +99,54 @@ def collate_records(
             raise DataError(
                 f"record {key}: positions shape {p.shape} does not match {z.shape[0]} atoms"
             )
-        if not np.isfinite(p).all():
-            raise DataError(f"record {key}: positions contain NaN/inf")
         n = z.shape[0]
         counts.append(n)
         nums.append(z)
         poss.append(p)
-        bidx.append(np.full(n, b, dtype=np.int64))
         e = _get(rec, "energy")  # the dataset store writes NaN for "not labelled"
-        ens.append(None if e is None or not np.isfinite(float(e)) else float(e))
+        ens.append(np.nan if e is None else float(e))
         f = _get(rec, "forces")
-        f = None if f is None else np.asarray(f, dtype=np.float64).reshape(n, 3)
-        frcs.append(None if f is None or not np.isfinite(f).all() else f)
-        c = _get(rec, "cell")
-        pb = _get(rec, "pbc")
-        c = np.zeros((3, 3)) if c is None else np.asarray(c, dtype=np.float64).reshape(3, 3)
-        pb = np.zeros(3, bool) if pb is None else np.broadcast_to(np.asarray(pb, bool), (3,))
-        any_periodic |= bool(pb.any())
-        cells.append(c)
-        pbcs.append(pb)
+        frcs.append(None if f is None else np.asarray(f, dtype=np.float64).reshape(n, 3))
+        cells.append(_get(rec, "cell"))
+        pbcs.append(_get(rec, "pbc"))
         keys.append(key)
         mids.append(str(_get(rec, "molecule_id", "")))
-    energy = None
-    if all(e is not None for e in ens):
-        energy = torch.tensor(ens, dtype=torch.float64)
+    positions = np.concatenate(poss)
+    if not np.isfinite(positions).all():
+        bad = next(k for k, p in zip(keys, poss, strict=True) if not np.isfinite(p).all())
+        raise DataError(f"record {bad}: positions contain NaN/inf")
+    en = np.asarray(ens, dtype=np.float64)
+    energy = torch.from_numpy(en) if np.isfinite(en).all() else None
     forces = None
     if all(f is not None for f in frcs):
-        forces = torch.from_numpy(np.concatenate(frcs)).to(dtype)
+        fa = np.concatenate(frcs)
+        if np.isfinite(fa).all():  # a record with NaN forces counts as unlabelled
+            forces = torch.from_numpy(fa).to(dtype)
+    cell = pbc = None
+    any_periodic = False
+    if any(x is not None for x in pbcs):
+        try:  # every record has a bool[3]: one C-level copy
+            pbc = np.asarray(pbcs, dtype=bool)
+        except (ValueError, TypeError):
+            pbc = None
+        if pbc is None or pbc.shape != (len(records), 3):
+            pbc = np.stack([np.zeros(3, bool) if x is None
+                            else np.broadcast_to(np.asarray(x, bool), (3,)) for x in pbcs])
+        any_periodic = bool(pbc.any())
+    if any_periodic:
+        cell = np.stack([np.zeros((3, 3)) if c is None
+                         else np.asarray(c, dtype=np.float64).reshape(3, 3) for c in cells])
+    count_arr = np.asarray(counts, dtype=np.int64)
     return AtomsBatch(
         numbers=torch.from_numpy(np.concatenate(nums)),
-        positions=torch.from_numpy(np.concatenate(poss)).to(dtype),
-        batch=torch.from_numpy(np.concatenate(bidx)),
+        positions=torch.from_numpy(positions).to(dtype),
+        batch=torch.from_numpy(np.repeat(np.arange(len(records), dtype=np.int64), count_arr)),
         n_molecules=len(records),
-        n_atoms=torch.tensor(counts, dtype=torch.int64),
+        n_atoms=torch.from_numpy(count_arr),
         energy=energy,
         forces=forces,
-        cell=torch.from_numpy(np.stack(cells)).to(dtype) if any_periodic else None,
-        pbc=torch.from_numpy(np.stack(pbcs)) if any_periodic else None,
+        cell=torch.from_numpy(cell).to(dtype) if any_periodic else None,
+        pbc=torch.from_numpy(pbc) if any_periodic else None,
         keys=keys,
         molecule_ids=mids,
     )

@@ -58,6 +58,8 @@ def split_evenly(sizes: list[int], parts: int) -> list[list[int]]:
 
     Deterministic; every bin gets at least one item when ``len(sizes) >= parts``.
     """
+    if parts == 1:  # the greedy assignment below puts everything in the one bin
+        return [list(range(len(sizes)))]
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
     bins: list[list[int]] = [[] for _ in range(parts)]
     load = [0] * parts
@@ -380,7 +382,10 @@ class MolecularTask(Task):
             )
         self.data = moldata.MoleculeSource(t.dataset, cfg.data)
         self.val = moldata.MoleculeSource(t.val_dataset, cfg.data) if t.val_dataset else None
-        self._epoch_cache: dict[int, list[list[int]]] = {}
+        # the plans of the 2 epochs last used, and every planned epoch's batch count: a
+        # step finds its epoch from the counts without re-planning the earlier epochs
+        self._epoch_cache: dict[tuple[int, int, int], list[list[int]]] = {}
+        self._epoch_lens: dict[tuple[int, int, int], int] = {}
         self.refs: Any = None
         self._feed: Any = None  # molpipe.Feed of the pipeline strategy
 
@@ -397,25 +402,32 @@ class MolecularTask(Task):
 
     def epoch_plan(self, epoch: int, budget: int, parts: int) -> list[list[int]]:
         key = (epoch, budget, parts)
-        if key not in self._epoch_cache:
+        plan = self._epoch_cache.get(key)
+        if plan is None:
             from convergent.train import moldata
 
-            self._epoch_cache = {key: moldata.plan_epoch(
+            plan = moldata.plan_epoch(
                 self.data.atom_counts, budget, parts, self.cfg.train.seed + 7919 * epoch
-            )}
-        return self._epoch_cache[key]
+            )
+            while len(self._epoch_cache) >= 2:
+                self._epoch_cache.pop(next(iter(self._epoch_cache)))
+            self._epoch_cache[key] = plan
+            self._epoch_lens[key] = len(plan)
+        return plan
 
     def global_batch(self, step: int, budget: int, parts: int) -> list[int]:
         epoch, pos = 0, step
         while True:
-            plan = self.epoch_plan(epoch, budget, parts)
-            if not plan:
+            n = self._epoch_lens.get((epoch, budget, parts))
+            if n is None:
+                n = len(self.epoch_plan(epoch, budget, parts))
+            if not n:
                 raise ConfigError(
                     f"train.dataset has too few molecules for {parts} micro-batches per step"
                 )
-            if pos < len(plan):
-                return plan[pos]
-            pos -= len(plan)
+            if pos < n:
+                return self.epoch_plan(epoch, budget, parts)[pos]
+            pos -= n
             epoch += 1
 
     def micro_batches(self, step: int, dp_rank: int, dp_world: int, accum: int) -> list[MicroBatch]:
