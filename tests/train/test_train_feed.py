@@ -102,3 +102,55 @@ def test_collate_checks_all_atoms_at_once_and_still_names_the_record():
     b = collate_records([good, periodic])
     assert b.pbc.tolist() == [[False] * 3, [True, True, False]]
     assert b.cell[0].abs().sum() == 0 and b.cell[1, 0, 0] == 5
+
+
+class _Source:
+    """A record source as the column store reads it (read / records / atom_counts)."""
+
+    def __init__(self, recs):
+        self.recs = recs
+        self.atom_counts = [len(r["numbers"]) for r in recs]
+
+    def read(self, i):
+        return self.recs[i]
+
+    def records(self, idx):
+        return [self.recs[i] for i in idx]
+
+
+def _assert_same_batch(a, b):
+    for f in ("numbers", "positions", "batch", "n_atoms", "energy", "forces", "cell", "pbc"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or torch.equal(x, y), f
+    assert a.keys == b.keys and a.molecule_ids == b.molecule_ids
+    assert a.n_molecules == b.n_molecules
+
+
+def test_column_store_batches_equal_collate_records_including_fallbacks():
+    import numpy as np
+
+    from convergent.errors import DataError
+    from convergent.models.batching import collate_records
+    from convergent.train.molcolumns import ColumnStore
+
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(40):
+        n = int(rng.integers(1, 9))
+        recs.append({"key": f"k{i}", "molecule_id": f"m{i % 7}",
+                     "numbers": rng.integers(1, 9, n), "positions": rng.normal(size=(n, 3)),
+                     "energy": float(rng.normal()), "forces": rng.normal(size=(n, 3)),
+                     "pbc": np.zeros(3, bool)})
+    store = ColumnStore(_Source(recs))
+    for idx in ([3, 1, 4, 1, 5], list(range(40)), [39], list(range(39, -1, -3))):
+        _assert_same_batch(store.batch(idx), collate_records([recs[i] for i in idx]))
+    # records the columns do not hold go through collate_records itself
+    recs[7] = {**recs[7], "forces": np.full((len(recs[7]["numbers"]), 3), np.nan)}
+    recs[8] = {**recs[8], "pbc": [True, True, True], "cell": np.eye(3) * 9}
+    recs[9] = {**recs[9], "positions": np.full((len(recs[9]["numbers"]), 3), np.inf)}
+    store = ColumnStore(_Source(recs))
+    for idx in ([6, 7], [8, 2], [10, 11, 12]):
+        _assert_same_batch(store.batch(idx), collate_records([recs[i] for i in idx]))
+    assert store.batch([6, 7]).forces is None and store.batch([8, 2]).pbc is not None
+    with pytest.raises(DataError, match="record k9: positions contain NaN/inf"):
+        store.batch([10, 9])

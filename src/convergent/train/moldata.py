@@ -60,6 +60,7 @@ class MoleculeSource:
             raise DataError(f"{self.path}: no labelled records (every energy is missing)")
         self.atom_counts = [int(n) for n in n_atoms[self.index]]
         self._cache: dict[int, dict[str, Any]] = {}
+        self._columns: Any = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -73,6 +74,18 @@ class MoleculeSource:
 
     def records(self, idx: list[int]) -> list[dict[str, Any]]:
         return [self.record(i) for i in idx]
+
+    def read(self, i: int) -> dict[str, Any]:
+        """Record ``i`` read from the store (not cached)."""
+        return self.ds[int(self.index[i])]
+
+    def batch(self, idx: list[int]) -> Any:
+        """The AtomsBatch of records ``idx`` (columnar gather, :mod:`.molcolumns`)."""
+        if self._columns is None:
+            from convergent.train.molcolumns import ColumnStore
+
+            self._columns = ColumnStore(self)
+        return self._columns.batch(idx)
 
 
 def build(cfg: Any, source: MoleculeSource) -> nn.Module:
@@ -98,9 +111,7 @@ def plan_epoch(
 
 
 def micro_batch(source: MoleculeSource, idx: list[int], norm: dict[str, float]) -> MicroBatch:
-    from convergent.models.batching import collate_records
-
-    batch = collate_records(source.records(idx))
+    batch = source.batch(idx)
     return MicroBatch(batch, len(idx), batch.num_atoms, norm)
 
 

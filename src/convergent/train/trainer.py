@@ -247,8 +247,9 @@ class Trainer:
                     exposed = max(0.0, t1 - max(par.comm.last_ready, t0))
                 self.timer.add("compute", (t1 - t0) - exposed)
                 self.timer.add("comm", exposed)
-            for k, v in stats.items():  # float64 sums; tensors stay on the device
-                v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+            for k, v in stats.items():  # float64 sums; GPU tensors stay on the GPU
+                cuda = isinstance(v, torch.Tensor) and v.device.type == "cuda"
+                v = v.detach().double() if cuda else float(v)
                 sums[k] = sums[k] + v if k in sums else v
             sums["samples"] = sums.get("samples", 0.0) + mb.samples
             sums["units"] = sums.get("units", 0.0) + mb.units
