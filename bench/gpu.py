@@ -304,14 +304,25 @@ def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
 def _rounds(sides: dict[str, Callable[[], dict]], rounds: int) -> dict[str, Any]:
     """Run every side once per round (interleaved); medians with the spread."""
     got: dict[str, list[dict]] = {k: [] for k in sides}
+    failed: dict[str, str] = {}
     for r in range(rounds):
         for name, fn in sides.items():
+            if name in failed:
+                continue
             t = time.monotonic()
-            got[name].append(fn())
+            try:
+                got[name].append(fn())
+            except Exception as exc:  # noqa: BLE001 - one failing side must not end the run
+                failed[name] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"  round {r + 1}/{rounds} {name}: FAILED {failed[name]}", flush=True)
+                continue
             print(f"  round {r + 1}/{rounds} {name}: {got[name][-1]['per_s']:.0f}/s "
                   f"({time.monotonic() - t:.0f} s)", flush=True)
     out: dict[str, Any] = {}
     for name, rows in got.items():
+        if name in failed:
+            out[name] = {"error": failed[name]}
+            continue
         out[name] = {k: _stats([row[k] for row in rows]) for k in rows[0]
                      if all(isinstance(row[k], int | float) for row in rows)}
     return out

@@ -56,3 +56,24 @@ def test_cuda_event_timer_measures_device_time_without_syncing():
     snap = t.snapshot()  # nothing waited for yet
     times = snap.resolve()
     assert times["compute"] > 0 and times["step_s"] >= times["compute"] * 0.99
+
+
+def test_prefetch_copies_pinned_batches_to_the_gpu_on_a_side_stream():
+    from convergent.train.prefetch import Prefetcher
+
+    dev = torch.device("cuda", 0)
+
+    def make(step):
+        g = torch.Generator().manual_seed(step)
+        return [(torch.randn(1000, 3, generator=g), torch.arange(step, step + 5))]
+
+    feed = Prefetcher(make, range(4), dev, depth=2)
+    try:
+        for step in range(4):
+            (x, i), = feed.get(step)
+            feed.ahead()
+            assert x.device.type == "cuda" and i.device.type == "cuda"
+            want_x, want_i = make(step)[0]
+            assert torch.equal(x.cpu(), want_x) and torch.equal(i.cpu(), want_i)
+    finally:
+        feed.close()
