@@ -6,9 +6,9 @@ fp32, a checkpoint every 100 steps, the last 2 kept.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from convergent.configbase import (
     Count,
@@ -21,6 +21,24 @@ from convergent.configbase import (
     Section,
     Seed,
 )
+
+
+def _nproc(v: Any) -> Any:
+    """``auto`` or a whole number >= 1 (one error naming the field, not the union arms)."""
+    if isinstance(v, str) and v.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(v) if not isinstance(v, bool | float) or float(v).is_integer() else None
+    except (TypeError, ValueError):
+        n = None
+    if n is None or isinstance(v, bool):
+        raise ValueError("input should be a whole number >= 1 or 'auto'")
+    if n < 1:
+        raise ValueError("input should be greater than or equal to 1, or 'auto'")
+    return n
+
+
+Nproc = Annotated[int | Literal["auto"], BeforeValidator(_nproc)]
 
 
 class TrainConfig(Section):
@@ -72,7 +90,7 @@ class ParallelConfig(Section):
 
     strategy: Literal["single", "ddp", "fsdp", "hsdp", "pipeline"] = "ddp"
     # processes per node; auto: one per visible GPU on CUDA, 2 on CPU
-    nproc: Count | Literal["auto"] = "auto"
+    nproc: Nproc = "auto"
     nnodes: Count = 1
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
     rdzv_endpoint: Endpoint | None = None  # host:port; default first Slurm node:29500
