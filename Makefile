@@ -9,12 +9,13 @@ BIN    := $(VENV)/bin
 DEMO_ARGS ?= --resume
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all bench install lint clean-demo help
+.PHONY: demo test test-all test-slurm bench install lint clean-demo help
 
 help:
 	@echo "make demo      run the converged loop on small data (runs/demo, about 6-9 min on 2 cores)"
 	@echo "make test      run the default test suite (under 10 min on 2 cores)"
 	@echo "make test-all  also run tests marked slow"
+	@echo "make test-slurm  the real-Slurm tests (starts a 2-node Slurm; root)"
 	@echo "make lint      ruff over src/ and tests/"
 
 $(STAMP): pyproject.toml
@@ -43,3 +44,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+# The real-Slurm tests (tests/slurm): installs slurm-wlm + munge when missing (root, apt),
+# then the session fixture starts munged, slurmctld and two slurmd and stops them after.
+test-slurm: $(STAMP)
+	bash scripts/system-deps.sh
+	$(BIN)/python -m pytest tests/slurm $(PYTEST_ARGS)
