@@ -82,8 +82,13 @@ def make_local_cluster(cfg: ClusterConfig):
         )
 
 
-def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True):
-    """A dask-jobqueue SLURMCluster from ``cfg.slurm``; adaptive between min and max workers."""
+def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True, check: bool = True):
+    """A dask-jobqueue SLURMCluster from ``cfg.slurm``; adaptive between min and max workers.
+
+    Unset ``cores``/``memory`` come from ``sinfo`` (the partition's largest node); with
+    ``check`` the job script goes through ``sbatch --test-only`` first, so a job Slurm
+    refuses is one ConfigError naming the field (see :mod:`convergent.slurmjobs`).
+    """
     if importlib.util.find_spec("dask_jobqueue") is None:
         raise NotAvailableError(
             "cluster.kind=slurm needs dask-jobqueue", hint="pip install 'convergent[slurm]'"
@@ -91,14 +96,17 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True):
     import dask
     from dask_jobqueue import SLURMCluster
 
+    from convergent.slurmjobs import describe_request, preflight, resolved_job_size
+
     s = cfg.slurm
     if s.adapt_max < max(1, s.adapt_min):
         raise ConfigError("cluster.slurm.adapt_max must be >= max(1, adapt_min)")
+    cores, memory = resolved_job_size(s.cores, s.memory, s.queue)
     prologue = [f"export {k}={v}" for k, v in WORKER_ENV.items()] + list(s.job_script_prologue)
     kwargs: dict[str, Any] = dict(
-        cores=s.cores,
-        processes=max(1, s.cores // max(1, cfg.threads_per_worker)),
-        memory=s.memory,
+        cores=cores,
+        processes=max(1, cores // max(1, cfg.threads_per_worker)),
+        memory=memory,
         walltime=s.walltime,
         queue=s.queue,
         account=s.account,
@@ -106,6 +114,7 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True):
         job_script_prologue=prologue,
         interface=s.interface,
         local_directory=s.local_directory,
+        log_directory=s.log_directory,
         python=s.python,
         scheduler_options={"dashboard_address": cfg.dashboard_address}
         if dashboard_available() and cfg.dashboard_address
@@ -114,6 +123,12 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True):
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     with dask.config.set(_dask_settings(cfg)):
         cluster = SLURMCluster(**kwargs)
+    if check:
+        try:
+            preflight(cluster.job_script(), describe_request(cores, memory, s.queue))
+        except BaseException:
+            cluster.close()
+            raise
     if start_adapt:
         cluster.adapt(minimum=s.adapt_min, maximum=s.adapt_max)
     return cluster

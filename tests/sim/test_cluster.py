@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from convergent.cluster import local_workers, make_cluster
+from convergent.cluster import local_workers, make_cluster, make_slurm_cluster
 from convergent.errors import ConfigError
 from convergent.resources import usable_cpus
 from convergent.sim.config import ClusterConfig, SlurmConfig
@@ -32,7 +32,7 @@ def test_slurm_cluster_job_script_and_adapt():
                           walltime="00:30:00", job_extra_directives=["--qos=short"],
                           job_script_prologue=["module load xtb"], adapt_min=0, adapt_max=8),
     )
-    cluster = make_cluster(cfg)
+    cluster = make_slurm_cluster(cfg, check=False)  # no sbatch --test-only (tests/slurm)
     try:
         script = cluster.job_script()
         assert "#SBATCH -p debug" in script

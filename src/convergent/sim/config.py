@@ -32,16 +32,21 @@ class SlurmConfig(Section):
 
     queue: str | None = None  # -p / --partition
     account: str | None = None  # -A
-    cores: Count = 4  # cores per job = single-threaded workers per job
-    memory: str = Field("8GB", pattern=r"^[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]?|[bB])?$")  # memory per job
+    cores: Count | None = None  # per job = single-threaded workers per job; None: sinfo
+    # per job; None: 90% of the partition's node memory (sinfo)
+    memory: str | None = Field(None, pattern=r"^[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]?|[bB])?$")
     walltime: Walltime = "01:00:00"
     job_extra_directives: list[str] = []  # extra '#SBATCH ...' lines, e.g. ['--qos=debug']
     job_script_prologue: list[str] = []  # shell lines run before the worker (module load ...)
     interface: str | None = None  # network interface of workers, e.g. 'ib0'
     local_directory: PathStr | None = None  # node-local scratch for worker spill files
+    log_directory: PathStr | None = None  # one dask-worker-<jobid>.out/.err per job (default: cwd)
     python: PathStr | None = None  # python executable on compute nodes (default: this one)
     adapt_min: Count0 = 0  # workers
     adapt_max: Count = 64  # workers
+    # no worker connected for this long while work waits (jobs refused, pending forever):
+    # the campaign stops with an error naming the job options and Slurm's reasons
+    start_timeout_s: float = Field(600.0, ge=5.0, le=7 * 86400.0)
 
     @model_validator(mode="after")
     def _adapt_range(self) -> SlurmConfig:

@@ -41,6 +41,8 @@ def n_workers(client) -> int:
 class Farm:
     """Bounded-in-flight task farm with retries, splitting and quarantine (driver side)."""
 
+    inflight: dict[Any, tuple[Task, int, str]]
+
     def __init__(self, client, writer, quarantine: QuarantineLog, skip: set[str],
                  retries: int, tag: str, max_in_flight: int | None, flush_every_s: float,
                  summary: CampaignSummary, progress, bar, on_task: Callable | None) -> None:
@@ -50,8 +52,22 @@ class Farm:
         self.max_in_flight, self.flush_every_s = max_in_flight, flush_every_s
         self.s, self.progress, self.bar, self.on_task = summary, progress, bar, on_task
         self.pending_records = 0
+        self.inflight = {}
         self.min_in_flight = 0  # e.g. 3 x adapt_max so an adaptive cluster sees the backlog
         self.backstop: Backstop | None = None
+        self.extra_status: Callable[[], str] | None = None  # e.g. Slurm job counts
+        self.abort_error: BaseException | None = None
+
+    def abort(self, error: BaseException) -> None:
+        """Stop the farm from another thread: ``run`` raises ``error`` (nothing is
+        quarantined; what was accepted stays with the writer)."""
+        self.abort_error = error
+        with contextlib.suppress(Exception):
+            self.client.cancel(list(self.inflight))
+
+    def refresh_status(self) -> None:
+        with contextlib.suppress(Exception):
+            self.progress.update(self.bar, status=self._status())
 
     def _limit(self) -> int:
         if self.max_in_flight:
@@ -62,7 +78,7 @@ class Farm:
         from distributed import as_completed
 
         self.queue: deque[tuple[Task, int]] = deque((t, 0) for t in tasks)
-        self.inflight: dict[Any, tuple[Task, int, str]] = {}
+        self.inflight = {}  # future -> (task, attempt, key)
         self.ac = as_completed(with_results=True, raise_errors=False)
         self.limit = self._limit()
         t_start = time.perf_counter()
@@ -101,6 +117,8 @@ class Farm:
         last_flush = limit_t = time.monotonic()
         while self.inflight:
             fut, value = next(self.ac)
+            if self.abort_error is not None:
+                raise self.abort_error
             task, attempt, key = self.inflight.pop(fut)
             if fut.status == "finished" and isinstance(value, bytes):
                 value = pickle.loads(value)
@@ -156,7 +174,8 @@ class Farm:
             self.on_task(task, res, self.s)
 
     def _status(self) -> str:
-        return f"retried {self.s.retried} quarantined {self.s.quarantined}"
+        text = f"retried {self.s.retried} quarantined {self.s.quarantined}"
+        return text if self.extra_status is None else f"{text} | {self.extra_status()}"
 
     def _failed(self, task: Task, attempt: int, key: str, exc: BaseException,
                 queue: deque) -> None:

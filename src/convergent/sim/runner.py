@@ -19,6 +19,20 @@ from convergent.sim.summary import CampaignSummary
 from convergent.sim.tasks import Task
 
 
+def slurm_watch(client, cluster: ClusterConfig, farm: Farm):
+    """Start a :class:`~convergent.slurmjobs.JobWatch` on the client's SLURMCluster that
+    shows job counts on the farm's progress line and aborts the farm when no job can start."""
+    from convergent.slurmjobs import JobWatch, describe_request, resolved_job_size
+
+    s = cluster.slurm
+    request = describe_request(*resolved_job_size(s.cores, s.memory, s.queue), s.queue)
+    watch = JobWatch(client.cluster, client, s.start_timeout_s, request,
+                     on_error=farm.abort, on_change=lambda _: farm.refresh_status())
+    farm.extra_status = lambda: str(watch.counts)
+    watch.start()
+    return watch
+
+
 def run_tasks(
     tasks: list[Task],
     dataset: Path,
@@ -83,9 +97,16 @@ def run_tasks(
         with DatasetWriter(dataset, schema="molecular", append=True) as writer:
             farm = Farm(c, writer, qlog, skip, retries, tag, max_in_flight, flush_every_s,
                          summary, prog, bar, on_task)
+            watch = None
             if client is None and cluster.kind == "slurm":
                 farm.min_in_flight = 3 * cluster.slurm.adapt_max
+                watch = slurm_watch(c, cluster, farm)
             if backstop_s:
                 farm.backstop = Backstop(c, tag, backstop_s)
-            farm.run(todo)
+            try:
+                farm.run(todo)
+            finally:
+                if watch is not None:
+                    watch.stop()
+                    summary.slurm_jobs_replaced = len(watch.replaced_ids)
     return summary

@@ -38,6 +38,7 @@ class CampaignSummary:
     quarantine_file: str = ""
     dashboard: str | None = None
     reasons: dict[str, int] = field(default_factory=dict)
+    slurm_jobs_replaced: int = 0  # worker jobs that ended early and were resubmitted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

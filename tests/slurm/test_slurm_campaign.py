@@ -1,0 +1,129 @@
+"""xTB campaigns on the real Slurm fixture through dask-jobqueue: two jobs, refused and
+never-starting jobs, a cancelled job replaced, job counts on the progress line."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurmhelpers import squeue_ids
+
+from convergent.data.reader import open_dataset
+from convergent.errors import ConfigError
+from convergent.sim.campaign import run_campaign
+from convergent.sim.config import ClusterConfig, SimulateConfig, SlurmConfig
+
+SMALL = dict(max_atoms=5, chunk_size=10, flush_every_s=0.0)
+BIGGER = dict(max_atoms=10, chunk_size=10, flush_every_s=0.0)  # a few seconds per task
+
+
+def _keys(path: Path) -> list[str]:
+    ds = open_dataset(path)
+    try:
+        return [rec["key"] for rec in ds]
+    finally:
+        ds.close()
+
+
+def _cluster(tmp_path: Path, **slurm) -> ClusterConfig:
+    opts = dict(cores=1, memory="1GiB", adapt_min=2, adapt_max=2, interface="lo", walltime="00:20:00",
+                log_directory=str(tmp_path / "joblogs"), start_timeout_s=120.0)
+    opts.update(slurm)
+    return ClusterConfig(kind="slurm", dashboard_address=None, slurm=SlurmConfig(**opts))
+
+
+def _worker_jobs_seen(slurm) -> set[str]:
+    """Ids of the dask-worker jobs in the jobcomp file that ran on a node (ended jobs)."""
+    if not slurm.jobcomp.exists():
+        return set()
+    return {line.split()[0].split("=")[1] for line in slurm.jobcomp.read_text().splitlines()
+            if "Name=dask-worker" in line and "NodeList=n" in line}
+
+
+def test_campaign_on_two_jobs_every_frame_once(slurm, tmp_path):
+    from rich.console import Console
+
+    before = _worker_jobs_seen(slurm)
+    console = Console(record=True, width=250, force_terminal=False)
+    s = run_campaign(SimulateConfig(frames=300, **BIGGER), _cluster(tmp_path),
+                     tmp_path / "ds", progress=True, console=console)
+    keys = _keys(tmp_path / "ds")
+    assert s.done == 300 and len(keys) == 300 and len(set(keys)) == 300
+    time.sleep(1.0)  # the jobs were cancelled on close; jobcomp is written as they end
+    assert len(_worker_jobs_seen(slurm) - before) == 2
+    text = console.export_text()
+    assert "pending" in text and "running" in text and "workers" in text
+
+
+def test_refused_job_is_one_clear_error_and_keeps_the_data(slurm, tmp_path, capsys):
+    from convergent.cli import main
+
+    out = tmp_path / "ds"
+    local = ["simulate", "--frames", "20", "--out", str(out), "--set", "simulate.max_atoms=4",
+             "--chunk-size", "5", "--workers", "1", "--no-progress"]
+    assert main(local) == 0
+    capsys.readouterr()
+    base = ["simulate", "--frames", "40", "--out", str(out), "--set", "simulate.max_atoms=4",
+            "--chunk-size", "5", "--cluster", "slurm", "--no-progress",
+            "--set", f"cluster.slurm.log_directory={tmp_path}", "--set", "cluster.slurm.interface=lo"]
+    assert main([*base, "--set", "cluster.slurm.cores=64"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.slurm.cores" in err and "Requested node configuration is not available" in err
+    wrong_queue = [*base, "--set", "cluster.slurm.queue=nosuchpartition"]
+    assert main(wrong_queue) == 2  # job size from sinfo: the partition has no nodes
+    assert "cluster.slurm.queue='nosuchpartition'" in capsys.readouterr().err
+    sized = ["--set", "cluster.slurm.cores=1", "--set", "cluster.slurm.memory=1GiB"]
+    assert main([*wrong_queue, *sized]) == 2  # sbatch's own refusal
+    err = capsys.readouterr().err
+    assert "cluster.slurm.queue" in err and "Invalid partition name" in err
+    assert sorted(set(_keys(out))) == sorted(_keys(out)) and len(_keys(out)) == 20
+    assert not squeue_ids("dask-worker")
+
+
+def test_never_starting_job_ends_after_start_timeout(slurm, tmp_path):
+    cluster = _cluster(tmp_path, start_timeout_s=5.0, cores=1,
+                       job_extra_directives=["--begin=now+1hour"])
+    with pytest.raises(ConfigError) as info:
+        run_campaign(SimulateConfig(frames=20, **SMALL), cluster, tmp_path / "ds", progress=False)
+    msg = str(info.value)
+    assert "cluster.slurm.start_timeout_s=5" in msg and "BeginTime" in msg
+    assert "cluster.slurm.cores=1" in msg
+    assert not squeue_ids("dask-worker")  # the held job was cancelled on the way out
+
+
+def test_default_job_size_comes_from_sinfo(slurm):
+    from convergent.cluster import make_slurm_cluster
+
+    cluster = make_slurm_cluster(ClusterConfig(kind="slurm", dashboard_address=None),
+                                 start_adapt=False)  # sbatch --test-only accepts it
+    try:
+        script = cluster.job_script()
+    finally:
+        cluster.close()
+    assert f"--cpus-per-task={slurm.cpus}" in script
+    assert "--mem=3G" in script  # 90% of the node's 4000 MB, whole GiB
+
+
+def test_cancelled_job_is_replaced_and_every_frame_lands_once(slurm, tmp_path):
+    state = {"cancelled": None, "replacement": None}
+
+    def on_task(task, result, summary) -> None:
+        if state["cancelled"] is None and summary.tasks_run >= 3:
+            jobs = squeue_ids("dask-worker")
+            state["cancelled"] = jobs[0]
+            subprocess.run(["scancel", jobs[0]], check=True)
+            deadline = time.monotonic() + 90  # wait (bounded) until Slurm holds a new job
+            while time.monotonic() < deadline and state["replacement"] is None:
+                new = set(squeue_ids("dask-worker")) - set(jobs)
+                state["replacement"] = min(new) if new else None
+                time.sleep(0.5)
+
+    s = run_campaign(SimulateConfig(frames=300, **BIGGER), _cluster(tmp_path),
+                     tmp_path / "ds", progress=False, on_task=on_task)
+    keys = _keys(tmp_path / "ds")
+    assert len(keys) == 300 and len(set(keys)) == 300
+    assert state["cancelled"] and state["replacement"]
+    assert s.slurm_jobs_replaced >= 1
+    assert s.quarantined == 0
