@@ -101,7 +101,7 @@ class SlurmFixture:
             "MpiDefault=none",
             "ReturnToService=2",
             "SlurmdTimeout=60",
-            "KillWait=5",
+            "KillWait=10",
             "MinJobAge=30",
             "JobRequeue=1",
         ]

@@ -12,6 +12,12 @@ NPROC_OPT = typer.Option(None, "--nproc", min=1, help="Processes per node (defau
 NNODES_OPT = typer.Option(None, "--nnodes", min=1, help="Nodes (>1 needs Slurm or parallel.rdzv_endpoint).")
 PRINT_OPT = typer.Option(False, "--print-launch", help="Print the launch command and exit.")
 RESTARTS_OPT = typer.Option(0, "--max-restarts", min=0, help="Elastic restarts after a worker failure.")
+SUBMIT_OPT = typer.Option(
+    False, "--submit", help="Write <run>/train.sbatch (srun + torchrun) and sbatch it; with "
+    "--print-launch only print the script.")
+REQUEUE_OPT = typer.Option(
+    False, "--requeue", help="With --submit: on preemption (USR1 warning or scontrol requeue) "
+    "checkpoint, exit and resume when Slurm requeues the job.")
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +33,8 @@ def register(app: typer.Typer) -> None:
         max_restarts: int = RESTARTS_OPT,
         run_dir: Path | None = RUN_DIR_OPT,
         resume: bool = RESUME_OPT,
+        submit: bool = SUBMIT_OPT,
+        requeue: bool = REQUEUE_OPT,
     ) -> None:
         """Train the molecular surrogate or a Llama LM (single|ddp|fsdp|hsdp|pipeline)."""
         import shlex
@@ -35,6 +43,12 @@ def register(app: typer.Typer) -> None:
         from convergent.train.launch import build_command, launch_training, preflight
 
         cfg = config_from_cli(config, sets)
+        if submit or requeue:
+            from convergent.train.submit import submit_training
+
+            submit_training(cfg, run_dir, resume, nproc, nnodes, requeue, print_launch,
+                            typer.echo)
+            return
         # before any run dir; a printed command may be meant for other nodes' GPUs
         placement = preflight(cfg, nproc, data=not print_launch, fit=not print_launch)
         if print_launch:

@@ -79,6 +79,20 @@ class TrainConfig(Section):
     prefetch: int = Field(2, ge=0, le=16)  # steps of batches prepared ahead (0: inline)
 
 
+class TrainSlurmConfig(Section):
+    """Job options of ``convergent train --submit`` (the sbatch script, train/sbatch.py)."""
+
+    job_name: str | None = Field(None, min_length=1, max_length=128)  # default: run name
+    partition: str | None = Field(None, min_length=1)
+    account: str | None = Field(None, min_length=1)
+    time: str = Field("01:00:00", pattern=r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # walltime
+    cpus_per_task: int | None = Field(None, ge=1, le=4096)  # None: nproc * train.threads
+    signal_s: int = Field(60, ge=10, le=3600)  # --requeue: USR1 this long before the end
+    rdzv_port: int = Field(29500, ge=1024, le=64535)  # + job id % 1000
+    python: str | None = None  # python on the compute nodes (default: this one)
+    extra_directives: list[str] = []  # more '#SBATCH' options, e.g. ['--qos=debug']
+
+
 class ParallelConfig(Section):
     """Parallelism strategy and launch shape.
 
@@ -109,6 +123,7 @@ class ParallelConfig(Section):
     powersgd_start_iter: Count0 = 10
     topk_ratio: float = Field(0.01, gt=0, le=1, allow_inf_nan=False)  # fraction of gradient entries sent per step
     bucket_cap_mb: Positive = 25.0
+    slurm: TrainSlurmConfig = TrainSlurmConfig()
 
 
 class PrecisionConfig(Section):

@@ -63,6 +63,7 @@ def run(config_path: str, run_dir: str) -> dict:
     from convergent.config import load_config
     from convergent.resources import set_torch_threads
     from convergent.runs import RunDir
+    from convergent.train.preempt import Preempted
     from convergent.train.trainer import Trainer
 
     cfg = load_config(config_path)
@@ -84,7 +85,11 @@ def run(config_path: str, run_dir: str) -> dict:
             trainer.par.strategy, trainer.world, trainer.device, cfg.precision.dtype,
             trainer.start_step,
         )
-        summary = trainer.train()
+        try:
+            summary = trainer.train()
+        except Preempted as exc:
+            log.warning("%s; the requeued job resumes from it", exc)
+            return {"preempted_at": exc.step}
         last = summary["last_checkpoint"]
         task = trainer.task
         del trainer

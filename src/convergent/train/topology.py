@@ -7,7 +7,8 @@ come from, in order of preference:
 1. ``parallel.shard_size`` — contiguous blocks of that many ranks;
 2. ``parallel.topology_file`` — YAML/JSON with either ``groups: [[0, 1], [2, 3]]``
    (explicit rank lists) or ``racks: {rackname: [host, ...]}`` / ``hosts: {host: rack}``;
-3. the hostname of each rank (all-gathered), i.e. one group per node; with
+3. the node name of each rank (all-gathered; Slurm's ``SLURMD_NODENAME`` where set, else
+   the host name), i.e. one group per node; with
    ``topology_level: rack`` hosts are grouped by rack from the topology file.
 
 Slurm's compressed node lists (``SLURM_JOB_NODELIST=cn[001-004,010]``) are expanded by
@@ -17,6 +18,7 @@ Slurm's compressed node lists (``SLURM_JOB_NODELIST=cn[001-004,010]``) are expan
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 from dataclasses import dataclass
@@ -135,10 +137,16 @@ def group_ranks(
     return MeshLayout(groups)
 
 
+def node_name() -> str:
+    """This process's node: Slurm's name for it (``SLURMD_NODENAME``, set in every step;
+    several emulated nodes may share one host) or else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def gather_hostnames() -> list[str]:
-    """Every rank's hostname, indexed by rank (collective; needs an initialised group)."""
+    """Every rank's :func:`node_name`, indexed by rank (collective; needs a process group)."""
     import torch.distributed as dist
 
     names: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, socket.gethostname())
+    dist.all_gather_object(names, node_name())
     return [str(n) for n in names]

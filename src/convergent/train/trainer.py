@@ -44,7 +44,9 @@ from convergent.placement import placement_record
 from convergent.train import precision
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
+from convergent.train.affinity import ranks_record
 from convergent.train.prefetch import Prefetcher
+from convergent.train.preempt import Preempted, Preemption
 from convergent.train.tasks import MicroBatch, Task, make_task
 
 log = logging.getLogger("convergent.train")
@@ -157,6 +159,10 @@ class Trainer:
         )
         if self.sinks is not None and self.start_step == 0:
             self.sinks.write(self.placement)
+        ranks = ranks_record(self.par.mesh)  # collective: every rank
+        if self.sinks is not None:
+            self.sinks.write(ranks)
+        self.preempt = Preemption.from_env()
         self.peak_info = device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
         self.peak = self.peak_info.flops
         self.timer = StepTimer(self.device)
@@ -469,6 +475,17 @@ class Trainer:
             if is_ckpt:
                 self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
                 last_ckpt = done
+            if done < steps and self.preempt.requested():  # collective when enabled
+                self._flush()
+                if not is_ckpt:
+                    self.ckpt.save(done, par.parts, self.optims, self._extra(done),
+                                   self._local())
+                self.ckpt.wait()
+                if self.sinks is not None:
+                    self.sinks.write({"kind": "train.preempted", "step": done,
+                                      "signal": self.preempt.signal_name})
+                    self.sinks.close()
+                raise Preempted(done)
         self._flush()
         self.ckpt.wait()
         if self.sinks is not None:

@@ -1,0 +1,124 @@
+"""`convergent train --submit` on the real Slurm fixture: the sbatch script, 2-node DDP,
+HSDP groups from Slurm's node names, and preemption -> requeue -> exact resume."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+LM = [
+    "model.kind=llama", "model.hidden=32", "model.layers=2", "model.heads=2",
+    "train.seq_len=16", "train.vocab_size=64", "train.global_batch_seqs=8",
+    "train.val_every=0", "train.warmup_steps=2", "train.lr=3e-3",
+    "metrics.tensorboard=false", "checkpoint.export_final=false",
+]
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def _submit(capsys, run: Path, overrides: list[str], *flags: str) -> str:
+    from convergent.cli import main
+
+    code = main(["train", "--submit", "--nnodes", "2", "--nproc", "1", "--run-dir", str(run),
+                 *flags, *_sets(overrides)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    m = re.search(r"submitted job (\d+)", out)
+    assert m, out
+    assert f"log: {run / 'logs' / ('slurm-' + m.group(1) + '.out')}" in out
+    return m.group(1)
+
+
+def _state(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"],
+                         capture_output=True, text=True).stdout.strip()
+    return out or "GONE"
+
+
+def _wait_ended(job_id: str, run: Path, timeout_s: float = 300.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = _state(job_id)
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "GONE"):
+            return state
+        time.sleep(1.0)
+    log = "\n".join(p.read_text()[-3000:] for p in (run / "logs").glob("slurm-*.out"))
+    raise AssertionError(f"job {job_id} still {_state(job_id)} after {timeout_s} s:\n{log}")
+
+
+def _records(run: Path, kind: str) -> list[dict]:
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r["kind"] == kind]
+
+
+def test_print_launch_shows_the_script_without_submitting(tmp_path, capsys, slurm):
+    from convergent.cli import main
+
+    run = tmp_path / "printed"
+    assert main(["train", "--submit", "--print-launch", "--requeue", "--nnodes", "2",
+                 "--run-dir", str(run), *_sets(LM)]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --requeue" in script
+    assert "#SBATCH --signal=B:USR1@60" in script and "--job-name=convergent-train-printed" in script
+    assert f"--output={run}/logs/slurm-%j.out" in script and "srun " in script
+    assert "torch.distributed.run" in script and not run.exists()
+
+
+def test_ddp_on_two_nodes(tmp_path, capsys, slurm):
+    run = tmp_path / "ddp"
+    job = _submit(capsys, run, [*LM, "train.steps=12", "parallel.strategy=ddp"])
+    assert _wait_ended(job, run) == "COMPLETED"
+    result = json.loads((run / "logs" / "train_result.json").read_text())
+    assert result["steps"] == 12 and result["world"] == 2
+    (placement,) = _records(run, "train.placement")
+    assert sorted(r["node"] for r in placement["ranks"]) == ["n1", "n2"]
+    assert {r["slurm_job_id"] for r in placement["ranks"]} == {job}
+    assert all(r["cpus"] for r in placement["ranks"])  # each rank's affinity is recorded
+    assert (run / "train.sbatch").read_text().startswith("#!/bin/bash")
+
+
+def test_hsdp_groups_follow_slurm_node_names(tmp_path, capsys, slurm):
+    """Both emulated nodes are one host: grouping by host name would give one group."""
+    run = tmp_path / "hsdp"
+    job = _submit(capsys, run, [*LM, "train.steps=6", "parallel.strategy=hsdp"])
+    assert _wait_ended(job, run) == "COMPLETED"
+    (placement,) = _records(run, "train.placement")
+    assert len({r["host"] for r in placement["ranks"]}) == 1
+    assert placement["hsdp_groups"] == [[0], [1]]
+    assert placement["hsdp_group_nodes"] == [["n1"], ["n2"]]
+
+
+def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm):
+    from tests_slurm_reference import reference_losses
+
+    steps = 200
+    overrides = [*LM, f"train.steps={steps}", "parallel.strategy=ddp",
+                 "checkpoint.interval=1000"]
+    run = tmp_path / "requeue"
+    job = _submit(capsys, run, overrides, "--requeue")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # wait (bounded) until training is under way
+        if (run / "metrics.jsonl").exists() and len(_records(run, "train_step")) >= 5:
+            break
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    # a requeued job is held for about two minutes (BeginTime); let it start at once
+    deadline = time.monotonic() + 60
+    while _state(job) != "PENDING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    assert _wait_ended(job, run) == "COMPLETED"
+    (pre,) = _records(run, "train.preempted")
+    assert 0 < pre["step"] < steps and pre["signal"] in ("SIGTERM", "peer")
+    placements = _records(run, "train.placement")
+    assert [p["ranks"][0]["slurm_restart"] for p in placements] == [0, 1]
+    result = json.loads((run / "logs" / "train_result.json").read_text())
+    assert result["start_step"] == pre["step"] and result["steps"] == steps
+    losses = {r["step"]: r["loss"] for r in _records(run, "train_step")}
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert losses == reference_losses(tmp_path / "reference", overrides)
