@@ -163,6 +163,7 @@ class JobWatch(threading.Thread):
         self.counts = JobCounts()
         self.error: ConvergentError | None = None
         self.replaced_ids: list[str] = []
+        self.seen_ids: set[str] = set()
         self._no_workers_since: float | None = time.monotonic()
         self._halt = threading.Event()
 
@@ -190,6 +191,7 @@ class JobWatch(threading.Thread):
     def check(self, now: float | None = None) -> JobCounts:
         now = time.monotonic() if now is None else now
         jobs = self._jobs()
+        self.seen_ids.update(jobs.values())
         states = squeue_states(list(jobs.values()))
         workers = len(self.client.scheduler_info().get("workers", {}))
         counts = JobCounts(workers=workers, replaced=self.counts.replaced)

@@ -108,8 +108,10 @@ def test_default_job_size_comes_from_sinfo(slurm):
 
 def test_cancelled_job_is_replaced_and_every_frame_lands_once(slurm, tmp_path):
     state = {"cancelled": None, "replacement": None}
+    placed: dict[tuple[str, int], list[int]] = {}  # (job, pid) -> affinity
 
     def on_task(task, result, summary) -> None:
+        placed[(result.slurm_job_id, result.pid)] = result.cpus
         if state["cancelled"] is None and summary.tasks_run >= 3:
             jobs = squeue_ids("dask-worker")
             state["cancelled"] = jobs[0]
@@ -120,10 +122,17 @@ def test_cancelled_job_is_replaced_and_every_frame_lands_once(slurm, tmp_path):
                 state["replacement"] = min(new) if new else None
                 time.sleep(0.5)
 
-    s = run_campaign(SimulateConfig(frames=300, **BIGGER), _cluster(tmp_path),
-                     tmp_path / "ds", progress=False, on_task=on_task)
+    # two jobs of 2 cores = 2 workers each, every worker pinned to one core of its job
+    cluster = _cluster(tmp_path, cores=2, memory="2GiB", adapt_min=4, adapt_max=4)
+    s = run_campaign(SimulateConfig(frames=300, **BIGGER), cluster, tmp_path / "ds",
+                     progress=False, on_task=on_task)
     keys = _keys(tmp_path / "ds")
     assert len(keys) == 300 and len(set(keys)) == 300
     assert state["cancelled"] and state["replacement"]
+    assert state["cancelled"] in s.slurm_job_ids and state["replacement"] in s.slurm_job_ids
+    assert all(job is not None and len(cpus) == 1 for (job, _), cpus in placed.items())
+    for job in {j for j, _ in placed}:  # two workers of one job never share a core
+        cores = [c[0] for (j, _), c in placed.items() if j == job]
+        assert len(cores) == len(set(cores))
     assert s.slurm_jobs_replaced >= 1
     assert s.quarantined == 0

@@ -102,7 +102,8 @@ def register(app: typer.Typer) -> None:
                     "kind": "simulate.task", "task": task.task_id,
                     "frames": len(result.records), "quarantined": len(result.quarantined),
                     "calc_s": result.calc_s, "task_s": result.wall_s, "host": result.host,
-                    "pid": result.pid, "done_total": summ.done,
+                    "pid": result.pid, "cpus": result.cpus,
+                    "slurm_job_id": result.slurm_job_id, "done_total": summ.done,
                 })
         summary = run_campaign(cfg.simulate, cfg.cluster, out, progress=progress,
                                console=console, on_task=on_task)

@@ -22,8 +22,10 @@ from convergent.sim.tasks import Task
 def slurm_watch(client, cluster: ClusterConfig, farm: Farm):
     """Start a :class:`~convergent.slurmjobs.JobWatch` on the client's SLURMCluster that
     shows job counts on the farm's progress line and aborts the farm when no job can start."""
+    from convergent.pinning import PinWorker
     from convergent.slurmjobs import JobWatch, describe_request, resolved_job_size
 
+    client.register_plugin(PinWorker())  # one core of the job's allocation per worker
     s = cluster.slurm
     request = describe_request(*resolved_job_size(s.cores, s.memory, s.queue), s.queue)
     watch = JobWatch(client.cluster, client, s.start_timeout_s, request,
@@ -109,4 +111,5 @@ def run_tasks(
                 if watch is not None:
                     watch.stop()
                     summary.slurm_jobs_replaced = len(watch.replaced_ids)
+                    summary.slurm_job_ids = sorted(watch.seen_ids, key=int)
     return summary

@@ -39,6 +39,7 @@ class CampaignSummary:
     dashboard: str | None = None
     reasons: dict[str, int] = field(default_factory=dict)
     slurm_jobs_replaced: int = 0  # worker jobs that ended early and were resubmitted
+    slurm_job_ids: list[str] = field(default_factory=list)  # every worker job submitted
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -113,4 +113,6 @@ class TaskResult:
     wall_s: float  # seconds of the whole task on the worker
     host: str
     pid: int
+    cpus: list[int] = field(default_factory=list)  # the worker's affinity mask
+    slurm_job_id: str | None = None  # the Slurm job the worker ran in
 

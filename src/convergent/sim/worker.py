@@ -29,6 +29,12 @@ from convergent.sim.tasks import FramesTask, MDTask, Task, TaskResult
 _HOST = socket.gethostname()
 
 
+def _placement() -> tuple[list[int], str | None]:
+    """(affinity mask, Slurm job id) of this worker process."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cpus, os.environ.get("SLURM_JOB_ID")
+
+
 def _run_frames(task: FramesTask) -> TaskResult:
     t0 = time.perf_counter()
     lab = Labeller(task.calc, task.min_distance)
@@ -48,7 +54,7 @@ def _run_frames(task: FramesTask) -> TaskResult:
         records.append(make_record(it.key, it.molecule_id, it.numbers, positions, it.charge,
                                it.multiplicity, energy, forces, meta))
     return TaskResult(task.task_id, records, quarantined, calc_s, len(task.items),
-                      time.perf_counter() - t0, _HOST, os.getpid())
+                      time.perf_counter() - t0, _HOST, os.getpid(), *_placement())
 
 
 def _run_md(task: MDTask) -> TaskResult:
@@ -89,7 +95,7 @@ def _run_md(task: MDTask) -> TaskResult:
                                                  kind=type(exc).__name__))
     steps = task.warmup + task.interval * max(n_done, 1)
     return TaskResult(task.task_id, records, quarantined, calc_s, steps,
-                      time.perf_counter() - t0, _HOST, os.getpid())
+                      time.perf_counter() - t0, _HOST, os.getpid(), *_placement())
 
 
 def execute_task(task: Task, dask_key: str = "") -> TaskResult:
