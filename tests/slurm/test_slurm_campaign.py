@@ -55,6 +55,14 @@ def test_campaign_on_two_jobs_every_frame_once(slurm, tmp_path):
     assert len(_worker_jobs_seen(slurm) - before) == 2
     text = console.export_text()
     assert "pending" in text and "running" in text and "workers" in text
+    # accounting: the campaign's own core-seconds, then Slurm's record of both worker jobs
+    from convergent.accounting import append_usage, collect_slurm, read_usage
+
+    append_usage(tmp_path, [s.usage()])
+    charged = collect_slurm(tmp_path)
+    assert sorted(u.job_id for u in charged) == sorted(s.slurm_job_ids)
+    assert len(s.slurm_job_ids) == 2 and all(u.cores == 1 for u in charged)
+    assert {u.source for u in read_usage(tmp_path)} == {"self", "slurm"}
 
 
 def test_refused_job_is_one_clear_error_and_keeps_the_data(slurm, tmp_path, capsys):

@@ -80,6 +80,15 @@ def test_ddp_on_two_nodes(tmp_path, capsys, slurm):
     assert {r["slurm_job_id"] for r in placement["ranks"]} == {job}
     assert all(r["cpus"] for r in placement["ranks"])  # each rank's affinity is recorded
     assert (run / "train.sbatch").read_text().startswith("#!/bin/bash")
+    # accounting: our own core-seconds and, after the job ended, Slurm's record of it
+    from convergent.accounting import collect_slurm, read_usage
+
+    (own,) = [u for u in read_usage(run) if u.source == "self"]
+    assert own.stage == "train" and own.job_id == job and own.cores == 2 and own.core_s > 0
+    (charged,) = collect_slurm(run)
+    assert charged.source == "slurm" and charged.job_id == job and charged.cores == 2
+    assert charged.detail["via"] == "jobcomp" and charged.detail["nodes"] == "n[1-2]"
+    assert collect_slurm(run) == []  # collected once
 
 
 def test_hsdp_groups_follow_slurm_node_names(tmp_path, capsys, slurm):

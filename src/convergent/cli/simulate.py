@@ -78,6 +78,7 @@ def register(app: typer.Typer) -> None:
         """Label molecules with a fault-tolerant Dask task farm into a dataset."""
         from rich.console import Console
 
+        from convergent.accounting import append_usage
         from convergent.sim.campaign import run_campaign
 
         overrides = list(sets or []) + _shortcuts(
@@ -111,6 +112,7 @@ def register(app: typer.Typer) -> None:
         if run is not None:
             run.log_metrics({"kind": "simulate", **summary.to_dict()})
             run.mark_done("simulate", summary.to_dict())
+            append_usage(run.path, [summary.usage()])
 
     @app.command("relabel")
     def _relabel(

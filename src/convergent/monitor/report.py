@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from convergent.accounting import collect_slurm, usage_table
 from convergent.errors import RunDirError
 from convergent.fsutil import atomic_write_text
 from convergent.monitor.diagnosis import diagnose, step_breakdown
@@ -182,6 +183,12 @@ def build_report(run_dir: str | Path) -> Path:
             (f"{pred.get('reference', 'reference')} time per structure (s)", _fmt(ref_s)),
             ("speed-up of the surrogate", f"{speedup:.0f}x" if speedup else "n/a"),
         ]), ""]
+    collect_slurm(run.path)  # Slurm's record of each job the run's stages name
+    cost = usage_table(run.path)
+    if cost:
+        md += ["## Cost (accounting.jsonl)",
+               "| stage | source | core-hours | GPU-hours |", "| --- | --- | --- | --- |",
+               *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in cost], ""]
     bd = step_breakdown(steps)
     findings = diagnose(stages, steps)
     md += ["## Diagnosis", ""]

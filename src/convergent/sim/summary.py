@@ -6,6 +6,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from convergent.accounting import Usage
+
 
 @dataclass
 class CampaignSummary:
@@ -40,6 +42,12 @@ class CampaignSummary:
     reasons: dict[str, int] = field(default_factory=dict)
     slurm_jobs_replaced: int = 0  # worker jobs that ended early and were resubmitted
     slurm_job_ids: list[str] = field(default_factory=list)  # every worker job submitted
+
+    def usage(self, stage: str = "simulate") -> Usage:
+        """The campaign's own core-seconds (tasks run on single-threaded workers)."""
+        return Usage(stage, "self", core_s=self.task_wall_s, wall_s=self.wall_s,
+                     cores=self.n_workers, detail={"job_ids": list(self.slurm_job_ids),
+                                                   "tasks_run": self.tasks_run})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

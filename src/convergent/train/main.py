@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +67,7 @@ def run(config_path: str, run_dir: str) -> dict:
     from convergent.train.preempt import Preempted
     from convergent.train.trainer import Trainer
 
+    t0 = time.time()
     cfg = load_config(config_path)
     run = RunDir(Path(run_dir))
     rank = int(os.environ.get("RANK", "0"))
@@ -85,10 +87,12 @@ def run(config_path: str, run_dir: str) -> dict:
             trainer.par.strategy, trainer.world, trainer.device, cfg.precision.dtype,
             trainer.start_step,
         )
+        on_gpu = trainer.device.type == "cuda"
         try:
             summary = trainer.train()
         except Preempted as exc:
             log.warning("%s; the requeued job resumes from it", exc)
+            _record_usage(run, cfg, world, rank, time.time() - t0, on_gpu, exc.step)
             return {"preempted_at": exc.step}
         last = summary["last_checkpoint"]
         task = trainer.task
@@ -109,7 +113,24 @@ def run(config_path: str, run_dir: str) -> dict:
             task.export(model, final)
             summary["final_dir"] = str(final)
         atomic_write_text(run.logs / "train_result.json", json.dumps(summary, indent=2))
+    _record_usage(run, cfg, world, rank, time.time() - t0, on_gpu, None)
     return summary
+
+
+def _record_usage(run, cfg, world: int, rank: int, wall_s: float, on_gpu: bool,
+                  preempted_at: int | None) -> None:
+    """Rank 0 appends this attempt's own core/GPU-seconds to ``accounting.jsonl``."""
+    if rank != 0:
+        return
+    from convergent.accounting import Usage, append_usage
+
+    cores = world * cfg.train.threads
+    gpus = world if on_gpu else 0
+    append_usage(run.path, [Usage(
+        "train", "self", core_s=cores * wall_s, gpu_s=gpus * wall_s,
+        job_id=os.environ.get("SLURM_JOB_ID"), wall_s=wall_s, cores=cores, gpus=gpus,
+        detail={"restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                "preempted_at": preempted_at, "strategy": cfg.parallel.strategy})])
 
 
 def main(argv: list[str] | None = None) -> int:
