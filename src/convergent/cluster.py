@@ -96,7 +96,13 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True, check: bool
     import dask
     from dask_jobqueue import SLURMCluster
 
-    from convergent.slurmjobs import describe_request, preflight, resolved_job_size
+    from convergent.slurmjobs import (
+        JobAdaptive,
+        describe_request,
+        job_of_worker,
+        preflight,
+        resolved_job_size,
+    )
 
     s = cfg.slurm
     if s.adapt_max < max(1, s.adapt_min):
@@ -129,8 +135,10 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True, check: bool
         except BaseException:
             cluster.close()
             raise
-    if start_adapt:
-        cluster.adapt(minimum=s.adapt_min, maximum=s.adapt_max)
+    if start_adapt:  # whole jobs: see convergent.slurmjobs.JobAdaptive
+        per_job = kwargs["processes"]
+        cluster.adapt(minimum=s.adapt_min, maximum=max(per_job, s.adapt_max // per_job * per_job),
+                      Adaptive=JobAdaptive, worker_key=job_of_worker)
     return cluster
 
 

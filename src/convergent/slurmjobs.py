@@ -10,6 +10,9 @@ submits a replacement. This module closes those gaps with Slurm's own commands:
 * :func:`preflight` runs the cluster's job script through ``sbatch --test-only`` and turns a
   refusal into one :class:`~convergent.errors.ConfigError` naming the field to change and
   quoting sbatch;
+* :class:`JobAdaptive` scales in whole jobs: dask-jobqueue's adaptive loop counts
+  workers, and with several workers per job it retires one worker of a job that is still
+  starting, which cancels the whole job, resubmits it, and so on forever;
 * :class:`JobWatch` (a thread) polls ``squeue`` for the cluster's jobs: it counts pending
   and running jobs for the progress line, removes ended jobs from the cluster's plan (the
   adaptive loop then submits a replacement), and reports an error when no worker has been
@@ -20,6 +23,7 @@ submits a replacement. This module closes those gaps with Slurm's own commands:
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +32,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from distributed.deploy.adaptive import Adaptive
 
 from convergent.errors import ConfigError, ConvergentError
 
@@ -251,3 +257,37 @@ class JobWatch(threading.Thread):
             "shows why a job waits) or raise cluster.slurm.start_timeout_s")
         if self.on_error is not None:
             self.on_error(self.error)
+
+
+def job_of_worker(ws) -> str:
+    """The job a worker belongs to (``worker_key`` of :class:`JobAdaptive`)."""
+    return job_name(str(ws.name))
+
+
+def job_name(worker: str) -> str:
+    """``SLURMCluster-3-1`` (process 1 of job 3) -> ``SLURMCluster-3``; job names as is."""
+    head, _, tail = worker.rpartition("-")
+    return head if head.count("-") >= 1 and tail.isdigit() else worker
+
+
+class JobAdaptive(Adaptive):
+    """Adaptive scaling in whole jobs that never cancels a job whose workers are starting."""
+
+    def _per_job(self) -> int:
+        return max(1, int(getattr(getattr(self.cluster, "_dummy_job", None),
+                                  "worker_processes", 1)))
+
+    async def recommendations(self, target: int) -> dict:
+        p = self._per_job()
+        target = min(int(self.maximum), math.ceil(target / p) * p)
+        rec = await super().recommendations(target)
+        if rec.get("status") != "down":
+            return rec
+        arrived = self.observed
+        chosen = {w for w in rec["workers"] if w in arrived}
+        jobs: dict[str, set[str]] = {}
+        for w in self.plan:
+            jobs.setdefault(job_name(str(w)) if p > 1 else str(w), set()).add(w)
+        # close a job only when every one of its workers is connected and chosen
+        close = [w for job, ws in jobs.items() if ws <= chosen for w in sorted(ws)]
+        return {"status": "down", "workers": close} if close else {"status": "same"}

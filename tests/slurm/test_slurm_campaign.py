@@ -144,3 +144,13 @@ def test_cancelled_job_is_replaced_and_every_frame_lands_once(slurm, tmp_path):
         assert len(cores) == len(set(cores))
     assert s.slurm_jobs_replaced >= 1
     assert s.quarantined == 0
+
+
+def test_adaptive_scaling_keeps_multi_worker_jobs(slurm, tmp_path):
+    """Jobs of 2 workers, adapt from 0: dask-jobqueue alone retires one worker of a job
+    still starting, which cancels the job, and resubmits it, again and again."""
+    cluster = _cluster(tmp_path, cores=2, memory="2GiB", adapt_min=0, adapt_max=4)
+    s = run_campaign(SimulateConfig(frames=60, **BIGGER), cluster, tmp_path / "ds",
+                     progress=False)
+    assert s.done == 60 and s.retried == 0
+    assert 1 <= len(s.slurm_job_ids) <= 2
