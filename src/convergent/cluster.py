@@ -187,6 +187,9 @@ def dask_client(cfg: ClusterConfig, echo=None) -> Iterator[Any]:
     cluster kind, worker count and dashboard address.
     """
     import dask
+    import distributed  # noqa: F401 - loads its config defaults *before* dask.config.set:
+    # a set() that creates the 'distributed' key deletes the whole key on exit, defaults
+    # loaded meanwhile included (the next cluster in this process then fails: KeyError 'comm')
 
     with dask.config.set(_local_cluster_settings() if cfg.kind == "local" else {}):
         yield from _client_on(cfg, echo)

@@ -90,14 +90,25 @@ def test_refused_job_is_one_clear_error_and_keeps_the_data(slurm, tmp_path, caps
     assert not squeue_ids("dask-worker")
 
 
-def test_never_starting_job_ends_after_start_timeout(slurm, tmp_path):
-    cluster = _cluster(tmp_path, start_timeout_s=5.0, cores=1,
-                       job_extra_directives=["--begin=now+1hour"])
-    with pytest.raises(ConfigError) as info:
-        run_campaign(SimulateConfig(frames=20, **SMALL), cluster, tmp_path / "ds", progress=False)
-    msg = str(info.value)
-    assert "cluster.slurm.start_timeout_s=5" in msg and "BeginTime" in msg
-    assert "cluster.slurm.cores=1" in msg
+def test_never_starting_job_ends_after_start_timeout(slurm, tmp_path, capsys):
+    from convergent.cli import main
+
+    out = tmp_path / "ds"
+    common = ["simulate", "--out", str(out), "--set", "simulate.max_atoms=4", "--chunk-size",
+              "5", "--no-progress"]
+    assert main([*common, "--frames", "20", "--workers", "1"]) == 0
+    capsys.readouterr()
+    held = ["--cluster", "slurm", "--set", "cluster.slurm.interface=lo",
+            "--set", f"cluster.slurm.log_directory={tmp_path}",
+            "--set", "cluster.slurm.cores=1", "--set", "cluster.slurm.memory=1GiB",
+            "--set", "cluster.slurm.start_timeout_s=5",
+            "--set", 'cluster.slurm.job_extra_directives=["--begin=now+1hour"]']
+    assert main([*common, "--frames", "40", *held]) == 2  # accepted by sbatch, never starts
+    err = capsys.readouterr().err
+    assert "cluster.slurm.start_timeout_s=5" in err and "BeginTime" in err
+    assert "cluster.slurm.cores=1" in err and err.count("error:") == 1
+    keys = _keys(out)
+    assert len(keys) == 20 and len(set(keys)) == 20  # what was labelled is still there
     assert not squeue_ids("dask-worker")  # the held job was cancelled on the way out
 
 
