@@ -7,11 +7,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from slurmhelpers import squeue_ids
 
 from convergent.data.reader import open_dataset
-from convergent.errors import ConfigError
 from convergent.sim.campaign import run_campaign
 from convergent.sim.config import ClusterConfig, SimulateConfig, SlurmConfig
 
