@@ -102,6 +102,41 @@ def test_hsdp_groups_follow_slurm_node_names(tmp_path, capsys, slurm):
     assert placement["hsdp_group_nodes"] == [["n1"], ["n2"]]
 
 
+def _wait_steps(run: Path, n: int, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # wait (bounded) until training is under way
+        if (run / "metrics.jsonl").exists() and len(_records(run, "train_step")) >= n:
+            return
+        time.sleep(0.2)
+
+
+def _release_requeued(job: str) -> None:
+    """A requeued job is held about two minutes (BeginTime); let it start at once."""
+    deadline = time.monotonic() + 60
+    while _state(job) != "PENDING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+
+
+def test_preemption_warning_signal_requeues_through_the_script(tmp_path, capsys, slurm):
+    """USR1 to the batch shell is what --signal=B:USR1@N delivers: the script's trap
+    requeues the job, the ranks checkpoint on SIGTERM, the requeued job finishes."""
+    steps = 120
+    run = tmp_path / "usr1"
+    job = _submit(capsys, run, [*LM, f"train.steps={steps}", "checkpoint.interval=1000"],
+                  "--requeue")
+    _wait_steps(run, 5)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    _release_requeued(job)
+    assert _wait_ended(job, run) == "COMPLETED"
+    log = next((run / "logs").glob("slurm-*.out")).read_text()
+    assert "preemption warning: requeue" in log
+    (pre,) = _records(run, "train.preempted")
+    assert 0 < pre["step"] < steps
+    losses = {r["step"]: r["loss"] for r in _records(run, "train_step")}
+    assert sorted(losses) == list(range(1, steps + 1))
+
+
 def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm):
     from tests_slurm_reference import reference_losses
 
@@ -110,17 +145,9 @@ def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm)
                  "checkpoint.interval=1000"]
     run = tmp_path / "requeue"
     job = _submit(capsys, run, overrides, "--requeue")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:  # wait (bounded) until training is under way
-        if (run / "metrics.jsonl").exists() and len(_records(run, "train_step")) >= 5:
-            break
-        time.sleep(0.2)
+    _wait_steps(run, 5)
     subprocess.run(["scontrol", "requeue", job], check=True)
-    # a requeued job is held for about two minutes (BeginTime); let it start at once
-    deadline = time.monotonic() + 60
-    while _state(job) != "PENDING" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+    _release_requeued(job)
     assert _wait_ended(job, run) == "COMPLETED"
     (pre,) = _records(run, "train.preempted")
     assert 0 < pre["step"] < steps and pre["signal"] in ("SIGTERM", "peer")
