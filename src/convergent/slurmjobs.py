@@ -170,6 +170,7 @@ class JobWatch(threading.Thread):
         self.error: ConvergentError | None = None
         self.replaced_ids: list[str] = []
         self.seen_ids: set[str] = set()
+        self.max_workers = 0
         self._no_workers_since: float | None = time.monotonic()
         self._halt = threading.Event()
 
@@ -200,6 +201,7 @@ class JobWatch(threading.Thread):
         self.seen_ids.update(jobs.values())
         states = squeue_states(list(jobs.values()))
         workers = len(self.client.scheduler_info().get("workers", {}))
+        self.max_workers = max(self.max_workers, workers)
         counts = JobCounts(workers=workers, replaced=self.counts.replaced)
         ended = []
         hopeless = []

@@ -112,4 +112,5 @@ def run_tasks(
                     watch.stop()
                     summary.slurm_jobs_replaced = len(watch.replaced_ids)
                     summary.slurm_job_ids = sorted(watch.seen_ids, key=int)
+                    summary.n_workers = max(summary.n_workers, watch.max_workers)
     return summary
