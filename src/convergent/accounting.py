@@ -10,9 +10,10 @@ a line; sum ``core_s``/``gpu_s`` over any grouping):
   the ``jobcomp/filetxt`` file named by ``scontrol show config``): allocated CPUs x
   elapsed seconds, GPUs x elapsed from the allocated TRES.
 
-``job_id`` ties the two together; :func:`collect_slurm` adds the Slurm record of every job
-named by a ``self`` record that has none yet (run it after the jobs ended: ``convergent
-report`` does).
+``job_id`` ties the two together (a requeued job has a ``self`` record per attempt and a
+``slurm`` record per run, ``detail.start`` tells them apart); :func:`collect_slurm` adds
+Slurm's record of every ended run of each job a ``self`` record names (``convergent
+report`` calls it; calling it again only adds runs that ended since).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 ACCOUNTING_NAME = "accounting.jsonl"
+LIVE = {"RUNNING", "PENDING", "REQUEUED", "SUSPENDED", "COMPLETING", "CONFIGURING"}
 
 
 @dataclass
@@ -98,18 +100,19 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
 
 def sacct_usage(stage: str, job_ids: list[str]) -> list[Usage] | None:
     """Records from sacct (None when sacct has no database to ask)."""
-    out = _run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids),
-                "-o", "JobID,JobName,State,ElapsedRaw,AllocCPUS,AllocTRES,NodeList"])
+    out = _run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(job_ids),
+                "-o", "JobID,JobName,State,ElapsedRaw,AllocCPUS,AllocTRES,NodeList,Start"])
     if out is None or out.returncode != 0:
         return None
     recs = []
     for line in out.stdout.splitlines():
         f = line.split("|")
-        if len(f) < 7 or not f[3].isdigit():
-            continue
+        if len(f) < 8 or not f[3].isdigit() or f[2].split()[0] in LIVE:
+            continue  # a segment still running is collected once it has ended
         wall, cpus, gpus = float(f[3]), int(f[4] or 0), _gpus(f[5])
         recs.append(Usage(stage, "slurm", cpus * wall, gpus * wall, f[0], wall, cpus, gpus,
-                          {"via": "sacct", "name": f[1], "state": f[2], "nodes": f[6]}))
+                          {"via": "sacct", "name": f[1], "state": f[2], "nodes": f[6],
+                           "start": f[7]}))
     return recs
 
 
@@ -124,11 +127,12 @@ def jobcomp_path() -> Path | None:
 
 
 def jobcomp_usage(stage: str, job_ids: list[str], path: Path | None = None) -> list[Usage]:
-    """Records from the jobcomp/filetxt file (the last line of each job: requeues repeat)."""
+    """Records from the jobcomp/filetxt file: one per line, i.e. per run of a job (a
+    requeued job has a line for each run; the requeued run's state reads PENDING)."""
     path = path or jobcomp_path()
     if path is None or not path.exists():
         return []
-    wanted, found = set(job_ids), {}
+    wanted, found = set(job_ids), []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         kv = dict(re.findall(r"(\w+)=(\S*)", line))
         if kv.get("JobId") not in wanted:
@@ -141,11 +145,11 @@ def jobcomp_usage(stage: str, job_ids: list[str], path: Path | None = None) -> l
         wall = max(0.0, (end - start).total_seconds())
         cpus = int(kv.get("ProcCnt", "0") or 0)
         gpus = _gpus(kv.get("Tres", ""))
-        found[kv["JobId"]] = Usage(
+        found.append(Usage(
             stage, "slurm", cpus * wall, gpus * wall, kv["JobId"], wall, cpus, gpus,
             {"via": "jobcomp", "name": kv.get("Name"), "state": kv.get("JobState"),
-             "nodes": kv.get("NodeList")})
-    return list(found.values())
+             "nodes": kv.get("NodeList"), "start": kv["StartTime"]}))
+    return found
 
 
 def slurm_usage(stage: str, job_ids: list[str]) -> list[Usage]:
@@ -157,15 +161,18 @@ def slurm_usage(stage: str, job_ids: list[str]) -> list[Usage]:
 
 
 def collect_slurm(run_dir: str | Path) -> list[Usage]:
-    """Append Slurm records for jobs named by ``self`` records that have none; returns them."""
-    have = {(u.stage, u.job_id) for u in read_usage(run_dir) if u.source == "slurm"}
+    """Append Slurm's record of every ended run of the jobs named by ``self`` records
+    that is not there yet (idempotent: call it again after more jobs ended); returns them."""
+    usage = read_usage(run_dir)
+    have = {(u.stage, u.job_id, u.detail.get("start")) for u in usage if u.source == "slurm"}
     todo: dict[str, list[str]] = {}
-    for u in read_usage(run_dir):
+    for u in usage:
         if u.source == "self":
             for job in [u.job_id, *u.detail.get("job_ids", [])]:
-                if job and (u.stage, job) not in have and job not in todo.get(u.stage, []):
+                if job and job not in todo.get(u.stage, []):
                     todo.setdefault(u.stage, []).append(job)
-    new = [r for stage, jobs in todo.items() for r in slurm_usage(stage, jobs)]
+    new = [r for stage, jobs in todo.items() for r in slurm_usage(stage, jobs)
+           if (stage, r.job_id, r.detail.get("start")) not in have]
     append_usage(run_dir, new)
     return new
 

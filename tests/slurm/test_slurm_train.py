@@ -157,4 +157,12 @@ def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm)
     assert result["start_step"] == pre["step"] and result["steps"] == steps
     losses = {r["step"]: r["loss"] for r in _records(run, "train_step")}
     assert sorted(losses) == list(range(1, steps + 1))
+    # accounting: one own record per attempt, one Slurm record per run of the job
+    from convergent.accounting import collect_slurm, read_usage
+
+    assert [u.detail["restart"] for u in read_usage(run) if u.source == "self"] == [0, 1]
+    time.sleep(1.0)  # the jobcomp line of the last run is written as the job ends
+    runs = collect_slurm(run)
+    assert len(runs) == 2 and {u.job_id for u in runs} == {job}
+    assert [u.detail["state"] for u in runs] == ["PENDING", "COMPLETED"]  # requeued, done
     assert losses == reference_losses(tmp_path / "reference", overrides)
