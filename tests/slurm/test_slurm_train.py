@@ -51,6 +51,14 @@ def _wait_ended(job_id: str, run: Path, timeout_s: float = 300.0) -> str:
     raise AssertionError(f"job {job_id} still {_state(job_id)} after {timeout_s} s:\n{log}")
 
 
+def _completed(job: str, run: Path) -> None:
+    state = _wait_ended(job, run)
+    if state != "COMPLETED":
+        logs = [run / "logs" / f"slurm-{job}.out", *sorted((run / "logs" / "train").glob("*.log"))]
+        text = "\n".join(f"== {p}\n{p.read_text()[-4000:]}" for p in logs if p.exists())
+        raise AssertionError(f"job {job} ended {state}:\n{text}")
+
+
 def _records(run: Path, kind: str) -> list[dict]:
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["kind"] == kind]
@@ -72,7 +80,7 @@ def test_print_launch_shows_the_script_without_submitting(tmp_path, capsys, slur
 def test_ddp_on_two_nodes(tmp_path, capsys, slurm):
     run = tmp_path / "ddp"
     job = _submit(capsys, run, [*LM, "train.steps=12", "parallel.strategy=ddp"])
-    assert _wait_ended(job, run) == "COMPLETED"
+    _completed(job, run)
     result = json.loads((run / "logs" / "train_result.json").read_text())
     assert result["steps"] == 12 and result["world"] == 2
     (placement,) = _records(run, "train.placement")
@@ -95,7 +103,7 @@ def test_hsdp_groups_follow_slurm_node_names(tmp_path, capsys, slurm):
     """Both emulated nodes are one host: grouping by host name would give one group."""
     run = tmp_path / "hsdp"
     job = _submit(capsys, run, [*LM, "train.steps=6", "parallel.strategy=hsdp"])
-    assert _wait_ended(job, run) == "COMPLETED"
+    _completed(job, run)
     (placement,) = _records(run, "train.placement")
     assert len({r["host"] for r in placement["ranks"]}) == 1
     assert placement["hsdp_groups"] == [[0], [1]]
@@ -128,7 +136,7 @@ def test_preemption_warning_signal_requeues_through_the_script(tmp_path, capsys,
     _wait_steps(run, 5)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     _release_requeued(job)
-    assert _wait_ended(job, run) == "COMPLETED"
+    _completed(job, run)
     log = next((run / "logs").glob("slurm-*.out")).read_text()
     assert "preemption warning: requeue" in log
     (pre,) = _records(run, "train.preempted")
@@ -148,7 +156,7 @@ def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm)
     _wait_steps(run, 5)
     subprocess.run(["scontrol", "requeue", job], check=True)
     _release_requeued(job)
-    assert _wait_ended(job, run) == "COMPLETED"
+    _completed(job, run)
     (pre,) = _records(run, "train.preempted")
     assert 0 < pre["step"] < steps and pre["signal"] in ("SIGTERM", "peer")
     placements = _records(run, "train.placement")

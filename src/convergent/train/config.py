@@ -88,7 +88,7 @@ class TrainSlurmConfig(Section):
     time: str = Field("01:00:00", pattern=r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # walltime
     cpus_per_task: int | None = Field(None, ge=1, le=4096)  # None: nproc * train.threads
     signal_s: int = Field(60, ge=10, le=3600)  # --requeue: USR1 this long before the end
-    rdzv_port: int = Field(29500, ge=1024, le=64535)  # + job id % 1000
+    rdzv_port: int | None = Field(None, ge=1024, le=65535)  # None: a free port at job start
     python: str | None = None  # python on the compute nodes (default: this one)
     extra_directives: list[str] = []  # more '#SBATCH' options, e.g. ['--qos=debug']
 

@@ -49,7 +49,7 @@ class SbatchJob:
     time: str = "01:00:00"
     requeue: bool = False
     signal_s: int = 60
-    rdzv_port: int = 29500
+    rdzv_port: int | None = None  # None: a free port on the first node, chosen at start
     threads: int = 1
     python: str = field(default_factory=lambda: sys.executable)
     extra_directives: list[str] = field(default_factory=list)
@@ -118,7 +118,10 @@ def render(job: SbatchJob) -> str:
         'echo "$(date -Is) job $SLURM_JOB_ID on $SLURM_JOB_NODELIST '
         '(restart ${SLURM_RESTART_COUNT:-0})"',
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"port=$(( {job.rdzv_port} + SLURM_JOB_ID % 1000 ))  # two jobs on one node never collide",
+        (f"port={job.rdzv_port}" if job.rdzv_port else
+         f"port=$({q(job.python)} -c 'import socket; s = socket.socket(); "
+         "s.bind((\"\", 0)); print(s.getsockname()[1])')"
+         "  # a free port on this (the first) node"),
         "srun --kill-on-bad-exit=1 --cpu-bind=cores bash -c \\",
         f"  '{torchrun}' \\",
         '  "$head" "$port" &',
