@@ -43,7 +43,11 @@ def register(app: typer.Typer) -> None:
         from convergent.train.launch import build_command, launch_training, preflight
 
         cfg = config_from_cli(config, sets)
-        if submit or requeue:
+        if requeue and not submit:
+            from convergent.errors import ConfigError
+
+            raise ConfigError("--requeue needs --submit (it makes the submitted job requeueable)")
+        if submit:
             from convergent.train.submit import submit_training
 
             submit_training(cfg, run_dir, resume, nproc, nnodes, requeue, print_launch,
