@@ -15,9 +15,11 @@ def submit_training(cfg, run_dir: Path | None, resume: bool, nproc: int | None,
     from convergent.runs import RunDir, open_run, run_path
     from convergent.train.launch import resolved_config_path
     from convergent.train.sbatch import job_for, render, submit, write_script
-    from convergent.train.tasks import check_before_launch
+    from convergent.train.launch import preflight
 
-    n = nproc or (1 if cfg.parallel.strategy == "single" else cfg.parallel.nproc)
+    # the GPUs are on the compute nodes, not here: no ranks-vs-visible-GPUs check
+    # (parallel.nproc: auto resolves on this machine; give --nproc for GPU nodes)
+    n = preflight(cfg, nproc, data=not print_only, fit=False).nproc
     m = nnodes or cfg.parallel.nnodes
     if n < 1 or m < 1:
         raise ConfigError(f"--nproc ({n}) and --nnodes ({m}) must be >= 1")
@@ -25,7 +27,6 @@ def submit_training(cfg, run_dir: Path | None, resume: bool, nproc: int | None,
         path = run_path(cfg, run_dir, "train")
         echo(render(job_for(cfg, path, RunDir(path).config, n, m, requeue)).rstrip())
         return None
-    check_before_launch(cfg, data=True)
     run = open_run(cfg, run_dir, resume=resume, command="train")
     for sub in (run.logs, run.ckpt):
         sub.mkdir(parents=True, exist_ok=True)
