@@ -42,11 +42,11 @@ from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
 from convergent.placement import placement_record
 from convergent.train import precision
+from convergent.train.affinity import ranks_record
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
-from convergent.train.affinity import ranks_record
-from convergent.train.prefetch import Prefetcher
 from convergent.train.preempt import Preempted, Preemption
+from convergent.train.prefetch import Prefetcher
 from convergent.train.tasks import MicroBatch, Task, make_task
 
 log = logging.getLogger("convergent.train")
