@@ -23,6 +23,7 @@ from convergent.monitor.config import MetricsConfig
 from convergent.screen.config import ScreenConfig
 from convergent.serve.config import ServeConfig
 from convergent.sim.config import ClusterConfig, SimulateConfig
+from convergent.tracking.config import TrackingConfig
 from convergent.train.config import CheckpointConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
 
@@ -46,6 +47,7 @@ class ConvergentConfig(Section):
     precision: PrecisionConfig = PrecisionConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    tracking: TrackingConfig = TrackingConfig()
     screen: ScreenConfig = ScreenConfig()
     serve: ServeConfig = ServeConfig()
 

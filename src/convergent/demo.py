@@ -19,19 +19,18 @@ from convergent.config import ConvergentConfig
 from convergent.fsutil import atomic_write_text
 from convergent.monitor.report import PREDICTIONS, build_report
 from convergent.runs import RunDir, open_run
+from convergent.runsdb.usage import timed_stage
 
 console = Console(stderr=True)
 
 
-def _stage(run: RunDir, name: str, fn, *args: Any) -> dict[str, Any]:
-    """Run one stage unless already done; record its wall time and summary."""
+def _stage(run: RunDir, name: str, fn, cfg: ConvergentConfig, *args: Any) -> dict[str, Any]:
+    """Run one stage unless already done; record its wall time, resources and summary."""
     if run.is_done(name):
         console.print(f"[dim]{name}: already done, skipped (resume)[/dim]")
         return run.stages()[name]
     console.rule(f"[bold]{name}")
-    t0 = time.perf_counter()
-    summary = fn(*args) or {}
-    summary["wall_s"] = time.perf_counter() - t0
+    summary = timed_stage(cfg, name, lambda: fn(cfg, *args))
     run.log_metrics({"kind": "stage", "stage": name, "wall_s": summary["wall_s"]})
     run.mark_done(name, summary)
     return summary
@@ -131,11 +130,21 @@ def run_demo(cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: b
     t0 = time.perf_counter()
     run = open_run(cfg, run_dir, resume=resume, command="demo", check=lambda: check_inputs(cfg))
     console.print(f"run directory: [bold]{run.path}[/bold]")
+    if cfg.tracking.mlflow:
+        from convergent.tracking.store import open_tracking
+
+        open_tracking(cfg, run.path)  # the MLflow run (params, code version) exists first
     _stage(run, "simulate", simulate_stage, cfg, run)
     _stage(run, "data", split_stage, cfg, run)
     _stage(run, "train", train_stage, cfg, run)
     _stage(run, "screen", screen_stage, cfg, run)
     report = build_report(run.path)
+    if cfg.tracking.mlflow:
+        from convergent.tracking.finish import finish_run
+
+        tracked = finish_run(cfg, run.path)
+        console.print(f"mlflow: run {tracked['run_id']} in {tracked['uri']}"
+                      f" (model version {tracked['model_version']})")
     console.rule("[bold]done")
     console.print(f"loop finished in {time.perf_counter() - t0:.0f} s")
     print(f"report: {report}")

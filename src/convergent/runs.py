@@ -88,8 +88,10 @@ class RunDir:
 
     def mark_done(self, stage: str, summary: dict[str, Any]) -> None:
         """Record that ``stage`` finished, with its summary (seconds, counts, ...)."""
+        from convergent.provenance import code_version
+
         stages = self.stages()
-        stages[stage] = {"finished_at": time.time(), **summary}
+        stages[stage] = {"finished_at": time.time(), "code": code_version().to_dict(), **summary}
         atomic_write_text(self.stages_file, json.dumps(stages, indent=2))
 
     def log_metrics(self, record: dict[str, Any]) -> None:

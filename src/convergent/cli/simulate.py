@@ -111,7 +111,9 @@ def register(app: typer.Typer) -> None:
         _print_summary(console, "simulate", summary)
         if run is not None:
             run.log_metrics({"kind": "simulate", **summary.to_dict()})
-            run.mark_done("simulate", summary.to_dict())
+            from convergent.runsdb.usage import held
+
+            run.mark_done("simulate", {**summary.to_dict(), **held(cfg, "simulate")})
             append_usage(run.path, [summary.usage()])
 
     @app.command("relabel")

@@ -85,11 +85,20 @@ def register(app: typer.Typer) -> None:
             f"placement: {placement.nproc} x {placement.device} ({placement.backend})"
             + (f" on {', '.join(placement.gpu_names)}" if placement.gpu_names else "")
         )
-        result = launch_training(
+        from convergent.runsdb.usage import measure, record_stage
+
+        result, usage = measure(cfg, "train", lambda: launch_training(
             cfg, run, nproc=nproc, max_restarts=max_restarts, nnodes=nnodes, progress=show
-        )
+        ), placement=placement)
+        record_stage(run, "train", {"steps": result.steps, "restarts": result.restarts, **usage})
         typer.echo(
             f"trained {result.steps} steps in {result.seconds:.1f} s "
             f"(restarts: {result.restarts}); final loss {result.final_loss:.5g}; "
             f"weights: {result.final_dir}"
         )
+        if cfg.tracking.mlflow:
+            from convergent.tracking.finish import finish_run
+
+            tracked = finish_run(cfg, run.path)
+            typer.echo(f"mlflow: run {tracked['run_id']} in {tracked['uri']} "
+                       f"(model version {tracked['model_version']})")

@@ -16,6 +16,7 @@ from torch import nn
 from convergent.errors import InputError, parse_error_text
 from convergent.fsutil import atomic_write_bytes, atomic_write_text
 from convergent.models.config import ModelConfig
+from convergent.provenance import code_version
 
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
@@ -49,7 +50,8 @@ def save_model(
             v = v.full_tensor()
         state[k] = v.detach().cpu().contiguous()
     atomic_write_bytes(out / WEIGHTS, save(state, metadata={"format": FORMAT}))
-    meta = {"format": FORMAT, "model": cfg.model_dump(mode="json"), "extra": extra or {}}
+    meta = {"format": FORMAT, "model": cfg.model_dump(mode="json"), "extra": extra or {},
+            "code": code_version().to_dict()}
     atomic_write_text(out / CONFIG, json.dumps(meta, indent=2))
     return out
 

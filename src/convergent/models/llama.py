@@ -736,5 +736,8 @@ def save_pretrained(model: LlamaForCausalLM, path: str | Path) -> Path:
     tmp = p / ".model.safetensors.partial"
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(p / "model.safetensors")
-    atomic_write_text(p / "config.json", json.dumps(model.config.to_hf_dict(), indent=2))
+    from convergent.provenance import code_version
+
+    hf = {**model.config.to_hf_dict(), "convergent_code": code_version().to_dict()}
+    atomic_write_text(p / "config.json", json.dumps(hf, indent=2))
     return p

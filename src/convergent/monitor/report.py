@@ -17,6 +17,7 @@ from convergent.errors import RunDirError
 from convergent.fsutil import atomic_write_text
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.runs import RunDir
+from convergent.runsdb.records import latest
 
 PREDICTIONS = Path("screen") / "predictions.json"
 
@@ -136,8 +137,9 @@ def build_report(run_dir: str | Path) -> Path:
                           hint="pass a directory made by `convergent demo` or `convergent train`")
     run.report.mkdir(parents=True, exist_ok=True)
     stages = run.stages()
-    steps = run.read_metrics("train_step")
-    vals = run.read_metrics("val")
+    # a resumed job replays steps: keep the last attempt of each (runsdb.records)
+    steps = [{"step": r.step, **r.values} for r in latest(run.metrics, "train_step")]
+    vals = [{"step": r.step, **r.values} for r in latest(run.metrics, "val")]
     pred = _load_predictions(run)
 
     figs = {

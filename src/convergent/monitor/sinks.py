@@ -1,4 +1,4 @@
-"""Metric sinks: JSONL (run dir), TensorBoard, Prometheus.
+"""Metric sinks: JSONL (run dir), TensorBoard, Prometheus, MLflow (``tracking.mlflow``).
 
 :class:`MetricSinks` fans one record out to every enabled sink. Records are flat dicts
 with a ``kind`` (``train_step``, ``val``) and a ``step``; numeric fields become
@@ -98,7 +98,9 @@ class MetricSinks:
         jsonl: str | Path | None = None,
         tensorboard_dir: str | Path | None = None,
         prometheus_port: int | None = None,
+        mlflow: tuple[Any, Path] | None = None,
     ) -> None:
+        """``mlflow``: (the run's ConvergentConfig, run directory) to log to its MLflow run."""
         self.sinks: list[Any] = []
         if jsonl is not None:
             self.sinks.append(JsonlSink(jsonl))
@@ -106,6 +108,10 @@ class MetricSinks:
             self.sinks.append(TensorBoardSink(tensorboard_dir))
         if prometheus_port is not None:
             self.sinks.append(PrometheusSink(prometheus_port))
+        if mlflow is not None:
+            from convergent.tracking.sink import MlflowSink
+
+            self.sinks.append(MlflowSink(*mlflow))
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:

@@ -6,7 +6,7 @@ Layout under ``run.ckpt``::
         rank_00000.pt       per-rank extras: RNG states (torch, numpy, python), world
                             size and ``local`` state (e.g. gradient-compression error
                             feedback, which differs per rank)
-        COMPLETE            written by rank 0 last (JSON: step, world, time) — a
+        COMPLETE            written by rank 0 last (JSON: step, world, time, code) — a
                             directory without it is ignored and removed later
     final/                  safetensors export of the final weights (models.io layout)
 
@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from convergent.fsutil import atomic_write_text
+from convergent.provenance import code_version
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -184,7 +185,8 @@ class CheckpointManager:
         if self.rank == 0:
             atomic_write_text(
                 path / "COMPLETE",
-                json.dumps({"step": step, "world": self.world, "time": time.time()}),
+                json.dumps({"step": step, "world": self.world, "time": time.time(),
+                            "code": code_version().to_dict()}),
             )
             self._retain()
         if dist.is_initialized():

@@ -41,6 +41,7 @@ from convergent.monitor.flops import count_flops, device_peak, mfu
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
 from convergent.placement import placement_record
+from convergent.runsdb.records import next_attempt
 from convergent.train import precision
 from convergent.train.affinity import ranks_record
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
@@ -119,7 +120,11 @@ class Trainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = pick_device(cfg.train.device, local_rank, cfg.train.tf32)
+        # launches of this run so far (a resume or an elastic restart is a new attempt);
+        # readers keep the last attempt of a step that a resumed job replayed
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if self.rank == 0:
+            self.attempt = max(self.attempt, next_attempt(run.metrics))
         torch.manual_seed(cfg.train.seed)
         self.task: Task = make_task(cfg)
         torch.manual_seed(cfg.train.seed)
@@ -152,6 +157,7 @@ class Trainer:
                 jsonl=run.metrics,
                 tensorboard_dir=(run.logs / "tensorboard") if cfg.metrics.tensorboard else None,
                 prometheus_port=cfg.metrics.prometheus_port,
+                mlflow=(cfg, run.path) if cfg.tracking.mlflow else None,
             )
         self.placement = placement_record(
             self.device, dist.get_backend() if dist.is_initialized() else None, self.world,
@@ -336,7 +342,8 @@ class Trainer:
 
             keys = STAT_KEYS
         sums = _reduce_sums(sums, keys)
-        rec = {"kind": "val", "step": step, **self.task.finalize_stats(sums)}
+        rec = {"kind": "val", "step": step, "attempt": self.attempt,
+               **self.task.finalize_stats(sums)}
         return rec
 
     def _pipeline_validate(self, step: int) -> dict[str, Any] | None:
@@ -348,7 +355,8 @@ class Trainer:
             for k, v in self._pipeline_run(self.task.to(mb, self.device), training=False).items():
                 sums[k] = sums.get(k, 0.0) + v
         sums = _reduce_sums(sums, sorted(sums))
-        return {"kind": "val", "step": step, **self.task.finalize_stats(sums)}
+        return {"kind": "val", "step": step, "attempt": self.attempt,
+                **self.task.finalize_stats(sums)}
 
     # -- the loop
 

@@ -1,0 +1,98 @@
+"""The MLflow side of a run directory: client, experiment and the one MLflow run.
+
+Every launch that tracks a run directory (the demo process, the trainer's rank 0, a
+resumed run) finds the same MLflow run through ``<run>/mlflow/run_id``; the first one
+creates it and logs the resolved config as params and the code version as tags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from convergent.errors import NotAvailableError
+from convergent.fsutil import atomic_write_text
+from convergent.provenance import code_version
+
+STORE_DIR = "mlflow"
+RUN_ID_FILE = "run_id"
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+
+def import_mlflow() -> Any:
+    try:
+        import mlflow
+    except ImportError:
+        raise NotAvailableError(
+            "tracking.mlflow is on but MLflow is not installed",
+            hint="pip install 'convergent[tracking]' (or set tracking.mlflow=false)",
+        ) from None
+    return mlflow
+
+
+def store_uri(tracking: Any, run_path: Path) -> str:
+    """``tracking.uri``, else the sqlite store ``<run>/mlflow/mlflow.db``."""
+    if tracking.uri:
+        return str(tracking.uri)
+    return f"sqlite:///{(run_path / STORE_DIR / 'mlflow.db').resolve()}"
+
+
+@dataclass
+class Tracked:
+    """An open MLflow client and the run of one run directory."""
+
+    client: Any
+    run_id: str
+    uri: str
+
+
+def _flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat_params(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:MAX_PARAM_CHARS]
+    return out
+
+
+def _experiment(client: Any, tracking: Any, run_path: Path, local: bool) -> str:
+    exp = client.get_experiment_by_name(tracking.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    where = (run_path / STORE_DIR / "artifacts").resolve().as_uri() if local else None
+    return client.create_experiment(tracking.experiment, artifact_location=where)
+
+
+def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
+    """The MLflow run of ``run_path`` (created, with params and tags, on first use)."""
+    mlflow = import_mlflow()
+    from mlflow.entities import Param, RunTag
+
+    run_path = Path(run_path)
+    tracking = cfg.tracking
+    local = not tracking.uri
+    if local:
+        (run_path / STORE_DIR).mkdir(parents=True, exist_ok=True)
+    uri = store_uri(tracking, run_path)
+    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    id_file = run_path / STORE_DIR / RUN_ID_FILE
+    if id_file.exists():
+        run_id = id_file.read_text(encoding="utf-8").strip()
+        client.update_run(run_id, status="RUNNING")
+        return Tracked(client, run_id, uri)
+    exp_id = _experiment(client, tracking, run_path, local)
+    code = code_version()
+    tags = {"convergent.run_dir": str(run_path.resolve()), "convergent.code_commit": code.commit,
+            "convergent.code_dirty": str(code.dirty), "mlflow.runName": run_path.name,
+            "mlflow.source.git.commit": code.commit}
+    run = client.create_run(exp_id, run_name=run_path.name, tags=tags)
+    run_id = run.info.run_id
+    params = [Param(k, v) for k, v in _flat_params(cfg.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run_id, params=params[i : i + 100])
+    client.log_batch(run_id, tags=[RunTag("convergent.code_version", code.short)])
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(id_file, run_id + "\n")
+    return Tracked(client, run_id, uri)
