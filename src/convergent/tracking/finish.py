@@ -58,7 +58,7 @@ def lineage(cfg: Any, model_dir: Path) -> Lineage:
             break
     code = meta.get("code") or meta.get("convergent_code") or {}
     extra = meta.get("extra") or {}
-    dataset = cfg.train.dataset
+    dataset = extra.get("dataset") or cfg.train.dataset  # the export names what it trained on
     weights = next(iter(sorted(model_dir.glob("*.safetensors"))), model_dir / "model.safetensors")
     return Lineage(
         dataset=dataset,
