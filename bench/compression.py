@@ -112,7 +112,9 @@ def main() -> None:
     }
     dest = HERE / "results" / "compression.json"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=2))
+    from convergent.provenance import code_version
+
+    dest.write_text(json.dumps({**out, "code": code_version().to_dict()}, indent=2))
     print(f"wrote {dest}")
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -741,8 +741,9 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     from convergent.fsutil import atomic_write_text
+    from convergent.provenance import code_version
 
-    atomic_write_text(args.out, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(args.out, json.dumps({**report, "code": code_version().to_dict()}, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.out} (load average now {os.getloadavg()})")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from convergent.provenance import code_version
 from convergent.resources import cpu_name
 
 ROOT = Path(__file__).resolve().parent
@@ -242,7 +243,7 @@ def machine() -> dict[str, Any]:
 def write_result(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
     """Write ``payload`` (plus machine info) atomically to ``path`` (default results/<name>.json)."""
     payload = {"benchmark": name, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), **payload}
+               "machine": machine(), "code": code_version().to_dict(), **payload}
     path = Path(path) if path is not None else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -497,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
         "kv_usage_plot": str(png),
     }
     path = args.out / f"serve_throughput{args.tag}.json"
-    atomic_write_text(path, json.dumps(out, indent=1, default=str))
+    from convergent.provenance import code_version
+
+    atomic_write_text(path, json.dumps({**out, "code": code_version().to_dict()}, indent=1, default=str))
     print(f"wrote {path} and {png}")
     for k, r in ratios.items():
         print(f"  {k:20s} {r:.2f}x interleaved")

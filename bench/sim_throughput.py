@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    from convergent.provenance import code_version
+
+    out.write_text(json.dumps({**result, "code": code_version().to_dict()}, indent=2))
     print(json.dumps(result["best"]), f"-> {out}")
     return 0
 

@@ -43,6 +43,16 @@ def test_list_show_and_json(demo_runs):
         assert r["size_bytes"] > 0 and r["duration_s"] > 0 and r["start"] > 0
         assert r["code"] != "" and "val_energy_mae" in r["metrics"]
     assert rows["a"]["metrics"]["step"] == 6 and rows["b"]["metrics"]["step"] == 8
+    # the code version is in every stage record, checkpoint marker and exported model
+    from convergent.provenance import code_version
+
+    here = code_version().to_dict()
+    stages = json.loads((demo_runs / "a" / "stages.json").read_text())
+    assert all(s["code"] == here for s in stages.values())
+    markers = list((demo_runs / "a" / "ckpt").glob("step_*/COMPLETE"))
+    assert markers and all(json.loads(m.read_text())["code"] == here for m in markers)
+    meta = json.loads((demo_runs / "a" / "ckpt" / "final" / "model_config.json").read_text())
+    assert meta["code"] == here
     table = run_cli("runs", "list", "--root", str(demo_runs))
     assert table.returncode == 0 and table.stdout.splitlines()[0].split()[:3] == [
         "NAME", "STAGES", "START"]
