@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-EXE = str(Path(sys.executable).parent / "convergent")
-TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
-        "--set", "checkpoint.interval=3"]
+sys.path.insert(0, str(Path(__file__).parent))
 
-
-def run_cli(*args: str, timeout: int = 600, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout,
-                          input=stdin)
+from runshelpers import TINY, run_cli  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from runshelpers import TINY, run_cli
 
 mlflow = pytest.importorskip("mlflow", reason="the tracking extra (pip install convergent[tracking])")
 
@@ -46,10 +46,8 @@ def test_demo_run_is_in_mlflow_with_params_metrics_and_a_registered_model(demo_r
 
 def test_resumed_demo_registers_no_second_version(demo_runs):
     run_dir = demo_runs / "b"
-    again = run_cli("demo", "--run-dir", str(run_dir), "--resume", "--set", "simulate.frames=24",
-                    "--set", "simulate.max_atoms=5", "--set", "checkpoint.interval=3",
-                    "--set", "train.steps=8", "--set", "train.lr=3e-3",
-                    "--set", "tracking.mlflow=true")
+    again = run_cli("demo", "--run-dir", str(run_dir), "--resume", *TINY, "--set", "train.steps=8",
+                    "--set", "train.lr=3e-3", "--set", "tracking.mlflow=true")
     assert again.returncode == 0, again.stderr[-2000:]
     uri = f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)

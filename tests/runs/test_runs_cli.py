@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from conftest import run_cli
+from runshelpers import run_cli
 
 from convergent.runs import RunDir
 from convergent.runsdb.cost import ACCOUNTING_DIR, run_cost

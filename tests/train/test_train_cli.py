@@ -52,6 +52,11 @@ def test_train_command_runs_two_processes(tmp_path, capsys):
     assert placed[0]["backend"] == "gloo" and placed[0]["world"] == 2
     assert placed[0]["dtype"] == "fp32" and placed[0]["gpu_names"] == []
     assert (run_dir / "ckpt" / "final" / "model.safetensors").exists()
+    # the stage's cost record for `runs cost`: 2 processes x 1 thread, and the code version
+    stage = json.loads((run_dir / "stages.json").read_text())["train"]
+    assert stage["cores"] == 2 and stage["wall_s"] > 0 and stage["steps"] == 5
+    assert stage["code"]["commit"]
+    assert {r["attempt"] for r in steps} == {0}
     # a second invocation without --resume refuses to touch the run
     assert main(["train", *_sets([*LM_BASE, "parallel.strategy=ddp", "metrics.log_every=1"]),
                  "--run-dir", str(run_dir)]) == 2

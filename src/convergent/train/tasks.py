@@ -155,6 +155,10 @@ def check_before_launch(cfg: Any, data: bool = True) -> None:
     """Config errors the ranks would hit at start-up, raised before torchrun starts
     (``data=False``: skip the dataset paths, e.g. when only printing the command)."""
     check_pipeline(cfg)
+    if cfg.tracking.mlflow:
+        from convergent.tracking.store import import_mlflow
+
+        import_mlflow()  # tracking asked for but MLflow missing: one line, nothing created
     if not data or cfg.model.kind != "molecular":
         return
     for key in ("dataset", "val_dataset"):
