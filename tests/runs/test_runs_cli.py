@@ -122,3 +122,25 @@ def test_rm_asks_then_removes(demo_runs, tmp_path):
     (root / "precious" / "f.txt").write_text("keep")
     refused = run_cli("runs", "rm", "precious", "--root", str(root), "--yes")
     assert refused.returncode == 2 and (root / "precious" / "f.txt").read_text() == "keep"
+
+
+def test_a_resumed_stage_adds_its_launches_and_held_resources(tmp_path):
+    from convergent.config import load_config
+    from convergent.runs import open_run
+    from convergent.runsdb.usage import allocation, record_stage, timed_stage
+
+    cfg = load_config(None, ["parallel.nproc=3", "train.threads=2", "train.device=cpu",
+                             "cluster.n_workers=4"])
+    assert allocation(cfg, "train") == (6.0, 0.0)
+    assert allocation(cfg, "train", nproc=1) == (2.0, 0.0)
+    assert allocation(cfg, "simulate") == (4.0, 0.0)
+    run = open_run(cfg, tmp_path / "r")
+    first = timed_stage(cfg, "train", lambda: {"steps": 3})
+    record_stage(run, "train", first)
+    second = timed_stage(cfg, "train", lambda: {"steps": 5})
+    record_stage(run, "train", second)
+    rec = run.stages()["train"]
+    assert rec["steps"] == 5 and rec["launches"] == 2 and rec["cores"] == 6.0
+    assert rec["wall_s"] == first["wall_s"] + second["wall_s"]
+    cost = run_cost(run).by_stage()["train"]
+    assert cost.core_s == rec["wall_s"] * 6.0
