@@ -7,6 +7,7 @@ creates it and logs the resolved config as params and the code version as tags.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,8 @@ def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
     """The MLflow run of ``run_path`` (created, with params and tags, on first use)."""
     mlflow = import_mlflow()
     from mlflow.entities import Param, RunTag
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # no INFO lines about DB set-up
 
     run_path = Path(run_path)
     tracking = cfg.tracking
