@@ -8,7 +8,7 @@ import shutil
 from runshelpers import run_cli
 
 from convergent.runs import RunDir
-from convergent.runsdb.cost import ACCOUNTING_DIR, run_cost
+from convergent.runsdb.cost import ACCOUNTING_FILE, run_cost
 from convergent.runsdb.records import CostRecord, MetricRecord, last_attempts, next_attempt
 
 
@@ -99,10 +99,11 @@ def test_cost_sums_match_the_stage_timings(demo_runs):
 def test_scheduler_records_replace_a_stages_own_timing(demo_runs, tmp_path):
     copy = tmp_path / "a"
     shutil.copytree(demo_runs / "a", copy)
-    (copy / ACCOUNTING_DIR).mkdir()
     billed = CostRecord(stage="train", wall_s=20.0, core_s=80.0, gpu_s=40.0, cores=4, gpus=2,
                         source="slurm", job_id="123")
-    (copy / ACCOUNTING_DIR / "slurm.jsonl").write_text(json.dumps(billed.to_dict()) + "\n{torn")
+    own = {"stage": "train", "source": "self", "core_s": 7.0, "detail": {"x": 1}}  # skipped
+    lines = [json.dumps({**billed.to_dict(), "detail": {"via": "sacct"}}), json.dumps(own), "{torn"]
+    (copy / ACCOUNTING_FILE).write_text("\n".join(lines))
     cost = run_cost(RunDir(copy))
     train = cost.by_stage()["train"]
     assert (train.source, train.core_s, train.gpu_s, train.job_id) == ("slurm", 80.0, 40.0, "123")

@@ -5,9 +5,11 @@ Costs come from *sources*, each a function ``RunDir -> list[CostRecord]``:
 * :func:`self_costs` — the run's own ``stages.json`` (``wall_s`` x the ``cores``/``gpus``
   the stage held, recorded by :func:`convergent.runsdb.usage.timed_stage`), so the sums
   equal the stage timings there;
-* :func:`accounting_costs` — typed JSONL lines (:class:`CostRecord` fields: ``stage``,
-  ``wall_s``, ``core_s``, ``gpu_s``, ``source``, ``job_id``, ...) in
-  ``<run>/accounting/*.jsonl``: where a scheduler (Slurm's ``sacct``) billed a stage.
+* :func:`accounting_costs` — the scheduler's lines of ``<run>/accounting.jsonl`` (typed
+  JSONL with :class:`CostRecord`'s fields ``stage``, ``wall_s``, ``core_s``, ``gpu_s``,
+  ``source``, ``job_id``; other keys ignored): what Slurm (``sacct``/jobcomp) billed a
+  stage. Its ``source: "self"`` lines are skipped — a stage's own use comes from
+  ``stages.json``, once.
 
 A new source is one more function appended to :data:`SOURCES`. In the totals a stage
 counts once: its scheduler records when it has any, else its own timing.
@@ -23,7 +25,7 @@ from typing import Any
 from convergent.runs import RunDir
 from convergent.runsdb.records import CostRecord
 
-ACCOUNTING_DIR = "accounting"
+ACCOUNTING_FILE = "accounting.jsonl"
 
 
 def self_costs(run: RunDir) -> list[CostRecord]:
@@ -42,18 +44,18 @@ def self_costs(run: RunDir) -> list[CostRecord]:
 
 
 def accounting_costs(run: RunDir) -> list[CostRecord]:
-    """Records in ``<run>/accounting/*.jsonl`` (a torn or foreign line is skipped)."""
-    folder = run.path / ACCOUNTING_DIR
+    """The non-``self`` records of ``<run>/accounting.jsonl`` (torn/foreign lines skipped)."""
+    path = run.path / ACCOUNTING_FILE
     out: list[CostRecord] = []
-    if not folder.is_dir():
+    if not path.is_file():
         return out
-    for path in sorted(folder.glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-                out.append(CostRecord.from_dict(row))
-            except (json.JSONDecodeError, TypeError, ValueError):
-                continue
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = CostRecord.from_dict(json.loads(line))
+        except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
+            continue
+        if rec.source != "self":
+            out.append(rec)
     return out
 
 
