@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "checkpoint.interval=3"]
 
 
-def run_cli(*args: str, timeout: int = 600, stdin: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: int = 600, stdin: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``convergent ARGS`` in a subprocess (``env`` added to this process's environment)."""
     return subprocess.run([EXE, *args], capture_output=True, text=True, timeout=timeout,
-                          input=stdin)
+                          input=stdin, env={**os.environ, **(env or {})})
