@@ -52,3 +52,17 @@ def test_resumed_demo_registers_no_second_version(demo_runs):
     uri = f"sqlite:///{run_dir / 'mlflow' / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     assert len(client.search_model_versions("name = 'convergent-surrogate'")) == 1
+
+
+def test_a_restart_with_another_config_gets_a_new_mlflow_run(tmp_path):
+    from convergent.config import load_config
+    from convergent.tracking.store import open_tracking
+
+    first = open_tracking(load_config(None, ["tracking.mlflow=true", "train.lr=1e-3"]), tmp_path)
+    again = open_tracking(load_config(None, ["tracking.mlflow=true", "train.lr=1e-3"]), tmp_path)
+    assert again.run_id == first.run_id  # the same config resumes the same MLflow run
+    other = open_tracking(load_config(None, ["tracking.mlflow=true", "train.lr=2e-3"]), tmp_path)
+    assert other.run_id != first.run_id
+    client = other.client
+    assert client.get_run(first.run_id).info.status == "FAILED"
+    assert client.get_run(other.run_id).data.params["train.lr"] == "0.002"

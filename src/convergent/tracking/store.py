@@ -2,11 +2,13 @@
 
 Every launch that tracks a run directory (the demo process, the trainer's rank 0, a
 resumed run) finds the same MLflow run through ``<run>/mlflow/run_id``; the first one
-creates it and logs the resolved config as params and the code version as tags.
+creates it and logs the resolved config as params and the code version as tags. A run
+directory restarted with another config (its first start failed) gets a new MLflow run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from convergent.provenance import code_version
 STORE_DIR = "mlflow"
 RUN_ID_FILE = "run_id"
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+CONFIG_TAG = "convergent.config_sha256"  # the resolved config this MLflow run logged
 
 
 def import_mlflow() -> Any:
@@ -81,15 +84,19 @@ def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
     uri = store_uri(tracking, run_path)
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     id_file = run_path / STORE_DIR / RUN_ID_FILE
+    config_hash = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()
     if id_file.exists():
         run_id = id_file.read_text(encoding="utf-8").strip()
-        client.update_run(run_id, status="RUNNING")
-        return Tracked(client, run_id, uri)
+        if client.get_run(run_id).data.tags.get(CONFIG_TAG) == config_hash:
+            client.update_run(run_id, status="RUNNING")  # the same run, resumed
+            return Tracked(client, run_id, uri)
+        # the run directory was restarted with another config after a failed start
+        client.set_terminated(run_id, status="FAILED")
     exp_id = _experiment(client, tracking, run_path, local)
     code = code_version()
     tags = {"convergent.run_dir": str(run_path.resolve()), "convergent.code_commit": code.commit,
             "convergent.code_dirty": str(code.dirty), "mlflow.runName": run_path.name,
-            "mlflow.source.git.commit": code.commit}
+            "mlflow.source.git.commit": code.commit, CONFIG_TAG: config_hash}
     run = client.create_run(exp_id, run_name=run_path.name, tags=tags)
     run_id = run.info.run_id
     params = [Param(k, v) for k, v in _flat_params(cfg.model_dump(mode="json")).items()]
