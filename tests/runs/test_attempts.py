@@ -28,7 +28,7 @@ def test_resume_after_a_kill_is_the_next_attempt(tmp_path):
         args += ["--set", s]
     # SIGKILL rank 1 before step 5 (fault injection of the trainer, first attempt only)
     killed = run_cli(*args, env={"CONVERGENT_TRAIN_FAULT": "rank=1,step=4"})
-    assert killed.returncode == 2 and "training failed" in killed.stderr
+    assert killed.returncode != 0 and "training failed" in killed.stderr
     run = RunDir(tmp_path / "r")
     first = [(r.step, r.attempt) for r in read_records(run.metrics, "train_step")]
     assert first == [(1, 0), (2, 0), (3, 0), (4, 0)]

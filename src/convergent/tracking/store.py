@@ -69,6 +69,14 @@ def _experiment(client: Any, tracking: Any, run_path: Path, local: bool) -> str:
     return client.create_experiment(tracking.experiment, artifact_location=where)
 
 
+def _config_hash(cfg: Any, run_path: Path) -> str:
+    """sha256 of the run directory's ``config.yaml`` (what the demo and its training job
+    share, though the job's own config names the datasets), else of ``cfg``."""
+    config = run_path / "config.yaml"
+    data = config.read_bytes() if config.is_file() else cfg.model_dump_json().encode()
+    return hashlib.sha256(data).hexdigest()
+
+
 def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
     """The MLflow run of ``run_path`` (created, with params and tags, on first use)."""
     mlflow = import_mlflow()
@@ -84,7 +92,7 @@ def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
     uri = store_uri(tracking, run_path)
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     id_file = run_path / STORE_DIR / RUN_ID_FILE
-    config_hash = hashlib.sha256(cfg.model_dump_json().encode()).hexdigest()
+    config_hash = _config_hash(cfg, run_path)
     if id_file.exists():
         run_id = id_file.read_text(encoding="utf-8").strip()
         if client.get_run(run_id).data.tags.get(CONFIG_TAG) == config_hash:
