@@ -76,6 +76,7 @@ def test_compare_prints_the_config_diff_metrics_and_writes_the_plot(demo_runs, t
     js = json.loads(run_cli("runs", "compare", "a", "b", "--root", str(demo_runs),
                             "--plot", str(png), "--json").stdout)
     assert js["metrics"]["step"] == [6, 8]
+    assert len(js["code"]) == 2 and "unknown" not in js["code"]
 
 
 def test_cost_sums_match_the_stage_timings(demo_runs):

@@ -113,6 +113,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(comp.to_dict(), indent=1, default=str))
             return
         head = ["", *comp.names]
+        typer.echo(_table([head, ["code", *comp.code]]) + "\n")
         typer.echo("config (differing keys)")
         rows = [head] + [[k, *(str(v) for v in vs)] for k, vs in comp.config.items()]
         typer.echo(_table(rows) if comp.config else "  (identical)")

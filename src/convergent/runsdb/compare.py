@@ -10,7 +10,7 @@ from typing import Any
 from convergent.fsutil import atomic_write_bytes
 from convergent.runs import RunDir
 from convergent.runsdb.cost import run_cost
-from convergent.runsdb.index import key_metrics, load_config_dict
+from convergent.runsdb.index import key_metrics, load_config_dict, run_code
 from convergent.runsdb.records import latest
 
 MISSING = "<unset>"
@@ -45,12 +45,12 @@ class Comparison:
     names: list[str]
     config: dict[str, list[Any]]  # differing keys only
     metrics: dict[str, list[float | None]]  # metric -> value per run
+    code: list[str] = field(default_factory=list)  # code version per run
     plot: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"runs": self.names, "config_diff": self.config, "metrics": self.metrics,
-                "plot": self.plot}
+        return {"runs": self.names, "code": self.code, "config_diff": self.config,
+                "metrics": self.metrics, "plot": self.plot}
 
 
 def metrics_table(runs: list[RunDir]) -> dict[str, list[float | None]]:
@@ -113,6 +113,7 @@ def compare_runs(runs: list[RunDir], plot: Path | None) -> Comparison:
         names=[r.path.name for r in runs],
         config=config_diff([load_config_dict(r) for r in runs]),
         metrics=metrics_table(runs),
+        code=[run_code(r) for r in runs],
     )
     if plot is not None:
         written = plot_curves(runs, plot)

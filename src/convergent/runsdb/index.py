@@ -102,6 +102,12 @@ def key_metrics(run: RunDir) -> dict[str, float]:
     return out
 
 
+def run_code(run: RunDir) -> str:
+    """The code version (``abc1234``, ``abc1234+dirty``) of the run's last finished stage."""
+    codes = [s.get("code") for s in run.stages().values() if s.get("code")]
+    return CodeVersion.from_dict(codes[-1]).short if codes else "unknown"
+
+
 def summarize(run: RunDir) -> RunSummary:
     stages_json = run.stages()
     status = {k: "done" for k in stages_json}
@@ -118,11 +124,10 @@ def summarize(run: RunDir) -> RunSummary:
         start = min(start, min(times))
     # the stages' own wall time (a run resumed days later is not days long), else the span
     duration = sum(walls) if walls else (max(times) - start if times else None)
-    codes = [s.get("code") for s in stages_json.values() if s.get("code")]
     return RunSummary(
         name=run.path.name, path=str(run.path), stages=status, start=start,
         duration_s=duration, metrics=key_metrics(run), size_bytes=dir_size(run.path),
-        code=CodeVersion.from_dict(codes[-1]).short if codes else "unknown",
+        code=run_code(run),
     )
 
 
