@@ -72,7 +72,8 @@ def metrics_table(runs: list[RunDir]) -> dict[str, list[float | None]]:
 
 
 def plot_curves(runs: list[RunDir], out: Path) -> Path | None:
-    """Train loss (left) and validation energy/force MAE (right) of every run."""
+    """Train loss (left) and validation energy/force MAE (right; a language model's
+    validation loss) of every run."""
     import io
 
     import matplotlib
@@ -90,13 +91,16 @@ def plot_curves(runs: list[RunDir], out: Path) -> Path | None:
         pts = [(r.step, r.number("loss")) for r in steps if r.number("loss") is not None]
         if pts:
             ax1.plot(*zip(*pts, strict=True), lw=1, color=color, label=name)
-        for key, style in (("energy_mae", "o-"), ("force_mae", "s--")):
+        keys = (("energy_mae", "o-"), ("force_mae", "s--"))
+        if not any(r.number("energy_mae") is not None for r in vals):
+            keys = (("loss", "o-"),)  # a language model: its validation loss
+        for key, style in keys:
             pts = [(r.step, r.number(key)) for r in vals if r.number(key) is not None]
             if pts:
                 ax2.plot(*zip(*pts, strict=True), style, color=color, ms=3,
                          label=f"{name} {key.replace('_', ' ')}")
     ax1.set(xlabel="step", ylabel="train loss", yscale="log", title="training loss")
-    ax2.set(xlabel="step", ylabel="MAE (eV, eV/Å)", yscale="log", title="validation MAE")
+    ax2.set(xlabel="step", ylabel="MAE (eV, eV/Å) or loss", yscale="log", title="validation")
     for ax in (ax1, ax2):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
