@@ -66,3 +66,13 @@ def test_a_restart_with_another_config_gets_a_new_mlflow_run(tmp_path):
     client = other.client
     assert client.get_run(first.run_id).info.status == "FAILED"
     assert client.get_run(other.run_id).data.params["train.lr"] == "0.002"
+
+
+def test_an_unusable_store_is_one_error_naming_the_uri(tmp_path):
+    from convergent.config import load_config
+    from convergent.errors import NotAvailableError
+    from convergent.tracking.store import open_tracking
+
+    cfg = load_config(None, ["tracking.mlflow=true", "tracking.uri=foo://nowhere"])
+    with pytest.raises(NotAvailableError, match="MLflow store foo://nowhere: "):
+        open_tracking(cfg, tmp_path)

@@ -78,13 +78,29 @@ def _config_hash(cfg: Any, run_path: Path) -> str:
 
 
 def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
-    """The MLflow run of ``run_path`` (created, with params and tags, on first use)."""
+    """The MLflow run of ``run_path`` (created, with params and tags, on first use).
+
+    An unusable store (a wrong ``tracking.uri``, a server that refuses) is one
+    :class:`~convergent.errors.NotAvailableError` naming the URI."""
     mlflow = import_mlflow()
-    from mlflow.entities import Param, RunTag
+    from mlflow.exceptions import MlflowException
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # no INFO lines about DB set-up
+    uri = store_uri(cfg.tracking, Path(run_path))
+    try:
+        return _open(mlflow, cfg, Path(run_path))
+    except (MlflowException, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NotAvailableError(
+            f"MLflow store {uri}: {first}",
+            hint="check tracking.uri (unset: a sqlite store in the run directory)",
+        ) from exc
 
-    run_path = Path(run_path)
+
+def _open(mlflow: Any, cfg: Any, run_path: Path) -> Tracked:
+    from mlflow.entities import Param, RunTag
+    from mlflow.exceptions import MlflowException
+
     tracking = cfg.tracking
     local = not tracking.uri
     if local:
@@ -95,11 +111,15 @@ def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
     config_hash = _config_hash(cfg, run_path)
     if id_file.exists():
         run_id = id_file.read_text(encoding="utf-8").strip()
-        if client.get_run(run_id).data.tags.get(CONFIG_TAG) == config_hash:
+        try:
+            previous = client.get_run(run_id)
+        except MlflowException:
+            previous = None  # deleted in MLflow, or another store: start a new MLflow run
+        if previous is not None and previous.data.tags.get(CONFIG_TAG) == config_hash:
             client.update_run(run_id, status="RUNNING")  # the same run, resumed
             return Tracked(client, run_id, uri)
-        # the run directory was restarted with another config after a failed start
-        client.set_terminated(run_id, status="FAILED")
+        if previous is not None:  # the run directory was restarted with another config
+            client.set_terminated(run_id, status="FAILED")
     exp_id = _experiment(client, tracking, run_path, local)
     code = code_version()
     tags = {"convergent.run_dir": str(run_path.resolve()), "convergent.code_commit": code.commit,
