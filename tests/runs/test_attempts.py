@@ -23,6 +23,12 @@ def test_resume_after_a_kill_is_the_next_attempt(tmp_path):
             "model.layers=2", "model.heads=4", "train.steps=6", "train.global_batch_atoms=96",
             "train.val_every=0", "checkpoint.interval=3", "metrics.reduce_every=1",
             "metrics.tensorboard=false"]
+    try:
+        import mlflow
+    except ImportError:
+        mlflow = None
+    if mlflow is not None:
+        sets.append("tracking.mlflow=true")
     args = ["train", "--nproc", "2", "--run-dir", str(tmp_path / "r")]
     for s in sets:
         args += ["--set", s]
@@ -45,3 +51,10 @@ def test_resume_after_a_kill_is_the_next_attempt(tmp_path):
     assert shown["metrics"]["step"] == 6 and shown["metrics"]["loss"] == kept[-1].get("loss")
     report = run_cli("report", str(run.path))
     assert report.returncode == 0, report.stderr
+    if mlflow is not None:  # MLflow holds one value per step too: the last attempt's
+        uri = f"sqlite:///{run.path / 'mlflow' / 'mlflow.db'}"
+        client = mlflow.MlflowClient(tracking_uri=uri)
+        run_id = (run.path / "mlflow" / "run_id").read_text().strip()
+        history = client.get_metric_history(run_id, "train_step/loss")
+        assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
+        assert {m.step: m.value for m in history} == {r.step: r.get("loss") for r in kept}

@@ -117,6 +117,13 @@ class MetricSinks:
         for sink in self.sinks:
             sink.write(record)
 
+    def commit(self, step: int) -> None:
+        """A checkpoint of ``step`` was written: a resume never replays the steps up to
+        it, so sinks that keep one value per step (MLflow) may send them now."""
+        for sink in self.sinks:
+            if hasattr(sink, "commit"):
+                sink.commit(step)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()

@@ -1,7 +1,11 @@
 """Per-step metrics to MLflow: the trainer's rank 0 sends each record here.
 
 Numeric fields become MLflow metrics ``<kind>/<field>`` at the record's ``step`` (with
-its time), sent in batches of ``tracking.batch`` values and at ``close``.
+its time). They are held until a checkpoint is written (``commit``) or training ends
+(``close``): a resumed run replays the steps after its last checkpoint, and MLflow keeps
+every value it is sent, so sending only checkpointed steps keeps one value per step —
+the last attempt's, as every other reader shows. ``tracking.max_pending`` caps what is
+held (beyond it values are sent at once, and a replayed step may then appear twice).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ class MlflowSink:
 
         self._Metric = Metric
         self.tracked = open_tracking(cfg, run_path)
-        self.batch = cfg.tracking.batch
+        self.max_pending = cfg.tracking.max_pending
         self.pending: list[Any] = []
 
     def write(self, record: dict[str, Any]) -> None:
@@ -34,8 +38,12 @@ class MlflowSink:
             if k in SKIP or isinstance(v, bool) or not isinstance(v, int | float):
                 continue
             self.pending.append(self._Metric(f"{kind}/{k}", float(v), ms, step))
-        if len(self.pending) >= self.batch:
+        if len(self.pending) >= self.max_pending:
             self.flush()
+
+    def commit(self, step: int) -> None:
+        """Steps up to ``step`` are checkpointed: send what is held."""
+        self.flush()
 
     def flush(self) -> None:
         while self.pending:

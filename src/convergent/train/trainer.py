@@ -482,6 +482,8 @@ class Trainer:
                         self.sinks.write(vrec)
             if is_ckpt:
                 self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
+                if self.sinks is not None:
+                    self.sinks.commit(done)  # steps up to here are never replayed
                 last_ckpt = done
             if done < steps and self.preempt.requested():  # collective when enabled
                 self._flush()
