@@ -134,7 +134,12 @@ def test_a_resumed_stage_adds_its_launches_and_held_resources(tmp_path):
     cfg = load_config(None, ["parallel.nproc=3", "train.threads=2", "train.device=cpu",
                              "cluster.n_workers=4"])
     assert allocation(cfg, "train") == (6.0, 0.0)
-    assert allocation(cfg, "train", nproc=1) == (2.0, 0.0)
+    from convergent.placement import Placement
+
+    assert allocation(cfg, "train", Placement("cpu", 1, "gloo", 0)) == (2.0, 0.0)
+    assert allocation(cfg, "train", Placement("cuda", 4, "nccl", 4)) == (8.0, 4.0)
+    auto = load_config(None, ["parallel.nproc=auto", "train.device=cpu"])
+    assert allocation(auto, "train") == (2.0, 0.0)  # auto: 2 CPU processes x 1 thread
     assert allocation(cfg, "simulate") == (4.0, 0.0)
     run = open_run(cfg, tmp_path / "r")
     first = timed_stage(cfg, "train", lambda: {"steps": 3})
