@@ -180,10 +180,10 @@ def test_serving_series_and_panels(prom, tmp_path):
         exposed = httpx.get(f"{base}/metrics", timeout=10)
         assert exposed.status_code == 200, f"convergent serve has no GET /metrics ({exposed.status_code})"
         _wait(lambda: prom.up("convergent-serve"), "prometheus to scrape the server")
+        model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
         for i in range(6):
             r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-                "model": "convergent-llama", "prompt": f"hello {i}", "max_tokens": 12,
-                "ignore_eos": True})
+                "model": model, "prompt": f"hello {i}", "max_tokens": 12, "ignore_eos": True})
             assert r.status_code == 200, r.text
         time.sleep(2)  # a few more scrapes after the requests (not a timing assertion)
         for name in SERVE_SERIES:
