@@ -7,6 +7,7 @@ one. Used for configs, manifests, shards, checkpoints metadata and reports.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -75,3 +76,24 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write UTF-8 ``text`` to ``path`` atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict]:
+    """The JSON objects of a JSON-lines file, in order; a missing file yields nothing.
+
+    Blank lines, lines that are not JSON objects and a torn last line (after a crash
+    mid-append) are skipped, so a reader never fails on a file a writer is appending to.
+    """
+    p = Path(path)
+    if not p.exists():
+        return
+    with p.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                yield row

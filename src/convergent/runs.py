@@ -28,7 +28,7 @@ from typing import Any
 
 from convergent.config import ConvergentConfig, dump_config, save_config
 from convergent.errors import RunDirError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -102,19 +102,7 @@ class RunDir:
 
     def read_metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
         """All metric records, optionally only those with ``record['kind'] == kind``."""
-        if not self.metrics.exists():
-            return []
-        rows = []
-        for line in self.metrics.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line after a crash
-            if kind is None or row.get("kind") == kind:
-                rows.append(row)
-        return rows
+        return [row for row in read_jsonl(self.metrics) if kind is None or row.get("kind") == kind]
 
 
 LOCK_NAME = ".lock"

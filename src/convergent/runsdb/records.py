@@ -14,11 +14,12 @@ scheduler's accounting (``source="slurm"``, with ``job_id``).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from convergent.fsutil import read_jsonl
 
 HEADER = ("kind", "step", "attempt", "time")
 
@@ -64,23 +65,8 @@ class MetricRecord:
 
 def read_records(path: str | Path, kind: str | None = None) -> list[MetricRecord]:
     """Every record of a metrics.jsonl (a torn or foreign line is skipped)."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    with p.open(encoding="utf-8", errors="replace") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line after a crash
-            if not isinstance(row, dict):
-                continue
-            if kind is None or row.get("kind") == kind:
-                out.append(MetricRecord.from_dict(row))
-    return out
+    return [MetricRecord.from_dict(row) for row in read_jsonl(path)
+            if kind is None or row.get("kind") == kind]
 
 
 def last_attempts(records: list[MetricRecord]) -> list[MetricRecord]:
