@@ -119,6 +119,10 @@ class ParallelConfig(Section):
     stages_per_rank: Count = 2  # for interleaved
     # DDP gradient compression (comm hook)
     compression: Literal["none", "fp16", "powersgd", "topk"] = "none"
+    # gradient all-reduce: hierarchical = reduce-scatter in node, all-reduce across nodes
+    # (compression on that hop only), all-gather in node; auto: hierarchical when the
+    # topology has several nodes of several ranks (see convergent.train.hierarchy)
+    allreduce: Literal["auto", "flat", "hierarchical"] = "auto"
     powersgd_rank: Count = 2
     powersgd_start_iter: Count0 = 10
     topk_ratio: float = Field(0.01, gt=0, le=1, allow_inf_nan=False)  # fraction of gradient entries sent per step

@@ -59,6 +59,7 @@ class Parallelized:
     mesh: Any = None
     fsdp: bool = False
     loss_world: int | None = None  # factor the task multiplies losses by (None: dp_world)
+    comm_plan: dict[str, Any] | None = None  # DDP: the all-reduce algorithm record
 
     @property
     def loss_scale(self) -> int:
@@ -198,6 +199,19 @@ def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
     )
 
 
+def register_ddp_hook(ddp: Any, pcfg: Any, par: Parallelized) -> None:
+    """Flat (compressed) or hierarchical gradient all-reduce, per ``parallel.allreduce``."""
+    from convergent.train import hierarchy
+
+    tiers = hierarchy.discover_tiers(pcfg, par.dp_world)
+    algo = hierarchy.choose_algorithm(pcfg.allreduce, tiers)
+    if algo == "hierarchical":
+        par.hook_state = hierarchy.register_hierarchical(ddp, pcfg, par.comm, tiers)
+    else:
+        par.hook_state = register_compression(ddp, pcfg.compression, pcfg, par.comm)
+    par.comm_plan = hierarchy.plan_record(algo, tiers, pcfg)
+
+
 def parallelize(
     model: nn.Module, task: Task, cfg: Any, device: torch.device
 ) -> Parallelized:
@@ -237,7 +251,7 @@ def parallelize(
             broadcast_buffers=False,
         )
         par = Parallelized("ddp", ddp, [model], rank, world)
-        par.hook_state = register_compression(ddp, pcfg.compression, pcfg, par.comm)
+        register_ddp_hook(ddp, pcfg, par)
         return par
     if strategy in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh

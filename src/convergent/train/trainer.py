@@ -165,6 +165,8 @@ class Trainer:
         )
         if self.sinks is not None and self.start_step == 0:
             self.sinks.write(self.placement)
+            if self.par.comm_plan is not None:  # the gradient all-reduce algorithm chosen
+                self.sinks.write(self.par.comm_plan)
         ranks = ranks_record(self.par.mesh)  # collective: every rank
         if self.sinks is not None:
             self.sinks.write(ranks)
