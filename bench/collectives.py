@@ -1,0 +1,352 @@
+"""Topology-aware gradient communication on an emulated 2 nodes x 2 ranks network.
+
+scripts/netemu.sh builds two network namespaces ("nodes") joined by one veth pair
+shaped with tc tbf (the "inter-node" link); 4 gloo ranks run bench/collectives_worker.py
+(2 per node). At each shaped bandwidth, in interleaved rounds (the variant order
+rotates per round), it measures per training step the bytes leaving node A on the
+link (interface counters) and the step time for: flat ring DDP (ranks node-contiguous),
+flat with a scattered placement (ranks 0,2 on node A), hierarchical DDP, hierarchical
+with top-k (1%, error feedback) on the inter-node hop, FSDP over all 4 ranks and HSDP
+(shard in node, replicate across). Communication time = step time - the step time of
+the same model without communication (``local``, same launch).
+
+Each measured byte count stands next to its theoretical value (convergent.train.commcost,
+derivations in its docstring); the α-β model is fitted per bandwidth from a short
+calibration (2-rank all-reduces of 64 KiB-4 MiB across the link and inside a node),
+then predicts every variant's communication time (relative error reported), and is
+projected to 64-4096 GPUs with NVLink / InfiniBand figures.
+
+Usage (root): ``python bench/collectives.py [--rounds 3]``; writes
+bench/results/collectives.json and collectives.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
+
+from convergent.train import commcost as cc  # noqa: E402
+
+VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
+CALIB = [65536, 262144, 1048576, 4194304]
+RATIO = 0.01
+# Published / datasheet figures for the projection (per GPU, per direction)
+NVLINK = {"beta": 1 / 450e9, "alpha": 2e-6,
+          "source": "NVIDIA H100 SXM datasheet: NVLink 900 GB/s bidirectional per GPU "
+                    "(450 GB/s each way); alpha 2 us is our assumption"}
+IB = {"beta": 1 / 50e9, "alpha": 5e-6,
+      "source": "NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s (50 GB/s) InfiniBand "
+                "NDR, one per GPU; alpha 5 us (switch + NCCL protocol) is our assumption"}
+PUBLISHED = {
+    "nccl_allreduce_busbw_8xH100_nvlink_GBps": [460, 480],
+    "nccl_allreduce_busbw_8xH100_nvlink_source":
+        "nccl-tests reference table, docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests "
+        "(third-party)",
+    "nccl_allreduce_busbw_2x8_H200_4xCX7_roce_GBps": 35,
+    "nccl_allreduce_busbw_2x8_H200_source":
+        "kubernetes.recipes/recipes/ai/nccl-all-reduce-perf-benchmark-multi-node (third-party)",
+}
+
+
+def provenance() -> dict:
+    try:
+        from convergent.provenance import collect  # type: ignore[attr-defined]
+
+        return collect()
+    except Exception:  # noqa: BLE001 - fall back to git
+        root = HERE.parent
+
+        def git(*a: str) -> str:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True,
+                                  text=True).stdout.strip()
+
+        return {"git_commit": git("rev-parse", "HEAD"),
+                "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out: Path,
+           steps: int, warmup: int, calib: bool, port: int) -> dict:
+    argv = [sys.executable, str(HERE / "collectives_worker.py"), "--variants",
+            ",".join(variants), "--steps", str(steps), "--warmup", str(warmup),
+            "--topk-ratio", str(RATIO), "--out", str(out)]
+    if calib:
+        argv += ["--calib", ",".join(map(str, CALIB))]
+    procs = net.spawn(argv, placement, port=port, log_dir=out.parent)
+    codes = wait_all(procs, timeout=600)
+    if codes != [0] * len(procs):
+        logs = (out.parent / "rank0.log").read_text()[-3000:]
+        raise RuntimeError(f"worker failed {codes}: {logs}")
+    return json.loads(out.read_text())
+
+
+def summarise(res: dict, warmup: int) -> dict:
+    """Per variant: median bytes out of node A / B per step, median step time."""
+    out = {}
+    for v, ranks in res["variants"].items():
+        steps = list(zip(*[r["steps"] for r in ranks], strict=True))[warmup:]
+        a = [r for r in ranks if r["node"] == 0 and r["local_rank"] == 0][0]["steps"][warmup:]
+        b = [r for r in ranks if r["node"] == 1 and r["local_rank"] == 0][0]["steps"][warmup:]
+        out[v] = {"out_a": statistics.median(s["tx"] for s in a),
+                  "out_b": statistics.median(s["tx"] for s in b),
+                  "step_s": statistics.median(max(r["s"] for r in st) for st in steps),
+                  "eval_loss": ranks[0]["eval_loss"],
+                  "last_loss": statistics.fmean(r["steps"][-1]["loss"] for r in ranks)}
+    return out
+
+
+def fit(calib: dict) -> tuple[cc.Link, cc.Link]:
+    """α-β of the slow link and the fast path from 2-rank all-reduce timings
+    (2 steps of S/2 each)."""
+    links = []
+    calib = {k: v for k, v in calib.items() if k in ("slow", "fast")}
+    for level in ("slow", "fast"):
+        sizes = [float(k) for k in calib[level]]
+        links.append(cc.fit_link(sizes, list(calib[level].values()), steps=2, per_step=0.5))
+    return links[0], links[1]
+
+
+def theory(net: cc.Net, units: list[float], topk_s: float = 0.0) -> dict[str, cc.Cost]:
+    """Bytes and α-β(-γ) time per variant; ``topk_s``: the calibrated top-k compute."""
+    size = sum(units)
+    rs = [True] * len(units)
+    return {
+        "flat": cc.flat_ring(net, size),
+        "flat_scattered": cc.flat_ring(net, size, scattered=True),
+        "hier": cc.hierarchical(net, size),
+        "hier_topk": cc.hierarchical_topk(net, size, RATIO) + cc.Cost(topk_s, 0.0),
+        "fsdp": cc.fsdp(net, units, rs, rs_allreduce=True),  # gloo (measured)
+        "fsdp_ring_rs": cc.fsdp(net, units, rs),  # NCCL-style ring reduce-scatter
+        "hsdp": cc.hsdp(net, units, rs),
+    }
+
+
+def project(sizes_gpus: list[int], grad_bytes: float) -> list[dict]:
+    """α-β projection to large clusters (8 GPUs per node, one NIC per GPU)."""
+    rows = []
+    fast = cc.Link(NVLINK["alpha"], NVLINK["beta"])
+    slow = cc.Link(IB["alpha"], IB["beta"])
+    for g in sizes_gpus:
+        net = cc.Net(g // 8, 8, fast, slow, shared_egress=False)
+        shared = cc.Net(g // 8, 8, fast, slow, shared_egress=False, contention=2.0)
+        row = {"gpus": g, "grad_bytes": grad_bytes}
+        costs = {"flat_ring": cc.flat_ring(net, grad_bytes), "tree": cc.tree(net, grad_bytes),
+                 "hierarchical": cc.hierarchical(net, grad_bytes),
+                 "hierarchical_topk1pct": cc.hierarchical_topk(net, grad_bytes, 0.01, 2),
+                 "hierarchical_shared_fabric_x2": cc.hierarchical(shared, grad_bytes)}
+        for k, c in costs.items():
+            row[f"{k}_s"] = c.seconds
+        row["hierarchical_overlap50_exposed_s"] = cc.exposed(costs["hierarchical"], 1.0, 0.5)
+        alg = 2 * (g - 1) / g * grad_bytes
+        row["busbw_flat_GBps"] = alg / costs["flat_ring"].seconds / 1e9
+        row["busbw_hier_GBps"] = alg / costs["hierarchical"].seconds / 1e9
+        rows.append(row)
+    one = cc.Net(1, 8, fast, slow, shared_egress=False)
+    rows.append({"gpus": 8, "note": "one node, NVLink ring",
+                 "busbw_flat_GBps": 2 * 7 / 8 * grad_bytes
+                 / cc.flat_ring(one, grad_bytes).seconds / 1e9})
+    return rows
+
+
+def med(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="100mbit,1gbit,none")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--loss-steps", type=int, default=30)
+    args = ap.parse_args()
+    why = unavailable()
+    if why:
+        sys.exit(f"bench/collectives.py: {why}")
+    import torch
+
+    t_start = time.time()
+    load_before = os.getloadavg()
+    prov = provenance()
+    rates = args.rates.split(",")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_coll_"))
+    raw: dict[str, list[dict]] = {r: [] for r in rates}
+    name = f"cvb{os.getpid() % 100000}"
+    port = 29700 + os.getpid() % 200
+    with EmulatedNetwork(name, rates[0]) as net:
+        for rnd in range(args.rounds):
+            for rate in rates[rnd % len(rates):] + rates[: rnd % len(rates)]:
+                net.shape(rate)
+                k = rnd % len(VARIANTS)
+                order = ["local", *VARIANTS[k:], *VARIANTS[:k]]
+                print(f"round {rnd} rate {rate}: {order}", flush=True)
+                d = tmp / f"{rnd}_{rate}"
+                d.mkdir()
+                res = launch(net, [0, 0, 1, 1], order, d / "c.json", args.steps,
+                             args.warmup, True, port)
+                port += 1
+                ds = tmp / f"{rnd}_{rate}_s"
+                ds.mkdir()
+                sc = launch(net, [0, 1, 0, 1], ["local", "flat"], ds / "s.json", args.steps,
+                            args.warmup, False, port)
+                port += 1
+                summ = summarise(res, args.warmup)
+                ssum = summarise(sc, args.warmup)
+                summ["flat_scattered"] = ssum["flat"]
+                summ["local_scattered"] = ssum["local"]
+                raw[rate].append({"summary": summ, "calibration": res["calibration"],
+                                  "units_bytes": res["units_bytes"]})
+        net.shape("none")
+        d = tmp / "loss"
+        d.mkdir()
+        conv = launch(net, [0, 0, 1, 1], ["flat", "hier_topk"], d / "l.json",
+                      args.loss_steps, 0, False, port)
+    units = raw[rates[0]][0]["units_bytes"]
+    results: dict = {}
+    errors = []
+    for rate in rates:
+        rounds = raw[rate]
+        entry: dict = {"variants": {}}
+        slow, fast = zip(*(fit(r["calibration"]) for r in rounds), strict=True)
+        slow_l = cc.Link(statistics.median(x.alpha for x in slow),
+                         statistics.median(x.beta for x in slow))
+        fast_l = cc.Link(statistics.median(x.alpha for x in fast),
+                         statistics.median(x.beta for x in fast))
+        net = cc.Net(2, 2, fast_l, slow_l)
+        topk_s = statistics.median(r["calibration"]["topk_compute_s"] for r in rounds)
+        th = theory(net, [float(u) for u in units], topk_s)
+        entry["fit"] = {"slow": {"alpha_s": slow_l.alpha, "beta_s_per_byte": slow_l.beta,
+                                 "bandwidth_Mbit_s": 8e-6 / slow_l.beta if slow_l.beta else None},
+                        "fast": {"alpha_s": fast_l.alpha, "beta_s_per_byte": fast_l.beta},
+                        "topk_compute_s": topk_s}
+        for v in ["flat", "flat_scattered", "hier", "hier_topk", "fsdp", "hsdp"]:
+            ref = "local_scattered" if v == "flat_scattered" else "local"
+            out_a = [r["summary"][v]["out_a"] for r in rounds]
+            step = [r["summary"][v]["step_s"] for r in rounds]
+            comm = [r["summary"][v]["step_s"] - r["summary"][ref]["step_s"] for r in rounds]
+            pred = th[v].seconds
+            mc = statistics.median(comm)
+            err = abs(pred - mc) / mc if mc > 0 else None
+            entry["variants"][v] = {
+                "node_out_bytes_per_step": med(out_a),
+                "node_out_bytes_theory": th[v].node_out_bytes,
+                "bytes_vs_theory": statistics.median(out_a) / th[v].node_out_bytes,
+                "step_s": med(step), "comm_s": med(comm), "model_comm_s": pred,
+                "model_rel_error": err,
+                "eval_loss": statistics.median(r["summary"][v]["eval_loss"] for r in rounds),
+            }
+            errors.append((rate, v, err))
+        entry["fsdp_ring_rs_theory_bytes"] = th["fsdp_ring_rs"].node_out_bytes
+        results[rate] = entry
+    ref_rate = rates[0]
+    V = results[ref_rate]["variants"]
+
+    def ratio(a: str, b: str) -> float:
+        return V[a]["node_out_bytes_per_step"]["median"] / V[b]["node_out_bytes_per_step"]["median"]
+
+    conv_s = summarise(conv, 0)
+    valid = [e for _, _, e in errors if e is not None]
+    out = {
+        "benchmark": "collectives",
+        "description": __doc__.split("\n\n")[1].replace("\n", " "),
+        "git_commit": prov.get("git_commit"), "git_dirty": prov.get("git_dirty"),
+        "provenance": prov,
+        "inter_bytes_ratio_hier_vs_flat": ratio("hier", "flat"),
+        "inter_bytes_ratio_hsdp_vs_fsdp": ratio("hsdp", "fsdp"),
+        "inter_bytes_ratio_topk_vs_flat": ratio("hier_topk", "flat"),
+        "inter_bytes_ratio_scattered_vs_flat": ratio("flat_scattered", "flat"),
+        "step_time_ratio_hier_vs_flat": V["hier"]["step_s"]["median"] / V["flat"]["step_s"]["median"],
+        "model_max_rel_error": max(valid) if valid else None,
+        "model_rel_errors": [{"rate": r, "variant": v, "rel_error": e} for r, v, e in errors],
+        "ratio_reference_rate": ref_rate,
+        "theory_ratios": {"hier_vs_flat": 2 / 3, "hsdp_vs_fsdp_gloo": 1 / 3,
+                          "hsdp_vs_fsdp_ring_reduce_scatter": 4 / 9,
+                          "topk_vs_flat": 2 * RATIO / 1.5, "scattered_vs_flat": 2.0},
+        "loss_check": {
+            "steps": args.loss_steps, "rate": "none",
+            "flat_eval_loss": conv_s["flat"]["eval_loss"],
+            "hier_topk_eval_loss": conv_s["hier_topk"]["eval_loss"],
+            "rel_diff": conv_s["hier_topk"]["eval_loss"] / conv_s["flat"]["eval_loss"] - 1,
+        },
+        "results": results,
+        "projection": {"grad_bytes": 2e9, "rows": project(
+            [64, 128, 256, 512, 1024, 2048, 4096], 2e9),
+            "nvlink": NVLINK, "infiniband": IB, "published": PUBLISHED},
+        "settings": {"rates": rates, "rounds": args.rounds, "steps": args.steps,
+                     "warmup": args.warmup, "topk_ratio": RATIO, "units_bytes": units,
+                     "nodes": 2, "ranks_per_node": 2, "backend": "gloo",
+                     "calibration_bytes": CALIB},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "seconds": time.time() - t_start,
+    }
+    dest = HERE / "results" / "collectives.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    from convergent.fsutil import atomic_write_text
+
+    atomic_write_text(dest, json.dumps(out, indent=2))
+    plot(out, HERE / "results" / "collectives.png")
+    print(json.dumps({k: out[k] for k in list(out)[3:12]}, indent=1))
+    print(f"wrote {dest}")
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    rate = out["ratio_reference_rate"]
+    V = out["results"][rate]["variants"]
+    names = list(V)
+    x = range(len(names))
+    axes[0].bar([i - 0.2 for i in x], [V[n]["node_out_bytes_per_step"]["median"] / 1e6
+                                       for n in names], 0.4, label="measured")
+    axes[0].bar([i + 0.2 for i in x], [V[n]["node_out_bytes_theory"] / 1e6 for n in names],
+                0.4, label="theory")
+    axes[0].set_xticks(list(x), names, rotation=30)
+    axes[0].set_ylabel("MB leaving a node per step")
+    axes[0].set_title(f"inter-node bytes at {rate}")
+    axes[0].legend()
+    for r, res in out["results"].items():
+        vs = res["variants"]
+        axes[1].scatter([vs[n]["comm_s"]["median"] for n in vs],
+                        [vs[n]["model_comm_s"] for n in vs], label=r)
+    lim = max(max(v["comm_s"]["median"] for v in res["variants"].values())
+              for res in out["results"].values())
+    axes[1].plot([0, lim], [0, lim], "k--", lw=0.8)
+    axes[1].set_xlabel("measured comm s/step")
+    axes[1].set_ylabel("α-β model s/step")
+    axes[1].set_title("cost model vs measurement")
+    axes[1].legend()
+    rows = [r for r in out["projection"]["rows"] if "flat_ring_s" in r]
+    g = [r["gpus"] for r in rows]
+    for key in ("flat_ring_s", "tree_s", "hierarchical_s", "hierarchical_topk1pct_s",
+                "hierarchical_shared_fabric_x2_s", "hierarchical_overlap50_exposed_s"):
+        axes[2].plot(g, [r[key] for r in rows], marker="o", label=key[:-2])
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("GPUs (8 per node, NVLink + IB NDR)")
+    axes[2].set_ylabel("all-reduce s (2 GB gradients)")
+    axes[2].set_title("α-β projection")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""One rank of bench/collectives.py, started inside an emulated node's namespace.
+
+Runs, one after another in this process group, the requested variants on the same
+model and data: ``local`` (no communication: the compute reference), ``flat`` (DDP
+ring all-reduce), ``hier`` (DDP hierarchical hook), ``hier_topk`` (hierarchical with
+top-k + error feedback on the inter-node hop), ``fsdp`` (FSDP2 over all ranks) and
+``hsdp`` (FSDP2 sharded in the node, replicated across). Per step it records this
+rank's step time and, on each node's first rank, the byte counters of the node's
+inter-node link; barriers outside the timed region line steps up. With ``--calib``
+it first times all-reduces of several sizes between two ranks on different nodes
+(the slow link) and inside a node (the fast path), for the α-β fit. Rank 0 writes
+everything as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from convergent.train.compression import CommStats, register_compression
+from convergent.train.hierarchy import discover_tiers, register_hierarchical
+
+
+def counters() -> tuple[int, int] | None:
+    dev = os.environ.get("CONVERGENT_NETEMU_DEV")
+    if not dev or os.environ.get("LOCAL_RANK") != "0":
+        return None
+    base = f"/sys/class/net/{dev}/statistics/"
+    with open(base + "tx_bytes") as f, open(base + "rx_bytes") as g:
+        return int(f.read()), int(g.read())
+
+
+class Block(nn.Module):
+    """Residual MLP block (one FSDP unit)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.gelu(self.lin(x))
+
+
+def build(dim: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(dim) for _ in range(layers - 1)], nn.Linear(dim, dim))
+
+
+def batch(dim: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Regression onto a fixed random linear teacher (learnable in a few steps)."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.Generator().manual_seed(1234)
+    w = torch.randn(dim, dim, generator=teacher) / dim**0.5
+    x = torch.randn(n, dim, generator=g)
+    return x, x @ w
+
+
+def calibrate(nodes: list[list[int]], sizes: list[int], reps: int) -> dict:
+    """Median seconds of a 2-rank all-reduce per size, across nodes and inside one."""
+    rank = dist.get_rank()
+    pairs = {"slow": [nodes[0][0], nodes[1][0]], "fast": nodes[0][:2]}
+    groups = {k: dist.new_group(sorted(v)) for k, v in pairs.items()}
+    out: dict = {}
+    for level, members in pairs.items():
+        out[level] = {}
+        for size in sizes:
+            ts = []
+            for _ in range(reps + 1):
+                dist.barrier()
+                if rank in members:
+                    buf = torch.ones(size // 4)
+                    t0 = time.perf_counter()
+                    dist.all_reduce(buf, group=groups[level])
+                    ts.append(time.perf_counter() - t0)
+            box = [ts[1:] if ts else None]  # first repetition warms the connection
+            allv: list = [None] * dist.get_world_size()
+            dist.all_gather_object(allv, box[0])
+            out[level][str(size)] = statistics.median(
+                max(v[i] for v in allv if v) for i in range(reps))
+    return out
+
+
+def topk_compute(n: int, ratio: float, reps: int = 5) -> float:
+    """Median seconds of the top-k hook's local work on an ``n``-element shard
+    (error-feedback add, selection, residual update, dense rebuild): the γ term."""
+    import math
+
+    k = max(1, math.ceil(ratio * n))
+    g, res = torch.randn(n), torch.randn(n) * 0.01
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        acc = g + res
+        top = acc.abs().topk(k, sorted=False).indices
+        new_res = acc.clone()
+        new_res[top] = 0.0
+        out = torch.zeros(n)
+        for _ in range(2):  # one payload per node
+            out.index_add_(0, top, acc[top])
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def wrap(variant: str, dim: int, layers: int, tiers, meshes: dict, ratio: float):  # noqa: ANN001, ANN201
+    """Model prepared for ``variant`` and the module to call."""
+    model = build(dim, layers)
+    if variant == "local":
+        return model, model
+    if variant in ("flat", "hier", "hier_topk"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, bucket_cap_mb=1000, broadcast_buffers=False)  # one bucket
+        stats = CommStats()
+        pcfg = SimpleNamespace(compression="topk" if variant == "hier_topk" else "none",
+                               topk_ratio=ratio, powersgd_rank=2, powersgd_start_iter=10)
+        if variant == "flat":
+            register_compression(ddp, "none", pcfg, stats)
+        else:
+            register_hierarchical(ddp, pcfg, stats, tiers)
+        return model, ddp
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = meshes[variant]
+    for blk in model:
+        fully_shard(blk, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return model, model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--topk-ratio", type=float, default=0.01)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--calib", default="")  # comma-separated byte sizes
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pcfg = SimpleNamespace(topology_file=None, topology_level="node")
+    tiers = discover_tiers(pcfg, world)
+    nodes = tiers.nodes
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = {"fsdp": DeviceMesh("cpu", torch.arange(world), mesh_dim_names=("shard",)),
+              "hsdp": DeviceMesh("cpu", torch.tensor(nodes),
+                                 mesh_dim_names=("replicate", "shard"))}
+    result: dict = {"nodes": nodes, "world": world, "variants": {}}
+    if args.calib:
+        result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 3)
+        n = sum(p.numel() for p in build(args.dim, args.layers).parameters())
+        result["calibration"]["topk_compute_s"] = topk_compute(n // len(nodes[0]),
+                                                               args.topk_ratio)
+    eval_x, eval_y = batch(args.dim, 256, 999_999)
+    for variant in args.variants.split(","):
+        model, fwd = wrap(variant, args.dim, args.layers, tiers, meshes, args.topk_ratio)
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        steps = []
+        for step in range(args.warmup + args.steps):
+            x, y = batch(args.dim, args.batch, 1000 * step + rank)
+            dist.barrier()
+            c0 = counters()
+            t0 = time.perf_counter()
+            loss = nn.functional.mse_loss(fwd(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            dist.barrier()
+            c1 = counters()
+            steps.append({"s": dt, "loss": float(loss),
+                          "tx": c1[0] - c0[0] if c1 else None,
+                          "rx": c1[1] - c0[1] if c1 else None})
+        with torch.no_grad():
+            ev = float(nn.functional.mse_loss(fwd(eval_x), eval_y))
+        allv: list = [None] * world
+        dist.all_gather_object(allv, {"steps": steps, "eval_loss": ev,
+                                      "node": int(os.environ.get("GROUP_RANK", "0")),
+                                      "local_rank": int(os.environ.get("LOCAL_RANK", "0"))})
+        result["variants"][variant] = allv
+        del model, fwd, opt
+    result["units_bytes"] = [4 * sum(p.numel() for p in blk.parameters())
+                             for blk in build(args.dim, args.layers)]
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""α-β (latency-bandwidth) cost model of gradient collectives on a two- or three-level
+network: time and bytes leaving a node for flat ring, tree, hierarchical and compressed
+all-reduce, and for FSDP / HSDP steps.
+
+A message of ``b`` bytes over a link costs ``alpha + b * beta``. Collectives proceed in
+synchronous steps; a step lasts as long as its slowest link, and ``flows`` concurrent
+messages leaving through one node's egress share its bandwidth (the emulated network
+has one veth per node; a DGX-style node has one NIC per GPU, ``shared_egress=False``).
+
+Ring all-reduce of ``S`` bytes over ``P`` ranks: ``2(P-1)`` steps of ``S/P`` bytes each,
+so each ring edge carries ``2(P-1)/P * S``. With node-contiguous ranks one ring edge
+leaves each node; with a scattered placement (ranks dealt round-robin over nodes)
+every edge crosses, ``L`` of them leave each node. Hierarchical (``L`` ranks per node,
+``N`` nodes): reduce-scatter in the node (``(L-1)`` fast steps of ``S/L``), ``L``
+concurrent ring all-reduces of ``S/L`` across nodes (``2(N-1)`` steps, ``S/N`` bytes
+through each node's egress per step), all-gather in the node: ``2(N-1)/N * S`` bytes
+leave a node against the flat ring's ``2(P-1)/P * S`` (2/3 of it for 2 x 2). Top-k on the
+slow hop sends ``8k`` bytes (value, index) per rank with a ring all-gather over ``N``:
+``(N-1) * L * 8k`` leave a node. Binary-tree all-reduce (reduce then broadcast,
+pipelined as NCCL's double tree): ``2 log2(P)`` latency terms and ``2 S`` bandwidth.
+FSDP per unit of ``s`` bytes: all-gather in forward, again in backward when resharded,
+reduce-scatter of gradients, each ``(P-1)`` ring steps of ``s/P``; HSDP shards inside
+the node and all-reduces the ``s/L`` gradient shards across nodes.
+
+Variants for the converged-computing ideas: ``overlap`` (the fraction of communication
+hidden behind backward compute: sync-free notification lets buckets go as soon as
+ready) and ``isolation`` (``contention`` jobs sharing the slow links; a reconfigurable
+network that isolates the job's links sets it to 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """Per-message latency ``alpha`` (s) and inverse bandwidth ``beta`` (s/byte)."""
+
+    alpha: float
+    beta: float
+
+    def t(self, nbytes: float, flows: int = 1) -> float:
+        return self.alpha + flows * nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class Net:
+    """``nodes`` x ``per_node`` ranks; ``fast`` links inside a node, ``slow`` between."""
+
+    nodes: int
+    per_node: int
+    fast: Link
+    slow: Link
+    shared_egress: bool = True  # one egress per node (emulation) vs one NIC per rank
+    contention: float = 1.0  # jobs sharing the slow links (1: isolated)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    def slow_t(self, nbytes: float, flows: int) -> float:
+        f = flows if self.shared_egress else 1
+        return self.slow.alpha + f * nbytes * self.slow.beta * self.contention
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted communication time (s) and bytes leaving one node per operation."""
+
+    seconds: float
+    node_out_bytes: float
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(self.seconds + other.seconds, self.node_out_bytes + other.node_out_bytes)
+
+    def scale(self, k: float) -> Cost:
+        return Cost(self.seconds * k, self.node_out_bytes * k)
+
+
+def flat_ring(net: Net, size: float, scattered: bool = False) -> Cost:
+    """Ring all-reduce over every rank in rank order."""
+    p = net.world
+    if p == 1:
+        return Cost(0.0, 0.0)
+    crossing = net.per_node if scattered else 1  # ring edges leaving one node
+    steps = 2 * (p - 1)
+    if net.nodes == 1:
+        return Cost(steps * net.fast.t(size / p), 0.0)
+    return Cost(steps * net.slow_t(size / p, crossing), crossing * steps * size / p)
+
+
+def tree(net: Net, size: float) -> Cost:
+    """Pipelined binary-tree all-reduce (reduce + broadcast) over every rank."""
+    p = net.world
+    if p == 1:
+        return Cost(0.0, 0.0)
+    lat = 2 * math.ceil(math.log2(p)) * net.slow.alpha
+    return Cost(lat + 2 * size * net.slow.beta * net.contention, 2 * size)
+
+
+def _intra(net: Net, size: float) -> float:
+    """Reduce-scatter (or all-gather) of ``size`` bytes inside a node."""
+    n = net.per_node
+    return (n - 1) * net.fast.t(size / n) if n > 1 else 0.0
+
+
+def hierarchical(net: Net, size: float, slow_fraction: float = 1.0) -> Cost:
+    """Reduce-scatter in node, ring all-reduce across nodes, all-gather in node.
+
+    ``slow_fraction`` scales the slow-hop payload (fp16: 0.5; dense compressors)."""
+    n, L = net.nodes, net.per_node
+    inner = 2 * _intra(net, size)
+    if n == 1:
+        return Cost(inner, 0.0)
+    shard = size / L * slow_fraction
+    steps = 2 * (n - 1)
+    t = steps * net.slow_t(shard / n, L)
+    return Cost(inner + t, L * steps * shard / n)
+
+
+def hierarchical_topk(net: Net, size: float, ratio: float, elem: int = 4) -> Cost:
+    """Hierarchical with top-k (value + int32 index) all-gather on the slow hop."""
+    n, L = net.nodes, net.per_node
+    inner = 2 * _intra(net, size)
+    k = max(1, math.ceil(ratio * size / elem / L))
+    payload = 8 * k
+    if n == 1:
+        return Cost(inner, 0.0)
+    t = (n - 1) * net.slow_t(payload, L)
+    return Cost(inner + t, (n - 1) * L * payload)
+
+
+def fsdp(
+    net: Net, units: list[float], reshard: list[bool], rs_allreduce: bool = False
+) -> Cost:
+    """FSDP over every rank: ring all-gathers (forward; backward when resharded) and a
+    gradient reduce-scatter per unit; ``rs_allreduce``: the backend implements the
+    reduce-scatter as a full all-reduce (gloo does: ``2(P-1)`` steps, measured)."""
+    p = net.world
+    total = Cost(0.0, 0.0)
+    link = net.fast.t if net.nodes == 1 else (lambda b: net.slow_t(b, 1))
+    for s, rs in zip(units, reshard, strict=True):
+        steps = (2 if rs else 1) * (p - 1) + (2 if rs_allreduce else 1) * (p - 1)
+        out = 0.0 if net.nodes == 1 else steps * s / p
+        total += Cost(steps * link(s / p), out)
+    return total
+
+
+def hsdp(net: Net, units: list[float], reshard: list[bool]) -> Cost:
+    """HSDP: shard inside the node, all-reduce gradient shards across nodes."""
+    total = Cost(0.0, 0.0)
+    for s, rs in zip(units, reshard, strict=True):
+        cross = hierarchical(net, s) + Cost(-2 * _intra(net, s), 0.0)  # slow hop only
+        total += Cost((3 if rs else 2) * _intra(net, s), 0.0) + cross
+    return total
+
+
+def exposed(cost: Cost, backward_s: float, overlap: float) -> float:
+    """Communication left on the critical path when ``overlap`` (0..1) of it can hide
+    behind ``backward_s`` of backward compute (sync-free bucket launch)."""
+    hidden = min(cost.seconds * overlap, backward_s)
+    return cost.seconds - hidden
+
+
+def fit_link(sizes: list[float], seconds: list[float], steps: int, per_step: float) -> Link:
+    """Least-squares α, β from timings of a collective with ``steps`` latency terms and
+    ``per_step * size`` bytes per step on the measured link (e.g. 2-rank all-reduce:
+    steps=2, per_step=0.5)."""
+    n = len(sizes)
+    xs = [per_step * s for s in sizes]
+    ys = [t / steps for t in seconds]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    beta = max(beta, 0.0)
+    alpha = max(my - beta * mx, 0.0)
+    return Link(alpha, beta)
