@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install the Debian packages that the real-service tests use: slurm-wlm + munge (a real
-# Slurm for tests/slurm) and prometheus (tests/monitor's scrape test). Needs root and apt;
+# Slurm for tests/slurm), prometheus (tests/monitor's scrape test) and iproute2 (ip, tc:
+# the emulated network of scripts/netemu.sh). Needs root and apt;
 # does nothing when every package is already there. Usage: sudo bash scripts/system-deps.sh
 set -euo pipefail
-pkgs=(slurm-wlm munge prometheus)
+pkgs=(slurm-wlm munge prometheus iproute2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
