@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,19 +61,11 @@ PUBLISHED = {
 
 
 def provenance() -> dict:
-    try:
-        from convergent.provenance import collect  # type: ignore[attr-defined]
+    """Commit and dirty flag of the code (convergent.provenance)."""
+    from convergent.provenance import code_version
 
-        return collect()
-    except Exception:  # noqa: BLE001 - fall back to git
-        root = HERE.parent
-
-        def git(*a: str) -> str:
-            return subprocess.run(["git", *a], cwd=root, capture_output=True,
-                                  text=True).stdout.strip()
-
-        return {"git_commit": git("rev-parse", "HEAD"),
-                "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    cv = code_version().to_dict()
+    return {"git_commit": cv.get("commit"), "git_dirty": cv.get("dirty"), "code": cv}
 
 
 def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out: Path,
@@ -262,7 +253,7 @@ def main() -> None:
         "benchmark": "collectives",
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
         "git_commit": prov.get("git_commit"), "git_dirty": prov.get("git_dirty"),
-        "provenance": prov,
+        "code": prov["code"],
         "inter_bytes_ratio_hier_vs_flat": ratio("hier", "flat"),
         "inter_bytes_ratio_hsdp_vs_fsdp": ratio("hsdp", "fsdp"),
         "inter_bytes_ratio_topk_vs_flat": ratio("hier_topk", "flat"),

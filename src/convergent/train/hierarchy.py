@@ -19,7 +19,8 @@
   than one rank per node, else flat.
 
 Node groups: ``parallel.topology_file`` with explicit ``groups`` (rank lists, one per
-node), else one group per node key, all-gathered from every rank: the hostname plus
+node), else one group per node key, all-gathered from every rank: the node name
+(``SLURMD_NODENAME`` or the hostname, :func:`convergent.train.topology.node_name`) plus
 torchrun's node rank ``GROUP_RANK`` when set (so several emulated nodes on one host,
 and any multi-node torchrun launch, are told apart). Ranks of a node need not be
 contiguous (a scheduler's scattered placement works; the hook follows the map).
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,8 +71,11 @@ class Tiers:
 
 
 def node_key() -> str:
-    """This process's node identity: hostname, plus torchrun's node rank when set."""
-    host = socket.gethostname()
+    """This process's node identity: :func:`~convergent.train.topology.node_name` (Slurm's
+    node name, else the hostname), plus torchrun's node rank when set."""
+    from convergent.train.topology import node_name
+
+    host = node_name()
     gr = os.environ.get("GROUP_RANK")
     return f"{host}#{gr}" if gr is not None else host
 
