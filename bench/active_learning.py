@@ -68,10 +68,10 @@ def overrides(strategy: str, seed: int, pipelined: bool = True) -> list[str]:
 
 def commit_info() -> dict[str, Any]:
     try:
-        from convergent.provenance import git_info  # type: ignore[attr-defined]
+        from convergent.provenance import code_version
 
-        return dict(git_info())
-    except Exception:  # noqa: BLE001 - the module may not exist yet
+        return code_version().to_dict()
+    except ImportError:  # an older checkout without convergent.provenance
         repo = ROOT.parent
 
         def git(*args: str) -> str:

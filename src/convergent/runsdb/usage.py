@@ -30,7 +30,7 @@ def allocation(cfg: Any, stage: str, placement: Any | None = None) -> tuple[floa
     """(cores, gpus) that ``stage`` holds under ``cfg`` (a ConvergentConfig). Training
     uses ``placement`` (a :class:`convergent.placement.Placement`, as ``convergent train``
     resolved it), else resolves ``parallel.nproc``/``train.device`` the same way."""
-    if stage == "simulate":
+    if stage in ("simulate", "learn"):  # learn: the Dask pool that labels, trains and explores
         c = cfg.cluster
         if c.kind != "local":
             return 1.0, 0.0  # the client; the workers' use comes from the scheduler's records
