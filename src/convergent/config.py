@@ -18,6 +18,7 @@ from convergent.configbase import Name, PathStr, Section
 from convergent.data.config import DataConfig
 from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text
+from convergent.learn.config import LearnConfig
 from convergent.models.config import ModelConfig
 from convergent.monitor.config import MetricsConfig
 from convergent.screen.config import ScreenConfig
@@ -48,6 +49,7 @@ class ConvergentConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     screen: ScreenConfig = ScreenConfig()
     serve: ServeConfig = ServeConfig()
+    learn: LearnConfig = LearnConfig()
 
 
 def _parse_value(text: str) -> Any:

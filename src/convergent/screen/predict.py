@@ -46,6 +46,8 @@ class PredictionResult:
     n_models: int
     seconds: float
     indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # largest per-atom force spread of each structure (eV/Å, NaN for one model)
+    force_std_max: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -145,6 +147,7 @@ def _predict(
     n_atoms = np.asarray(n_atoms_list, dtype=np.int64)
     e_all = np.full((len(models), s), np.nan)
     f_std = np.full(s, np.nan)
+    f_std_max = np.full(s, np.nan)
     f_mae = np.full(s, np.nan)
     e_true = np.full(s, np.nan)
     for idx in batches_by_atom_budget(n_atoms, batch_atoms):
@@ -164,6 +167,9 @@ def _predict(
         if len(models) > 1:
             per_atom = np.linalg.norm(fa.std(0, ddof=1), axis=1)
             f_std[idx] = np.bincount(seg, weights=per_atom, minlength=len(idx)) / counts
+            mx = np.zeros(len(idx))
+            np.maximum.at(mx, seg, per_atom)
+            f_std_max[idx] = mx
         for k, i in enumerate(idx):
             ev = recs[k].get("energy")
             if ev is not None and np.isfinite(float(ev)):
@@ -184,6 +190,7 @@ def _predict(
         n_models=len(models),
         seconds=time.perf_counter() - t0,
         indices=np.asarray(indices if indices is not None else np.arange(s), np.int64),
+        force_std_max=f_std_max,
     )
 
 

@@ -1,0 +1,434 @@
+"""The active-learning driver: rounds of train -> propose -> score -> select -> label.
+
+>>> summary = run_learning(cfg, run)          # cfg.learn: LearnConfig; run: RunDir
+
+Round ``r`` trains committee ``C_r`` (``K`` members, warm-started from ``C_{r-1}``) on
+every label so far, evaluates it on the held-out molecules (a point of the learning
+curve), scores the candidates — a seeded sample of the unlabelled pool and the frames
+of short Langevin trajectories that ``C_{r-1}`` drove from labelled structures — by
+committee disagreement, selects a batch and labels it. With ``pipelined`` the driver
+only waits for the critical path (training, scoring, labelling): the exploration of the
+next round (driven by ``C_r``) and evaluations are submitted as soon as they can run, at
+lower Dask priority, and fill the cores the critical path leaves idle.
+
+Everything that decides the next step is on disk under ``<run>/learn/`` (pool, held-out
+set, MD frames and selection of each round, ``state.json``) and in the labels dataset,
+and every random choice is seeded by (seed, round, member), so a driver killed at any
+point and rerun with ``--resume`` continues to the same dataset, labelling nothing twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+
+from convergent.config import ConvergentConfig
+from convergent.fsutil import atomic_write_text
+from convergent.learn import tasks
+from convergent.learn.config import LearnConfig
+from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
+from convergent.learn.label import LABEL_LOG, committed_keys, label_batch, quarantined_keys
+from convergent.learn.pool import Candidate, build_pool, load_candidates, save_candidates
+from convergent.learn.select import combined_score, select_batch
+from convergent.runs import RunDir
+from convergent.sim.sources import stable_int
+
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where a campaign keeps its state inside a run directory."""
+
+    run: RunDir
+
+    @property
+    def root(self) -> Path:
+        return self.run.path / "learn"
+
+    @property
+    def labels(self) -> Path:
+        return self.run.data / "labels"
+
+    @property
+    def holdout(self) -> Path:
+        return self.run.data / "holdout"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def timeline(self) -> Path:
+        return self.root / "timeline.jsonl"
+
+    @property
+    def rounds(self) -> Path:
+        return self.root / "rounds.jsonl"
+
+    def member(self, rnd: int, k: int) -> Path:
+        return self.run.ckpt / f"round-{rnd:03d}" / f"m{k}"
+
+    def selection(self, rnd: int) -> Path:
+        return self.root / f"selection-r{rnd:03d}.json"
+
+    def md(self, rnd: int) -> Path:
+        return self.root / f"md-r{rnd:03d}.npz"
+
+
+def _seed(*parts: object) -> int:
+    return stable_int(*parts) & 0x7FFFFFFF
+
+
+class Campaign:
+    """One campaign's driver state (see the module docstring)."""
+
+    def __init__(self, cfg: ConvergentConfig, run: RunDir, pool: Pool | None = None,
+                 progress: bool = True) -> None:
+        self.cfg, self.L, self.p = cfg, cfg.learn, Paths(run)
+        self.pool: Pool = pool  # type: ignore[assignment]  # set before run() when None
+        self.progress = progress
+        self.p.root.mkdir(parents=True, exist_ok=True)
+        self.state: dict[str, Any] = (json.loads(self.p.state.read_text()) if self.p.state.exists()
+                                      else {"members": {}, "rounds": {}, "elapsed_s": 0.0})
+        self.t0 = time.time()
+        self.cands, self.held = self._pool()
+        self.md_futures: dict[int, list] = {}
+        self.eval_futures: dict[int, Any] = {}
+        self.curve: dict[int, dict[str, Any]] = {int(k): v for k, v in self.state.get("curve", {}).items()}
+
+    # ---------------------------------------------------------------- bookkeeping
+    def say(self, text: str) -> None:
+        if self.progress:
+            console.print(text)
+
+    def save(self) -> None:
+        self.state["curve"] = {str(k): v for k, v in self.curve.items()}
+        atomic_write_text(self.p.state, json.dumps(self.state, indent=2))
+
+    def elapsed(self) -> float:
+        return float(self.state.get("elapsed_s", 0.0)) + time.time() - self.t0
+
+    def _pool(self) -> tuple[list[Candidate], list[Candidate]]:
+        pool_f, held_f = self.p.root / "pool.npz", self.p.root / "holdout.npz"
+        if pool_f.exists() and held_f.exists():
+            return load_candidates(pool_f), load_candidates(held_f)
+        pool, held = build_pool(self.L)
+        save_candidates(held_f, held)
+        save_candidates(pool_f, pool)
+        self.say(f"pool: {len(pool)} structures; held out: {len(held)} structures")
+        return pool, held
+
+    def calc(self, rnd: int) -> dict[str, Any]:
+        from convergent.sim.calculators import CalcSpec
+        from convergent.sim.config import SimulateConfig
+
+        kind = self.L.calculator
+        if self.L.dft_from_round and rnd >= self.L.dft_from_round:
+            kind = "dft"
+        sim = SimulateConfig(calculator=kind, method=None if kind != "xtb" else "GFN2-xTB")
+        return CalcSpec.from_simulate(sim).to_dict()
+
+    def labels_used(self) -> int:
+        n = len(committed_keys(self.p.labels))
+        return n + self.init_count()
+
+    def init_count(self) -> int:
+        if not self.L.init_dataset:
+            return 0
+        return len(committed_keys(Path(self.L.init_dataset)))
+
+    def label(self, rnd: int, ranked: list[Candidate], k: int, strategy: str,
+              scores: dict[str, float] | None = None, dataset: Path | None = None):
+        return label_batch(self.pool, dataset or self.p.labels, ranked, k, self.calc(rnd),
+                           rnd=rnd, strategy=strategy, scores=scores, chunk=self.L.label_chunk,
+                           retries=self.L.label_retries, min_distance=self.L.min_distance,
+                           log=self.p.root / LABEL_LOG if dataset is None else None)
+
+    # ---------------------------------------------------------------- round 0
+    def start(self) -> None:
+        """Label the held-out set and the initial random labels (round 0)."""
+        held = self.label(0, self.held, len(self.held), "holdout", dataset=self.p.holdout)
+        init = []
+        if not self.L.init_dataset:
+            rng = np.random.default_rng(_seed("init", self.L.seed))
+            ranked = [self.cands[i] for i in rng.permutation(len(self.cands))]
+            init = ranked
+            out = self.label(0, init, self.L.init_labels, "init")
+            self.say(f"round 0: {len(held.labelled)} held-out and {len(out.labelled)} initial "
+                     f"labels ({len(out.quarantined)} quarantined)")
+
+    # ---------------------------------------------------------------- training
+    def members(self, rnd: int) -> list[str]:
+        return [str(self.p.member(rnd, k)) for k in range(self.L.committee)]
+
+    def train(self, rnd: int) -> dict[str, Any]:
+        """Train (or, on resume, keep) the K members of round ``rnd``; retry crashed ones."""
+        L = self.L
+        done = set(self.state["members"].get(str(rnd), []))
+        extra = [L.init_dataset] if L.init_dataset else []
+        steps = L.first_train_steps if rnd == 1 and not L.init_model else L.train_steps
+        fault = None
+        if (marker := _fault_marker()) is not None:
+            fault = str(self.p.root / marker)
+
+        def submit(k: int):
+            init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.init_model
+            return self.pool.submit(
+                "train", f"m{k}", rnd, tasks.train_member, str(self.p.labels), extra,
+                self.cfg.model.model_dump(mode="json"), init, str(self.p.member(rnd, k)), steps,
+                L.lr, L.batch_atoms, L.force_weight, _seed("member", L.seed, rnd, k),
+                device="cpu", fault_marker=fault)
+
+        futs = {k: (submit(k), 0) for k in range(L.committee) if k not in done}
+        summaries, retried = [], 0
+        while futs:
+            k = next(iter(futs))
+            fut, attempt = futs.pop(k)
+            try:
+                summaries.append(self.pool.result(fut))
+            except Exception as exc:
+                if attempt >= L.train_retries:
+                    raise RuntimeError(f"round {rnd}: committee member {k} failed "
+                                       f"{attempt + 1} times: {type(exc).__name__}: {exc}") from None
+                self.say(f"[yellow]round {rnd}: member {k} failed ({type(exc).__name__}); retrying")
+                retried += 1
+                futs[k] = (submit(k), attempt + 1)
+                continue
+            self.state["members"].setdefault(str(rnd), []).append(k)
+            self.save()
+        return {"members_trained": len(summaries), "train_retries": retried, "train_steps": steps,
+                "train_s": sum(s["seconds"] for s in summaries)}
+
+    # ---------------------------------------------------------------- exploration
+    def submit_md(self, rnd: int) -> None:
+        """Exploration for round ``rnd`` driven by committee ``rnd - 1`` (background)."""
+        L = self.L
+        if rnd in self.md_futures or L.md_trajectories == 0 or self.p.md(rnd).exists():
+            return
+        models = self.members(rnd - 1) if rnd > 1 else ([L.init_model] if L.init_model else [])
+        if not models:
+            return
+        from convergent.data.reader import open_dataset
+
+        # start from the labels of rounds before rnd - 1: the same set whenever this runs
+        ds = open_dataset(self.p.labels)
+        try:
+            recs = sorted((r for r in ds if r["meta"].get("round", 0) <= rnd - 2), key=lambda r: r["key"])
+        finally:
+            ds.close()
+        rng = np.random.default_rng(_seed("md-start", L.seed, rnd))
+        starts = [recs[i] for i in rng.choice(len(recs), size=min(len(recs), L.md_trajectories),
+                                              replace=False)]
+        futs = []
+        for j, rec in enumerate(starts):
+            start = {"numbers": rec["numbers"], "positions": rec["positions"],
+                     "molecule_id": rec["molecule_id"], "key": rec["key"]}
+            f = self.pool.submit("explore", f"t{j}", rnd, tasks.explore_md, models, start, L.md_steps,
+                                 L.md_interval, L.md_temperature, L.md_timestep_fs, L.md_friction,
+                                 _seed("md", L.seed, rnd, j), device="cpu")
+            futs.append((f, start))
+        self.md_futures[rnd] = futs
+
+    def md_candidates(self, rnd: int) -> list[Candidate]:
+        """The exploration frames of round ``rnd`` (waits for them; saved for resume)."""
+        path = self.p.md(rnd)
+        if path.exists():
+            return load_candidates(path)
+        self.submit_md(rnd)
+        out = []
+        for f, start in self.md_futures.pop(rnd, []):
+            try:
+                frames = self.pool.result(f)
+            except Exception as exc:  # exploration is optional: a failed trajectory is dropped
+                self.say(f"[yellow]round {rnd}: an exploration trajectory failed: {exc}")
+                continue
+            for fr in frames:
+                out.append(Candidate.make(start["molecule_id"], start["numbers"], fr["positions"],
+                                          origin="md", md_step=fr["step"], md_start=start["key"],
+                                          md_round=rnd))
+        save_candidates(path, out)
+        return out
+
+    # ---------------------------------------------------------------- evaluation
+    def submit_eval(self, rnd: int, labels: int) -> None:
+        if rnd in self.curve or rnd in self.eval_futures:
+            return
+        f = self.pool.submit("eval", "holdout", rnd, tasks.evaluate, self.members(rnd),
+                             str(self.p.holdout), self.L.batch_atoms, device="cpu")
+        self.eval_futures[rnd] = (f, labels)
+
+    def collect_eval(self, rnd: int) -> dict[str, Any] | None:
+        if rnd not in self.curve and rnd in self.eval_futures:
+            f, labels = self.eval_futures.pop(rnd)
+            self.curve[rnd] = {"round": rnd, "labels": labels, **self.pool.result(f)}
+            self.save()
+        return self.curve.get(rnd)
+
+    # ---------------------------------------------------------------- scoring
+    def score(self, rnd: int, cands: list[Candidate]) -> np.ndarray:
+        L = self.L
+        futs = []
+        for i in range(0, len(cands), L.score_chunk):
+            recs = [c.record() for c in cands[i:i + L.score_chunk]]
+            futs.append(self.pool.submit("score", f"c{i}", rnd, tasks.score_records, self.members(rnd),
+                                         recs, L.batch_atoms, device="cpu"))
+        parts = [self.pool.result(f) for f in futs]
+        e_std = np.concatenate([p["energy_std"] for p in parts]) if parts else np.zeros(0)
+        f_max = np.concatenate([p["force_std_max"] for p in parts]) if parts else np.zeros(0)
+        n = np.concatenate([p["n_atoms"] for p in parts]) if parts else np.zeros(0)
+        return combined_score(e_std, f_max, n, L.force_weight_score)
+
+    def candidates(self, rnd: int, exclude: set[str]) -> list[Candidate]:
+        """A seeded sample of the unlabelled pool, then this round's exploration frames."""
+        L = self.L
+        free = [c for c in self.cands if c.key not in exclude]
+        if L.pool_sample and len(free) > L.pool_sample:
+            rng = np.random.default_rng(_seed("pool-sample", L.seed, rnd))
+            free = [free[i] for i in sorted(rng.choice(len(free), L.pool_sample, replace=False))]
+        return free + [c for c in self.md_candidates(rnd) if c.key not in exclude]
+
+    def select(self, rnd: int, k: int) -> tuple[list[Candidate], dict[str, float]]:
+        """The ranked candidates of round ``rnd`` (computed once, then read from disk)."""
+        path = self.p.selection(rnd)
+        if path.exists():
+            sel = json.loads(path.read_text())
+            by_key = {c.key: c for c in self.cands}
+            by_key.update({c.key: c for c in self.md_candidates(rnd)})
+            return [by_key[x] for x in sel["ranked"]], sel["scores"]
+        L = self.L
+        exclude = committed_keys(self.p.labels) | quarantined_keys(self.p.labels)
+        cands = self.candidates(rnd, exclude)
+        scores = self.score(rnd, cands) if L.strategy == "uncertainty" else np.full(len(cands), np.nan)
+        picked = select_batch(cands, scores, 2 * k + 4, L.strategy, L.diversity_tol,
+                              _seed("select", L.seed, rnd), exclude, L.max_per_molecule)
+        ranked = [cands[i] for i in picked]
+        by = {cands[i].key: float(scores[i]) for i in picked if np.isfinite(scores[i])}
+        atomic_write_text(path, json.dumps({
+            "round": rnd, "strategy": L.strategy, "k": k, "ranked": [c.key for c in ranked],
+            "scores": by, "candidates": len(cands),
+            "from_md": sum(1 for c in cands if c.origin == "md"),
+            "mean_score_all": float(np.nanmean(scores)) if np.isfinite(scores).any() else None,
+        }, indent=1))
+        return ranked, by
+
+    # ---------------------------------------------------------------- the campaign
+    def run(self) -> dict[str, Any]:
+        L = self.L
+        self.start()
+        stop = None
+        rnd = 1
+        while True:
+            done_row = self.state["rounds"].get(str(rnd))
+            labels_now = self.labels_used()
+            t_round = time.time()
+            tr = self.train(rnd)
+            self.submit_eval(rnd, labels_now)
+            if not L.pipelined:
+                self.collect_eval(rnd)
+            final = rnd > L.rounds or labels_now >= L.label_budget
+            if done_row is None and not final:
+                if L.pipelined and rnd + 1 <= L.rounds:
+                    self.submit_md(rnd + 1)  # explores for the next round while this one works
+                k = min(L.batch, L.label_budget - labels_now)
+                if not L.pipelined:
+                    self.md_candidates(rnd)
+                ranked, scores = self.select(rnd, k)
+                out = self.label(rnd, ranked, k, L.strategy, scores)
+                sel = json.loads(self.p.selection(rnd).read_text())
+                row = {"round": rnd, "labels_before": labels_now, "selected": len(out.labelled),
+                       "quarantined": len(out.quarantined), "refills": out.refills,
+                       "candidates": sel["candidates"], "from_md": sel["from_md"],
+                       "mean_score_selected": float(np.mean([scores[c.key] for c in ranked[:k] if c.key in scores]))
+                       if scores else None,
+                       "mean_score_all": sel["mean_score_all"], "label_s": out.seconds,
+                       "wall_s": time.time() - t_round, **tr}
+                self.state["rounds"][str(rnd)] = row
+                with self.p.rounds.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(row) + "\n")
+                self.save()
+                self.say(f"round {rnd}: trained {L.committee} members ({tr['train_retries']} retried), "
+                         f"labelled {len(out.labelled)} of {row['candidates']} candidates "
+                         f"({row['from_md']} from MD; {len(out.quarantined)} quarantined, "
+                         f"{out.refills} refilled); labels {self.labels_used()}")
+            point = self.collect_eval(rnd)
+            if point is not None:
+                self.say(f"round {rnd}: held-out energy MAE {point['energy_mae_per_atom']:.4f} eV/atom, "
+                         f"force MAE {point['force_mae']:.4f} eV/Å at {point['labels']} labels")
+            if final:
+                stop = stop or ("label budget" if labels_now >= L.label_budget else "rounds")
+                break
+            if L.target_energy_mae and point and point["energy_mae_per_atom"] <= L.target_energy_mae:
+                stop = "target error"
+                break
+            if L.wall_budget_s and self.elapsed() >= L.wall_budget_s:
+                stop = "wall-time budget"
+                break
+            rnd += 1
+        for futs in self.md_futures.values():  # exploration nobody needs any more
+            for f, _ in futs:
+                f.cancel()
+        self.state["stop"] = stop
+        self.state["final_round"] = rnd
+        self.state["elapsed_s"] = self.elapsed()
+        self.t0 = time.time()
+        self.save()
+        return {"rounds": rnd, "stop": stop, "labels": self.labels_used(),
+                "final": self.curve.get(rnd), "workers": self.pool.n_workers}
+
+
+def _fault_marker() -> str | None:
+    """``CONVERGENT_LEARN_FAULT=train``: crash one training worker once (a test hook)."""
+    import os
+
+    return "fault-train.marker" if os.environ.get("CONVERGENT_LEARN_FAULT") == "train" else None
+
+
+def check_inputs(cfg: ConvergentConfig) -> None:
+    """What can fail before any work: the pool source, the warm-start model and dataset."""
+    from convergent.errors import InputError
+    from convergent.sim.sources import check_source
+
+    L: LearnConfig = cfg.learn
+    check_source(L.pool, "quarantine")
+    if L.init_model and not (Path(L.init_model) / "model_config.json").is_file():
+        raise InputError(f"learn.init_model: {L.init_model} is not a saved model directory")
+    if L.init_dataset:
+        from convergent.data.manifest import check_dataset
+
+        check_dataset(L.init_dataset, "learn.init_dataset")
+
+
+def run_learning(cfg: ConvergentConfig, run: RunDir, client=None, progress: bool = True) -> dict[str, Any]:
+    """Run (or resume) the campaign of ``cfg.learn`` in ``run``; returns its summary and
+    writes the report (``<run>/report/learn.md``)."""
+    from convergent.cluster import dask_client
+
+    t0 = time.time()
+    campaign = Campaign(cfg, run, None, progress)  # builds the pool before the cluster starts
+
+    @contextlib.contextmanager
+    def _client():
+        if client is not None:
+            yield client
+        else:
+            with dask_client(cfg.cluster, echo=console.print if progress else None) as c:
+                yield c
+
+    with _client() as c:
+        gpu = gpu_wanted(cfg.learn.device) and client is None
+        with gpu_worker(c) if gpu else contextlib.nullcontext():
+            campaign.pool = Pool(c, Paths(run).timeline, gpu)
+            summary = campaign.run()
+    from convergent.learn.report import build_learn_report
+
+    summary["wall_s"] = time.time() - t0
+    summary["report"] = str(build_learn_report(run.path))
+    return summary

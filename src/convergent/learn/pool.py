@@ -1,0 +1,136 @@
+"""Candidate structures: content keys, the unlabelled pool and the held-out molecules.
+
+A :class:`Candidate` is one structure that could be labelled. Its ``key`` is a content
+hash of (atomic numbers, charge, multiplicity, positions rounded to 1e-5 Å), so the same
+structure gets the same key wherever it was proposed from, and a resumed campaign never
+labels it twice. The pool is built deterministically from the seed (molecules from the
+source, ``pool_conformers`` seeded rattles of each) and split by molecule: the held-out
+molecules never enter the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convergent.fsutil import atomic_write_bytes
+from convergent.learn.config import LearnConfig
+from convergent.sim.sources import Molecule, load_molecules, stable_int
+
+
+def content_key(numbers: np.ndarray, positions: np.ndarray, charge: int = 0, multiplicity: int = 1) -> str:
+    """``c-<32 hex>``: a hash of the structure itself (positions rounded to 1e-5 Å)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(numbers, dtype=np.int64).tobytes())
+    h.update(np.asarray([charge, multiplicity], dtype=np.int64).tobytes())
+    rounded = np.round(np.asarray(positions, dtype=np.float64) * 1e5).astype(np.int64)
+    h.update(rounded.tobytes())
+    return "c-" + h.hexdigest()
+
+
+@dataclass
+class Candidate:
+    """A structure that could be labelled, and where it came from (``origin``: pool | md)."""
+
+    key: str
+    molecule_id: str
+    numbers: np.ndarray  # int64[N]
+    positions: np.ndarray  # float64[N, 3], Å
+    charge: int = 0
+    multiplicity: int = 1
+    origin: str = "pool"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, molecule_id: str, numbers, positions, charge: int = 0, multiplicity: int = 1,
+             origin: str = "pool", **meta: Any) -> Candidate:
+        numbers = np.asarray(numbers, dtype=np.int64)
+        positions = np.round(np.asarray(positions, dtype=np.float64), 5)
+        return cls(content_key(numbers, positions, charge, multiplicity), molecule_id, numbers,
+                   positions, int(charge), int(multiplicity), origin, dict(meta))
+
+    @property
+    def n_atoms(self) -> int:
+        return len(self.numbers)
+
+    def record(self) -> dict[str, Any]:
+        """An unlabelled record for the surrogate (batching.collate_records)."""
+        return {"key": self.key, "molecule_id": self.molecule_id, "numbers": self.numbers,
+                "positions": self.positions, "charge": self.charge,
+                "multiplicity": self.multiplicity}
+
+
+def is_holdout(molecule_id: str, fraction: float, seed: int) -> bool:
+    """Whether a molecule is held out (a seeded hash of its id; independent of the rest)."""
+    return stable_int("holdout", seed, molecule_id) < fraction * float(2**63)
+
+
+def conformers(mol: Molecule, n: int, sigma: float, seed: int, origin: str) -> list[Candidate]:
+    """``n`` seeded rattles of one molecule (std from sigma/4 up to sigma Å)."""
+    out = []
+    for k in range(n):
+        rng = np.random.default_rng(stable_int("conformer", seed, origin, mol.molecule_id, k))
+        s = sigma * (0.25 + 0.75 * k / max(1, n - 1))
+        pos = mol.positions + rng.normal(0.0, s, mol.positions.shape)
+        out.append(Candidate.make(mol.molecule_id, mol.numbers, pos, mol.charge, mol.multiplicity,
+                                  origin, conformer=k, sigma=round(s, 4)))
+    return out
+
+
+def build_pool(cfg: LearnConfig) -> tuple[list[Candidate], list[Candidate]]:
+    """(pool, held-out) candidates from ``cfg.pool``, split by molecule."""
+    mols, _ = load_molecules(cfg.pool, cfg.elements, cfg.min_atoms, cfg.max_atoms,
+                             cfg.max_molecules, cfg.seed, on_bad_input="quarantine")
+    pool, held = [], []
+    for mol in mols:
+        if is_holdout(mol.molecule_id, cfg.holdout_fraction, cfg.seed):
+            held += conformers(mol, cfg.holdout_per_molecule, cfg.pool_sigma, cfg.seed + 1, "holdout")
+        else:
+            pool += conformers(mol, cfg.pool_conformers, cfg.pool_sigma, cfg.seed, "pool")
+    return _unique(pool), _unique(held)
+
+
+def _unique(cands: list[Candidate]) -> list[Candidate]:
+    seen: set[str] = set()
+    out = []
+    for c in cands:
+        if c.key not in seen:
+            seen.add(c.key)
+            out.append(c)
+    return out
+
+
+def save_candidates(path: Path, cands: list[Candidate]) -> None:
+    """Write candidates to one ``.npz`` (atomically); :func:`load_candidates` reads it."""
+    arrays: dict[str, Any] = {
+        "meta": np.frombuffer(json.dumps([
+            {"key": c.key, "molecule_id": c.molecule_id, "charge": c.charge,
+             "multiplicity": c.multiplicity, "origin": c.origin, "meta": c.meta} for c in cands
+        ]).encode(), dtype=np.uint8),
+        "n": np.asarray([c.n_atoms for c in cands], dtype=np.int64),
+        "numbers": np.concatenate([c.numbers for c in cands]) if cands else np.zeros(0, np.int64),
+        "positions": np.concatenate([c.positions for c in cands]) if cands else np.zeros((0, 3)),
+    }
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def load_candidates(path: Path) -> list[Candidate]:
+    """Candidates written by :func:`save_candidates`."""
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        n, numbers, positions = z["n"], z["numbers"], z["positions"]
+    out, at = [], 0
+    for m, k in zip(meta, n.tolist(), strict=True):
+        out.append(Candidate(m["key"], m["molecule_id"], numbers[at:at + k].copy(),
+                             positions[at:at + k].copy(), m["charge"], m["multiplicity"],
+                             m["origin"], m["meta"]))
+        at += k
+    return out
