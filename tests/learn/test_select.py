@@ -1,0 +1,90 @@
+"""Selection rules of active learning: content keys, near-duplicates, ranking, random draw."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convergent.learn.pool import (
+    Candidate,
+    content_key,
+    is_holdout,
+    load_candidates,
+    save_candidates,
+)
+from convergent.learn.select import combined_score, fingerprint, near_duplicate, select_batch
+
+WATER = (np.array([8, 1, 1]), np.array([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]]))
+
+
+def _rot(pos: np.ndarray, angle: float) -> np.ndarray:
+    c, s = np.cos(angle), np.sin(angle)
+    return pos @ np.array([[c, -s, 0], [s, c, 0], [0, 0, 1.0]]).T + np.array([1.0, -2.0, 0.5])
+
+
+def test_content_key_is_the_structure_itself():
+    z, pos = WATER
+    assert content_key(z, pos) == content_key(z.copy(), pos + 1e-8)  # below the rounding
+    assert content_key(z, pos) != content_key(z, pos + np.array([0.01, 0, 0]))
+    assert content_key(z, pos) != content_key(z, pos, charge=1)
+    a = Candidate.make("w", z, pos, origin="pool")
+    b = Candidate.make("other-id", z, pos, origin="md")  # same structure, other origin
+    assert a.key == b.key
+
+
+def test_fingerprint_ignores_rotation_translation_and_atom_order():
+    z, pos = WATER
+    moved = _rot(pos, 0.7)[[2, 0, 1]]
+    assert near_duplicate(fingerprint(z, pos), fingerprint(z[[2, 0, 1]], moved), 1e-6)
+    stretched = pos.copy()
+    stretched[1, 0] += 0.2
+    assert not near_duplicate(fingerprint(z, pos), fingerprint(z, stretched), 0.05)
+    assert near_duplicate(fingerprint(z, pos), fingerprint(z, stretched), 0.25)
+    assert not near_duplicate(fingerprint(z, pos), fingerprint(np.array([8, 1, 9]), pos), 10.0)
+
+
+def _cands():
+    z, pos = WATER
+    out = [Candidate.make("w", z, pos), Candidate.make("w", z, _rot(pos, 1.0) + 1e-3)]  # near-dups
+    for k in range(1, 5):
+        p = pos.copy()
+        p[1, 0] += 0.1 * k
+        out.append(Candidate.make(f"w{k}", z, p))
+    return out
+
+
+def test_uncertainty_takes_highest_scores_but_no_near_duplicates():
+    cands = _cands()
+    scores = np.array([9.0, 8.0, 1.0, 2.0, 3.0, np.nan])
+    picked = select_batch(cands, scores, 3, "uncertainty", tol=0.05)
+    assert picked == [0, 4, 3]  # 1 is a rotated copy of 0; NaN is never picked
+    assert select_batch(cands, scores, 3, "uncertainty", tol=0.0) == [0, 1, 4]  # rule off
+    assert select_batch(cands, scores, 2, "uncertainty", exclude={cands[0].key}) == [1, 4]
+    assert select_batch(cands, scores, 9, "uncertainty", tol=0.0, max_per_molecule=1) == [0, 4, 3, 2]
+
+
+def test_random_is_seeded_and_ignores_scores():
+    cands = _cands()
+    a = select_batch(cands, np.zeros(6), 3, "random", seed=5)
+    assert a == select_batch(cands, np.ones(6), 3, "random", seed=5)
+    assert len(set(a)) == 3
+    draws = {tuple(select_batch(cands, np.zeros(6), 3, "random", seed=s)) for s in range(8)}
+    assert len(draws) > 1
+    with pytest.raises(ValueError, match="strategy"):
+        select_batch(cands, np.zeros(6), 3, "greedy")
+
+
+def test_score_combines_energy_per_atom_and_force_spread():
+    s = combined_score(np.array([0.3, np.nan]), np.array([0.5, 0.1]), np.array([3, 3]), 2.0)
+    assert s[0] == pytest.approx(0.1 + 1.0) and np.isnan(s[1])
+
+
+def test_candidates_round_trip_and_holdout_split_is_stable(tmp_path):
+    cands = _cands()
+    save_candidates(tmp_path / "c.npz", cands)
+    back = load_candidates(tmp_path / "c.npz")
+    assert [c.key for c in back] == [c.key for c in cands]
+    assert all(np.array_equal(a.positions, b.positions) for a, b in zip(back, cands, strict=True))
+    ids = [f"m{i}" for i in range(400)]
+    held = [i for i in ids if is_holdout(i, 0.25, 3)]
+    assert 60 < len(held) < 140 and held == [i for i in ids if is_holdout(i, 0.25, 3)]
