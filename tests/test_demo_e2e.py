@@ -21,7 +21,7 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     assert f"report: {run_dir / 'report' / 'report.md'}" in out.stdout
 
     stages = json.loads((run_dir / "stages.json").read_text())
-    assert list(stages) == ["simulate", "data", "train", "screen"]
+    assert list(stages) == ["simulate", "data", "train", "screen", "learn"]
     assert stages["simulate"]["done"] == 24 and stages["simulate"]["quarantined"] == 0
     assert stages["data"]["train_frames"] + stages["data"]["val_frames"] == 24
     assert stages["train"]["steps"] == 6 and stages["train"]["nproc"] == 2
@@ -48,11 +48,17 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     for png in ("loss.png", "parity.png", "stages.png"):
         assert (run_dir / "report" / png).stat().st_size > 1000
 
+    # the final active-learning round: 8 structures chosen by the committee, labelled
+    assert stages["learn"]["labels_added"] == 8 and stages["learn"]["rounds"] == 2
+    added = open_dataset(run_dir / "active_learning" / "data" / "labels")
+    assert len(added) == 8 and {added[i]["meta"]["round"] for i in range(8)} == {1}
+    assert (run_dir / "active_learning" / "report" / "learn.md").is_file()
+
     # resume: everything done is skipped, nothing is recomputed
     again = subprocess.run([EXE, "demo", "--run-dir", str(run_dir), "--resume", *TINY],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("already done") == 4
+    assert again.stderr.count("already done") == 5
     assert json.loads((run_dir / "stages.json").read_text()) == stages
 
     # without --resume the existing run is refused, untouched

@@ -1,7 +1,8 @@
 """`convergent demo`: the converged loop end to end on small data, embedded defaults.
 
 simulate (GFN2-xTB on a Dask LocalCluster) -> dataset store -> molecule-wise split ->
-2-process torchrun DDP training -> screening of held-out molecules -> report.
+2-process torchrun DDP training -> screening of held-out molecules -> report -> one
+short active-learning round (the trained surrogate's committee picks what to label next).
 Each stage records its summary in ``stages.json``; ``--resume`` skips finished stages.
 """
 
@@ -115,6 +116,38 @@ def screen_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
     return summary
 
 
+def learn_config(cfg: ConvergentConfig, run: RunDir) -> ConvergentConfig:
+    """One short active-learning round on the demo's data: the demo's training set is the
+    labelled set, its model the warm start, its molecule source the pool."""
+    from convergent.data.reader import open_dataset
+
+    ds = open_dataset(run.data / "train")
+    labelled = len(ds)
+    ds.close()
+    sim = cfg.simulate
+    learn = cfg.learn.model_copy(update={
+        "rounds": 1, "committee": 2, "init_dataset": str(run.data / "train"),
+        "init_model": str(run.ckpt / "final"), "pool": sim.source, "elements": sim.elements,
+        "max_atoms": sim.max_atoms, "min_atoms": sim.min_atoms, "pool_conformers": 2,
+        "holdout_per_molecule": 1, "train_steps": 25, "batch": 8,
+        "label_budget": labelled + 8, "md_trajectories": 2, "md_steps": 20, "seed": sim.seed})
+    return cfg.model_copy(update={"learn": learn})
+
+
+def learn_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
+    """One active-learning round on the shared Dask pool (convergent.learn)."""
+    from convergent.learn.loop import run_learning
+
+    lcfg = learn_config(cfg, run)
+    summary = run_learning(lcfg, RunDir(run.path / "active_learning"))
+    final = summary.get("final") or {}
+    console.print(f"active learning report: {summary['report']}")
+    return {"labels_added": summary["labels"] - (lcfg.learn.label_budget - lcfg.learn.batch),
+            "rounds": summary["rounds"], "report": summary["report"],
+            "heldout_energy_mae_per_atom": final.get("energy_mae_per_atom"),
+            "heldout_force_mae": final.get("force_mae")}
+
+
 def check_inputs(cfg: ConvergentConfig) -> None:
     """What can fail before any work: the molecule source, the training shape."""
     from convergent.sim.sources import check_source
@@ -136,6 +169,7 @@ def run_demo(cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: b
     _stage(run, "train", train_stage, cfg, run)
     _stage(run, "screen", screen_stage, cfg, run)
     report = build_report(run.path)
+    _stage(run, "learn", learn_stage, cfg, run)
     console.rule("[bold]done")
     console.print(f"loop finished in {time.perf_counter() - t0:.0f} s")
     print(f"report: {report}")

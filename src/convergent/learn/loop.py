@@ -219,9 +219,13 @@ class Campaign:
         from convergent.data.reader import open_dataset
 
         # start from the labels of rounds before rnd - 1: the same set whenever this runs
-        ds = open_dataset(self.p.labels)
+        source = self.p.labels if committed_keys(self.p.labels) else Path(L.init_dataset or self.p.labels)
+        if not committed_keys(source):
+            return
+        ds = open_dataset(source)
         try:
-            recs = sorted((r for r in ds if r["meta"].get("round", 0) <= rnd - 2), key=lambda r: r["key"])
+            recs = sorted((r for r in ds if r["meta"].get("round", -1) <= max(rnd - 2, 0)),
+                          key=lambda r: r["key"])
         finally:
             ds.close()
         rng = np.random.default_rng(_seed("md-start", L.seed, rnd))

@@ -99,8 +99,12 @@ def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, A
     from convergent.models.molecular import build_model, energy_and_forces, fit_reference_energies
 
     _fault_once(fault_marker)
+    from convergent.data.format import MANIFEST_NAME
+
     records = []
     for path in [dataset, *extra_datasets]:
+        if not (Path(path) / MANIFEST_NAME).is_file():
+            continue  # no labels of this campaign yet (warm start from a given dataset)
         ds = open_dataset(path)
         try:
             records += [ds[i] for i in range(len(ds))]
