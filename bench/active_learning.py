@@ -1,0 +1,316 @@
+"""Active learning on one shared pool: uncertainty+diversity (ours) against random selection.
+
+Pool: conformers of small NCI compounds (the SMILES file shipped with RDKit, embedded with
+ETKDGv3 + MMFF, then rattled); held out: the compounds a seeded hash puts aside, never in
+the pool (their conformers are labelled once per campaign for the learning curve, not
+counted as labels). Both strategies get the same settings: initial random labels, label
+budget, batch per round, committee size and optimiser steps per member and round, and
+the same exploration MD; only the choice of the batch differs. Three seeds (the seed
+changes the split, the pool conformers, the initial labels and every training run).
+
+Measured in the same run:
+* ``labels_ratio_vs_random``: per seed, the labels ours needs to reach random's final
+  held-out energy MAE (eV/atom; linear interpolation along ours' learning curve) divided
+  by random's final label count; the median over seeds (null for a seed where ours never
+  reaches it, counted as +inf in the median).
+* ``utilisation``: busy core-seconds / available core-seconds of the pool for ours (seed
+  0, pipelined); ``utilisation_sequential``: the same campaign run as strict phases.
+* ``resume_identical``: ours (seed 0) run as a subprocess, its driver SIGKILLed during
+  round 2's labelling and resumed with --resume, ends with the same dataset keys as the
+  uninterrupted run, and no structure is labelled twice.
+
+Writes bench/results/active_learning.json (+ active_learning.png, the curves, and
+active_learning_timeline.png). Usage:  python bench/active_learning.py [--seeds 0 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+WORK = ROOT / "data" / "active_learning"
+RESULTS = ROOT / "results"
+
+# One campaign: ~2-3 min on 2 shared cores. Every strategy gets exactly these settings.
+SETTINGS = {
+    "cluster.n_workers": 2,
+    "model.hidden": 32, "model.layers": 2, "model.heads": 4,
+    "learn.pool": "nci", "learn.elements": "[C,H,N,O]", "learn.min_atoms": 6,
+    "learn.max_atoms": 16, "learn.max_molecules": 160, "learn.pool_conformers": 4,
+    "learn.pool_sigma": 0.1, "learn.pool_sample": 256, "learn.holdout_fraction": 0.25,
+    "learn.holdout_per_molecule": 2, "learn.init_labels": 16, "learn.batch": 16,
+    "learn.rounds": 6, "learn.label_budget": 112, "learn.committee": 2,
+    "learn.first_train_steps": 200, "learn.train_steps": 120, "learn.lr": 2e-3,
+    "learn.md_trajectories": 4, "learn.md_steps": 40, "learn.md_interval": 10,
+    "learn.label_chunk": 2, "learn.score_chunk": 64, "learn.diversity_tol": 0.05,
+}
+
+
+def overrides(strategy: str, seed: int, pipelined: bool = True) -> list[str]:
+    s = dict(SETTINGS, **{"learn.strategy": strategy, "learn.seed": seed,
+                          "learn.pipelined": str(pipelined).lower()})
+    return [f"{k}={v}" for k, v in s.items()]
+
+
+def commit_info() -> dict[str, Any]:
+    try:
+        from convergent.provenance import git_info  # type: ignore[attr-defined]
+
+        return dict(git_info())
+    except Exception:  # noqa: BLE001 - the module may not exist yet
+        repo = ROOT.parent
+
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
+
+        status = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status), "dirty_files": status.splitlines()}
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for p in ("convergent", "torch", "dask", "distributed", "tblite", "rdkit", "ase", "numpy"):
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = "missing"
+    return out
+
+
+def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) -> dict[str, Any]:
+    """One campaign in this process (its own Dask LocalCluster); its curve and utilisation."""
+    from convergent.config import load_config
+    from convergent.learn.engine import read_timeline
+    from convergent.learn.loop import run_learning
+    from convergent.learn.report import utilisation
+    from convergent.runs import open_run
+
+    path = WORK / name
+    shutil.rmtree(path, ignore_errors=True)
+    cfg = load_config(None, overrides(strategy, seed, pipelined))
+    run = open_run(cfg, path, command="learn")
+    _share_pool(path, seed)
+    t0 = time.time()
+    summary = run_learning(cfg, run, progress=True)
+    state = json.loads((path / "learn" / "state.json").read_text())
+    curve = sorted(state["curve"].values(), key=lambda p: p["round"])
+    u = utilisation(read_timeline(path / "learn" / "timeline.jsonl"))
+    print(f"{name}: {summary['labels']} labels, final {curve[-1]['energy_mae_per_atom']:.4f} eV/atom, "
+          f"utilisation {u['utilisation']:.3f}, {time.time() - t0:.0f} s", flush=True)
+    return {"name": name, "strategy": strategy, "seed": seed, "pipelined": pipelined,
+            "curve": curve, "utilisation": u, "wall_s": time.time() - t0,
+            "rounds": [state["rounds"][k] for k in sorted(state["rounds"], key=int)]}
+
+
+def _share_pool(path: Path, seed: int) -> None:
+    """Reuse the pool built for this seed (embedding NCI compounds takes a while)."""
+    cache = WORK / f"pool-seed{seed}"
+    if (cache / "pool.npz").exists():
+        (path / "learn").mkdir(parents=True, exist_ok=True)
+        for f in ("pool.npz", "holdout.npz"):
+            shutil.copy(cache / f, path / "learn" / f)
+
+
+def _keep_pool(path: Path, seed: int) -> None:
+    cache = WORK / f"pool-seed{seed}"
+    if not (cache / "pool.npz").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        for f in ("pool.npz", "holdout.npz"):
+            shutil.copy(path / "learn" / f, cache / f)
+
+
+def labels_to_reach(curve: list[dict[str, Any]], target: float) -> float | None:
+    """Labels at which a learning curve first reaches ``target`` (linear interpolation)."""
+    xs = [p["labels"] for p in curve]
+    ys = [p["energy_mae_per_atom"] for p in curve]
+    if ys[0] <= target:
+        return float(xs[0])
+    for i in range(1, len(xs)):
+        if ys[i] <= target:
+            frac = (ys[i - 1] - target) / (ys[i - 1] - ys[i])
+            return float(xs[i - 1] + frac * (xs[i] - xs[i - 1]))
+    return None
+
+
+def dataset_keys(path: Path) -> list[str]:
+    from convergent.data.reader import open_dataset
+
+    ds = open_dataset(path)
+    try:
+        return ds.keys()
+    finally:
+        ds.close()
+
+
+def killed_and_resumed(seed: int, reference: Path) -> dict[str, Any]:
+    """Ours as a subprocess, SIGKILLed during round 2's labels, then resumed."""
+    path = WORK / "ours-killed"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    (path / "learn").mkdir()
+    for f in ("pool.npz", "holdout.npz"):
+        shutil.copy(reference / "learn" / f, path / "learn" / f)
+    cmd = [sys.executable, "-c", "from convergent.cli import entry; entry()", "learn",
+           "--run-dir", str(path)]
+    for o in overrides("uncertainty", seed):
+        cmd += ["--set", o]
+    # the pool files are put in place first: the run directory must already be a run
+    from convergent.config import load_config, save_config
+    from convergent.runs import RunDir
+
+    save_config(load_config(None, overrides("uncertainty", seed)), RunDir(path).config)
+    log = path / "learn" / "labels.jsonl"
+    proc = subprocess.Popen([*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    killed_at = None
+    try:
+        while proc.poll() is None:
+            if log.exists():
+                rounds = [json.loads(x)["round"] for x in log.read_text().splitlines() if x.strip()]
+                if rounds.count(2) >= 3:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed_at = {"round": 2, "labels_logged": len(rounds)}
+                    break
+            time.sleep(0.05)
+        proc.wait(timeout=60)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its Dask workers
+        except ProcessLookupError:
+            pass
+    p = subprocess.run([*cmd, "--resume"], capture_output=True, text=True)
+    keys = dataset_keys(path / "data" / "labels")
+    logged = [json.loads(x)["key"] for x in log.read_text().splitlines() if x.strip()]
+    ref = dataset_keys(reference / "data" / "labels")
+    return {"killed": killed_at, "resume_rc": p.returncode,
+            "resume_stderr_tail": p.stderr[-500:] if p.returncode else "",
+            "keys_equal": sorted(keys) == sorted(ref), "labels": len(keys),
+            "duplicates_in_dataset": len(keys) - len(set(keys)),
+            "labelled_twice": len(logged) - len(set(logged)),
+            "identical": bool(killed_at) and p.returncode == 0 and sorted(keys) == sorted(ref)
+            and len(logged) == len(set(logged)) and len(keys) == len(set(keys))}
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> None:
+    from convergent.learn.report import plot_curves
+
+    curves: dict[str, list] = {"ours (uncertainty+diversity)": [], "random": []}
+    for r in results:
+        if r["pipelined"]:
+            curves["ours (uncertainty+diversity)" if r["strategy"] == "uncertainty" else "random"].append(r["curve"])
+    plot_curves(curves, out)
+
+
+def spread(xs: list[float]) -> dict[str, Any]:
+    a = np.asarray([x for x in xs if x is not None], float)
+    if a.size == 0:
+        return {"median": None}
+    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()), "values": xs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", type=Path, default=RESULTS / "active_learning.json")
+    ap.add_argument("--set", dest="sets", nargs="*", default=[],
+                    help="change a setting for every side, e.g. learn.rounds=2 (smoke runs)")
+    args = ap.parse_args()
+    for item in args.sets:
+        k, v = item.split("=", 1)
+        SETTINGS[k] = v
+    WORK.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    t0 = time.time()
+    git = commit_info()
+    results = []
+    for seed in args.seeds:
+        for strategy in ("uncertainty", "random"):
+            r = run_campaign(f"{'ours' if strategy == 'uncertainty' else 'random'}-s{seed}", strategy, seed)
+            _keep_pool(WORK / r["name"], seed)
+            results.append(r)
+    seq = run_campaign(f"ours-s{args.seeds[0]}-sequential", "uncertainty", args.seeds[0], pipelined=False)
+    resume = killed_and_resumed(args.seeds[0], WORK / f"ours-s{args.seeds[0]}")
+    per_seed = []
+    for seed in args.seeds:
+        ours = next(r for r in results if r["seed"] == seed and r["strategy"] == "uncertainty")
+        rnd = next(r for r in results if r["seed"] == seed and r["strategy"] == "random")
+        target = rnd["curve"][-1]["energy_mae_per_atom"]
+        need = labels_to_reach(ours["curve"], target)
+        per_seed.append({
+            "seed": seed, "random_final_energy_mae_per_atom": target,
+            "random_final_labels": rnd["curve"][-1]["labels"],
+            "ours_final_energy_mae_per_atom": ours["curve"][-1]["energy_mae_per_atom"],
+            "ours_final_force_mae": ours["curve"][-1]["force_mae"],
+            "random_final_force_mae": rnd["curve"][-1]["force_mae"],
+            "ours_labels_to_reach_random_final": need,
+            "ratio": need / rnd["curve"][-1]["labels"] if need is not None else None,
+        })
+    ratios = [p["ratio"] if p["ratio"] is not None else float("inf") for p in per_seed]
+    median_ratio = float(np.median(ratios))
+    ours0 = next(r for r in results if r["seed"] == args.seeds[0] and r["strategy"] == "uncertainty")
+    figs = args.out.parent / args.out.stem
+    plot(results, figs.with_suffix(".png"))
+    from convergent.learn.engine import read_timeline
+    from convergent.learn.report import plot_timeline
+
+    plot_timeline(read_timeline(WORK / ours0["name"] / "learn" / "timeline.jsonl"),
+                  figs.with_name(figs.name + "_timeline.png"), "ours, seed 0, pipelined")
+    plot_timeline(read_timeline(WORK / seq["name"] / "learn" / "timeline.jsonl"),
+                  figs.with_name(figs.name + "_timeline_sequential.png"), "ours, seed 0, sequential phases")
+    payload = {
+        "benchmark": "active_learning",
+        "labels_ratio_vs_random": median_ratio if np.isfinite(median_ratio) else None,
+        "labels_ratio_reached_in_all_seeds": all(np.isfinite(ratios)),
+        "utilisation": ours0["utilisation"]["utilisation"],
+        "utilisation_sequential": seq["utilisation"]["utilisation"],
+        "resume_identical": resume["identical"],
+        "targets": {"labels_ratio_vs_random": "<= 0.5", "utilisation": ">= 0.9"},
+        "commit": git.get("commit"), "dirty": git.get("dirty"), "git": git,
+        "versions": versions(),
+        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+        "machine_note": "2 shared cores; other engineers' jobs may run at the same time "
+                        "(see load averages): wall times are noisy, utilisation counts our workers' busy time",
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "wall_s": time.time() - t0,
+        "settings": {"both_strategies": SETTINGS, "ours": {"learn.strategy": "uncertainty"},
+                     "random": {"learn.strategy": "random"},
+                     "sequential": {"learn.pipelined": False}},
+        "per_seed": per_seed,
+        "energy_mae_per_atom_final": {
+            "ours": spread([p["ours_final_energy_mae_per_atom"] for p in per_seed]),
+            "random": spread([p["random_final_energy_mae_per_atom"] for p in per_seed])},
+        "force_mae_final": {
+            "ours": spread([p["ours_final_force_mae"] for p in per_seed]),
+            "random": spread([p["random_final_force_mae"] for p in per_seed])},
+        "ratio_per_seed": spread([p["ratio"] for p in per_seed]),
+        "utilisation_all_pipelined": spread([r["utilisation"]["utilisation"] for r in results]),
+        "utilisation_detail": {"pipelined": ours0["utilisation"], "sequential": seq["utilisation"],
+                               "pipelined_wall_s": ours0["wall_s"], "sequential_wall_s": seq["wall_s"]},
+        "resume": resume,
+        "curves": {r["name"]: r["curve"] for r in [*results, seq]},
+        "rounds": {r["name"]: r["rounds"] for r in [*results, seq]},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=float))
+    os.replace(tmp, args.out)
+    print(json.dumps({k: payload[k] for k in ("labels_ratio_vs_random", "utilisation",
+                                               "utilisation_sequential", "resume_identical")}))
+
+
+if __name__ == "__main__":
+    main()
