@@ -48,12 +48,15 @@ SETTINGS = {
     "model.hidden": 32, "model.layers": 2, "model.heads": 4,
     "learn.pool": "nci", "learn.elements": "[C,H,N,O]", "learn.min_atoms": 6,
     "learn.max_atoms": 16, "learn.max_molecules": 160, "learn.pool_conformers": 4,
-    "learn.pool_sigma": 0.1, "learn.pool_sample": 256, "learn.holdout_fraction": 0.25,
+    "learn.pool_sigma": 0.05, "learn.pool_sample": 192, "learn.holdout_fraction": 0.25,
     "learn.holdout_per_molecule": 2, "learn.init_labels": 16, "learn.batch": 16,
-    "learn.rounds": 6, "learn.label_budget": 112, "learn.committee": 2,
+    "learn.rounds": 4, "learn.label_budget": 80, "learn.committee": 2,
     "learn.first_train_steps": 200, "learn.train_steps": 120, "learn.lr": 2e-3,
     "learn.md_trajectories": 4, "learn.md_steps": 40, "learn.md_interval": 10,
     "learn.label_chunk": 2, "learn.score_chunk": 64, "learn.diversity_tol": 0.05,
+    # used by ours only (random ignores scores): both spreads on one scale, one structure
+    # per compound in a batch (the held-out set is other compounds)
+    "learn.force_weight_score": 0.02, "learn.max_per_molecule": 1,
 }
 
 
@@ -115,9 +118,21 @@ def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) ->
             "rounds": [state["rounds"][k] for k in sorted(state["rounds"], key=int)]}
 
 
+def _pool_cache(seed: int) -> Path:
+    """Where the pool of this seed and these pool settings is kept between campaigns."""
+    import hashlib
+
+    keys = ("learn.pool", "learn.elements", "learn.min_atoms", "learn.max_atoms",
+            "learn.max_molecules", "learn.pool_conformers", "learn.pool_sigma",
+            "learn.holdout_fraction", "learn.holdout_per_molecule")
+    tag = hashlib.blake2b(json.dumps([seed, [str(SETTINGS[k]) for k in keys]]).encode(),
+                          digest_size=6).hexdigest()
+    return WORK / f"pool-{tag}"
+
+
 def _share_pool(path: Path, seed: int) -> None:
     """Reuse the pool built for this seed (embedding NCI compounds takes a while)."""
-    cache = WORK / f"pool-seed{seed}"
+    cache = _pool_cache(seed)
     if (cache / "pool.npz").exists():
         (path / "learn").mkdir(parents=True, exist_ok=True)
         for f in ("pool.npz", "holdout.npz"):
@@ -125,7 +140,7 @@ def _share_pool(path: Path, seed: int) -> None:
 
 
 def _keep_pool(path: Path, seed: int) -> None:
-    cache = WORK / f"pool-seed{seed}"
+    cache = _pool_cache(seed)
     if not (cache / "pool.npz").exists():
         cache.mkdir(parents=True, exist_ok=True)
         for f in ("pool.npz", "holdout.npz"):

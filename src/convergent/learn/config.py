@@ -48,7 +48,7 @@ class LearnConfig(Section):
     min_atoms: Count = 2
     max_molecules: Count | None = None
     pool_conformers: Count = 6  # rattled copies per molecule
-    pool_sigma: Positive = 0.08  # Å, largest rattle of a pool conformer
+    pool_sigma: Positive = 0.05  # Å, largest rattle of a pool conformer
     pool_sample: Count0 = 0  # pool candidates scored per round (0: all)
     holdout_fraction: Fraction = 0.2  # of molecules, never in the pool
     holdout_per_molecule: Count = 2  # labelled held-out structures per molecule
@@ -68,6 +68,7 @@ class LearnConfig(Section):
     batch_atoms: Count = 256
     force_weight: NonNegative = 10.0
     train_retries: Count0 = 2
+    refit_reference: bool = True  # warm starts refit the element reference energies
     init_model: PathStr | None = None  # warm start of round 1 (a saved model directory)
     init_dataset: PathStr | None = None  # already labelled structures (counted as labels)
     # exploration: short Langevin MD driven by the committee's mean
@@ -79,7 +80,9 @@ class LearnConfig(Section):
     md_friction: Positive = 0.02  # 1/fs
     # scoring and selection
     score_chunk: Count = 64  # candidates per scoring task
-    force_weight_score: NonNegative = 1.0  # score = E_std/atom + w * max-atom F_std
+    # score = E_std/atom + w * max-atom F_std; 0.02 puts the two spreads on one scale (a
+    # force-dominated score picks the most distorted structures, bench/active_learning.py)
+    force_weight_score: NonNegative = 0.02
     diversity_tol: NonNegative = 0.05  # Å, sorted-distance fingerprint tolerance
     max_per_molecule: Count0 = 0  # 0: no limit per molecule in one batch
     # stopping

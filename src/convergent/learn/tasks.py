@@ -88,7 +88,7 @@ def _fault_once(marker: str | None) -> None:
 def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, Any],
                  init_dir: str | None, out_dir: str, steps: int, lr: float, batch_atoms: int,
                  force_weight: float, seed: int, device: str = "cpu",
-                 fault_marker: str | None = None) -> dict[str, Any]:
+                 fault_marker: str | None = None, refit_reference: bool = False) -> dict[str, Any]:
     """Train one member and save it to ``out_dir``; returns its training summary."""
     torch, device = _torch_setup(device)
     from convergent.data.reader import open_dataset
@@ -117,6 +117,8 @@ def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, A
     cfg = ModelConfig.model_validate(model_cfg)
     if init_dir:
         model, cfg = load_model(init_dir, "cpu")
+        if refit_reference:  # element references from every label so far (least squares)
+            model.set_reference(fit_reference_energies(records))
     else:
         model = build_model(cfg)
         model.set_reference(fit_reference_energies(records))
