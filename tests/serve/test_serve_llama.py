@@ -63,8 +63,11 @@ def test_logits_match_transformers(tmp_path, rope):
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_greedy_paged_matches_transformers_generate(tmp_path, rope, hf_greedy):
     """Paged-KV greedy decoding through the engine equals HF generate token for token;
-    generation runs past max_position_embeddings so the scaling variants matter."""
-    _hf_model(tmp_path, ROPES[rope])
+    generation runs past the unscaled max_position_embeddings (32) of linear and dynamic
+    RoPE (their context limit is 32 x factor), and past llama3's
+    original_max_position_embeddings (16); default and llama3 get 64 positions, their
+    context limit."""
+    _hf_model(tmp_path, ROPES[rope], mpe=32 if rope in ("linear", "dynamic") else 64)
     prompts = [[5, 17, 99, 3], list(range(40, 60)), [250]]
     ref = hf_greedy(tmp_path, prompts, 30)
     cfg = ServeConfig(

@@ -25,7 +25,9 @@ def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
 
     path = model or (Path(cfg.serve.model) if cfg.serve.model else None)
     if path is None:
-        return ensure_random_model(Path(cfg.run.root) / (cfg.run.name or "serve") / f"serve-model-{size}", size)
+        return ensure_random_model(
+            Path(cfg.run.root) / (cfg.run.name or "serve") / f"serve-model-{size}", size
+        )
     if not (path / "config.json").is_file():
         raise InputError(
             f"{path}: not a Hugging Face checkpoint directory (config.json missing)",
@@ -53,34 +55,35 @@ def register(app: typer.Typer) -> None:
         api_key: str | None = typer.Option(
             None, "--api-key", envvar="CONVERGENT_API_KEY", help="Require this bearer key."
         ),
+        instances: int | None = typer.Option(
+            None,
+            "--instances",
+            min=1,
+            max=64,
+            help="Instances behind one dispatcher (serve.instances).",
+        ),
     ) -> None:
-        """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming)."""
+        """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
+        /health, /metrics); with serve.instances > 1 (or --instances), N instances behind
+        a load-aware dispatcher."""
         cfg = config_from_cli(config, sets)
         from convergent.resources import check_port_free
 
         check_port_free(host or cfg.serve.host, port or cfg.serve.port)  # before loading anything
-        import uvicorn
-
-        from convergent.serve.api import create_app
-        from convergent.serve.engine import Engine
-
         mdir = _model_dir(cfg, model)
         sc = cfg.serve
-        engine = Engine(mdir, sc)
+        if instances is not None:
+            sc = sc.model_copy(update={"instances": instances})
+        key = api_key if api_key is not None else sc.api_key
+        if sc.instances > 1:
+            from convergent.serve.dispatch import run_dispatcher
+
+            run_dispatcher(mdir, sc, host or sc.host, port or sc.port, key, config, sets)
+            return
+        from convergent.serve.server import serve_forever
+
         pred = _predictor(cfg) if sc.scheduler == "tdpipe" and sc.predictor != "oracle" else None
-        engine.start()
-        try:
-            app = create_app(
-                engine, api_key=api_key if api_key is not None else sc.api_key, predictor=pred
-            )
-            typer.echo(
-                f"serving {mdir} ({sc.scheduler}, {engine.num_stages} stage(s)) on "
-                f"http://{host or sc.host}:{port or sc.port}/v1",
-                err=True,
-            )
-            uvicorn.run(app, host=host or sc.host, port=port or sc.port, log_level="warning")
-        finally:
-            engine.close()
+        serve_forever(mdir, sc, host or sc.host, port or sc.port, key, pred)
 
     @app.command("generate")
     def _generate(
@@ -95,16 +98,19 @@ def register(app: typer.Typer) -> None:
         """Generate a completion for one prompt through the pipeline."""
         cfg = config_from_cli(config, sets)
         from convergent.errors import InputError
+        from convergent.models.llama import read_config
         from convergent.serve.engine import Engine
-        from convergent.serve.tokenizer import ByteTokenizer
+        from convergent.serve.tokenizer import load_tokenizer
 
         mdir = _model_dir(cfg, model)
         if max_tokens < 1:
             raise InputError("--max-tokens must be at least 1")
+        tok, note = load_tokenizer(mdir, read_config(mdir).vocab_size)
+        if tok is None:
+            raise InputError(note.removeprefix("tokenizer: "))
         with Engine(mdir, cfg.serve.model_copy(update={"profile_costs": False})) as eng:
-            tok = ByteTokenizer(eng.mcfg.vocab_size)
             prompt_ids = tok.encode(prompt)
-            limit = min(eng.cfg.max_model_len, eng.bm.capacity_tokens)
+            limit = eng.context_limit
             if len(prompt_ids) + max_tokens > limit:
                 raise InputError(
                     f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "

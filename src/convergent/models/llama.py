@@ -66,6 +66,8 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    hidden_act: str = "silu"  # the gated MLP's activation (see MLP_ACTS)
+    sliding_window: int | None = None  # Mistral: served only up to the window (exact)
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
     initializer_range: float = 0.02
@@ -142,7 +144,6 @@ class LlamaConfig:
         d = asdict(self)
         d["model_type"] = "llama"
         d["architectures"] = ["LlamaForCausalLM"]
-        d["hidden_act"] = "silu"
         rope = {"rope_type": "default"} if self.rope_scaling is None else dict(self.rope_scaling)
         rope["rope_theta"] = self.rope_theta
         d["rope_parameters"] = rope
@@ -165,6 +166,19 @@ class LlamaConfig:
         if e is None:
             return []
         return list(e) if isinstance(e, list | tuple) else [int(e)]
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence the model is meant for: ``max_position_embeddings`` (times the
+        factor of linear / dynamic RoPE scaling, as vLLM derives it), capped by a sliding
+        window (within it, windowed attention equals full attention)."""
+        n = self.max_position_embeddings
+        rs = self.rope_scaling or {}
+        if rs.get("rope_type") in ("linear", "dynamic"):
+            n = int(n * float(rs.get("factor", 1.0)))
+        if self.sliding_window:
+            n = min(n, int(self.sliding_window))
+        return n
 
     def kv_bytes_per_token(self, n_layers: int | None = None, dtype_bytes: int = 4) -> int:
         """Bytes of K and V cache per token over ``n_layers`` layers (default all)."""
@@ -261,17 +275,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+MLP_ACTS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) by default."""
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.act = MLP_ACTS[c.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 def pad_groups(
@@ -646,17 +671,34 @@ class LlamaForCausalLM(nn.Module):
 
 
 def read_config(path: str | Path) -> LlamaConfig:
-    """Read ``config.json`` of a Hugging Face Llama checkpoint directory."""
+    """Read and check ``config.json`` of a Hugging Face Llama checkpoint directory.
+
+    An unsupported setting raises :class:`~convergent.errors.ConfigError` (see
+    :func:`convergent.models.hf_check.check_supported`); Mistral's ``sliding_window`` is
+    honoured by capping the context at the window (:attr:`LlamaConfig.max_context`), or ignored when
+    ``use_sliding_window`` is false.
+    """
+    from convergent.errors import ConfigError
+    from convergent.models.hf_check import check_supported
+
     p = Path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
     try:
         with open(cfg_file, encoding="utf-8") as fh:
-            data = json.load(fh)
+            d = json.load(fh)
     except json.JSONDecodeError as exc:
         from convergent.errors import InputError, parse_error_text
 
         raise InputError(parse_error_text(cfg_file, "JSON", exc)) from None
-    return LlamaConfig.from_hf_dict(data)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{cfg_file}: not a JSON object")
+    check_supported(d, str(cfg_file))
+    if d.get("use_sliding_window") is False:
+        d = {**d, "sliding_window": None}
+    try:
+        return LlamaConfig.from_hf_dict(d)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{cfg_file}: {exc}") from None
 
 
 def load_pretrained(

@@ -41,3 +41,14 @@ class ServeConfig(Section):
     tdpipe_memory_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     work_stealing: bool = True  # tdpipe: balance decode micro-batches
     default_max_tokens: Count = 128  # API requests without max_tokens
+    # -- failure handling (see convergent.serve.engine)
+    restart_on_failure: bool = True  # a dead stage: end its requests with an error, restart
+    max_restarts: int = Field(3, ge=0, le=100)  # restarts within 10 minutes before giving up
+    heartbeat_timeout_s: float = Field(30.0, gt=0.5, le=3600.0)  # silent stage = dead
+    shutdown_timeout_s: float = Field(10.0, ge=0.0, le=3600.0)  # SIGTERM: finish, then cancel
+    request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)  # API: end a request after this
+    # -- many instances behind one dispatcher (`convergent serve --instances N`)
+    instances: int = Field(1, ge=1, le=64)
+    dispatch_policy: Literal["load", "round_robin"] = "load"
+    dispatch_max_outstanding: int = Field(64, ge=1, le=100000)  # per instance; rest queue
+    pin_cpus: bool = True  # instance i runs on core i mod cores (Linux)

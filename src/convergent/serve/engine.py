@@ -1,28 +1,30 @@
 """The central engine: owns the scheduler and the block manager, sends batch metadata to
 the stages, collects sampled tokens, records per-stage busy time and KV usage.
 
-Executors:
-
-* :class:`LocalExecutor` — all stages in this process, run one after another (the
-  ``sequential`` scheduler's one process; also handy in tests).
-* :class:`ProcessExecutor` — one process per stage, ``torch.distributed`` point-to-point
-  activations between them (gloo on CPU), metadata through queues.
+Failures: online (:meth:`Engine.start`), the loop watches its executor (stage exit codes
+and heartbeats, :mod:`convergent.serve.executor`). When a stage dies every unfinished
+request ends at once with ``finish_reason="error"`` and the reason in ``Request.error``,
+:attr:`Engine.healthy` turns false, and the pipeline is rebuilt (weights reloaded) while
+``serve.restart_on_failure`` allows and fewer than ``serve.max_restarts`` failures
+happened in the last 10 minutes; otherwise :attr:`Engine.error` is set, ``on_fatal`` is
+called and the engine stops. :meth:`Engine.begin_shutdown` ends what is still running at
+a deadline (SIGTERM: the API finishes or cancels in-flight requests in bounded time).
 """
 
 from __future__ import annotations
 
-import contextlib
 import queue
-import socket
+import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convergent.errors import ConfigError, ConvergentError, InputError
+from convergent.errors import ConfigError, InputError
 from convergent.serve.config import ServeConfig
 from convergent.serve.costs import CostTable
+from convergent.serve.executor import LocalExecutor, ProcessExecutor, StageFailure, free_port
 from convergent.serve.kv_cache import BlockManager, blocks_for_budget
 from convergent.serve.scheduler import (
     MicroBatch,
@@ -30,110 +32,11 @@ from convergent.serve.scheduler import (
     SchedulerConfig,
     make_scheduler,
 )
-from convergent.serve.stage import BatchMeta, StageRunner, StageSpec, split_layers
+from convergent.serve.stage import BatchMeta, StageSpec, split_layers
 
-__all__ = ["Engine", "EngineStats", "LocalExecutor", "ProcessExecutor", "free_port"]
+__all__ = ["Engine", "EngineStats", "LocalExecutor", "ProcessExecutor", "StageFailure", "free_port"]
 
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalExecutor:
-    """Runs the stages in this process, synchronously."""
-
-    def __init__(self, specs: list[StageSpec]) -> None:
-        import torch
-
-        torch.set_num_threads(max(1, specs[0].threads))
-        self.runners = [StageRunner(s) for s in specs]
-        self.kv_bytes = sum(r.kv.nbytes for r in self.runners)
-        self._done: list[tuple] = []
-
-    def submit(self, meta: BatchMeta) -> None:
-        x = None
-        for s, r in enumerate(self.runners):
-            t0 = time.monotonic()
-            x = r.run(meta, x)
-            t1 = time.monotonic()
-            if s < len(self.runners) - 1:
-                self._done.append(("busy", s, meta.bid, t0, t1))
-        self._done.append(("result", meta.bid, x, t0, t1))
-
-    def poll(self, timeout: float) -> list[tuple]:
-        out, self._done = self._done, []
-        return out
-
-    def close(self) -> None:
-        pass
-
-
-class ProcessExecutor:
-    """One spawned process per stage; see :func:`convergent.serve.stage.stage_main`."""
-
-    def __init__(self, specs: list[StageSpec], start_timeout: float = 300.0) -> None:
-        import multiprocessing as mp
-
-        from convergent.serve.stage import stage_main
-
-        ctx = mp.get_context("spawn")
-        self.out_q = ctx.Queue()
-        self.in_qs = [ctx.Queue() for _ in specs]
-        port = free_port()
-        self.procs = [
-            ctx.Process(target=stage_main, args=(s, port, self.in_qs[i], self.out_q), daemon=True)
-            for i, s in enumerate(specs)
-        ]
-        for p in self.procs:
-            p.start()
-        self.kv_bytes = 0
-        ready = 0
-        deadline = time.monotonic() + start_timeout
-        while ready < len(specs):
-            try:
-                msg = self.out_q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                self.close()
-                raise ConvergentError("pipeline stages did not start in time") from None
-            if msg[0] == "error":
-                self.close()
-                raise RuntimeError(f"stage {msg[1]} failed:\n{msg[2]}")
-            if msg[0] == "ready":
-                ready += 1
-                self.kv_bytes += msg[2]
-
-    def submit(self, meta: BatchMeta) -> None:
-        for i, q in enumerate(self.in_qs):
-            if i == 0:
-                q.put(meta)
-            else:  # later stages do not need the token ids
-                q.put(BatchMeta(**{**meta.__dict__, "input_ids": []}))
-
-    def poll(self, timeout: float) -> list[tuple]:
-        out = []
-        try:
-            out.append(self.out_q.get(timeout=timeout))
-            while True:
-                out.append(self.out_q.get_nowait())
-        except queue.Empty:
-            pass
-        for m in out:
-            if m[0] == "error":
-                raise RuntimeError(f"stage {m[1]} failed:\n{m[2]}")
-        return out
-
-    def close(self) -> None:
-        for q in self.in_qs:
-            with contextlib.suppress(Exception):
-                q.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+FAILURE_WINDOW_S = 600.0  # serve.max_restarts counts failures within this window
 
 
 @dataclass
@@ -230,7 +133,10 @@ class Engine:
         if costs is not None:
             costs = costs.with_stages([len(x) for x in layers])
         self.costs = costs
+        self.model_context = self.mcfg.max_context
         scfg = SchedulerConfig.from_serve(cfg, ignore_eos)
+        scfg.max_model_len = min(cfg.max_model_len, self.model_context)
+        self._scfg = scfg
         self.sched = make_scheduler(cfg.scheduler, scfg, self.bm, p, costs)
         specs = [
             StageSpec(
@@ -245,8 +151,9 @@ class Engine:
             )
             for s in range(p)
         ]
-        use_local = executor == "local" or (executor == "auto" and p == 1)
-        self.executor = LocalExecutor(specs) if use_local else ProcessExecutor(specs)
+        self._specs = specs
+        self._use_local = executor == "local" or (executor == "auto" and p == 1)
+        self.executor = self._make_executor()
         self.kv_bytes = self.executor.kv_bytes
         self.profile_s = 0.0
         if costs is None and cfg.profile_costs and (cfg.scheduler == "tdpipe" or profile):
@@ -275,6 +182,37 @@ class Engine:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self._record = True  # per-batch timing log and KV timeline (off when serving)
+        self.healthy = True
+        self.failure: str | None = None  # the last stage failure (also after a restart)
+        self.failures: list[float] = []  # times of stage failures
+        self.restarts = 0
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self._shutdown_at: float | None = None
+        self.last_loop = time.monotonic()  # the engine thread's own liveness
+
+    def _make_executor(self):
+        if self._use_local:
+            return LocalExecutor(self._specs)
+        return ProcessExecutor(self._specs, heartbeat_timeout=self.cfg.heartbeat_timeout_s)
+
+    @property
+    def context_limit(self) -> int:
+        """Longest prompt + output of one request: the smallest of ``serve.max_model_len``,
+        the model's own context (``max_position_embeddings``, times a linear/dynamic RoPE
+        factor) and the KV cache's capacity."""
+        return min(self.cfg.max_model_len, self.model_context, self.bm.capacity_tokens)
+
+    def context_error(self, n_prompt: int, max_tokens: int) -> str | None:
+        """Why ``n_prompt + max_tokens`` does not fit (naming every limit), or ``None``."""
+        if n_prompt + max_tokens <= self.context_limit:
+            return None
+        return (
+            f"This model's maximum context length is {self.context_limit} tokens "
+            f"(max_position_embeddings allows {self.model_context}, the KV cache holds "
+            f"{self.bm.capacity_tokens}, serve.max_model_len is {self.cfg.max_model_len}). "
+            f"However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens."
+        )
 
     # -- requests
     def make_request(
@@ -283,21 +221,37 @@ class Engine:
         max_tokens: int,
         predicted_len: int | None = None,
         temperature: float = 0.0,
-        seed: int = 0,
+        seed: int | None = 0,
         stop_ids: list[int] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        logprobs: int = -1,
+        extra_stop_ids: list[int] | None = None,
     ) -> Request:
+        """A request; ``stop_ids`` replaces the model's EOS ids, ``extra_stop_ids`` adds to
+        them; ``seed=None`` draws one. Raises :class:`InputError` when the prompt plus
+        ``max_tokens`` exceeds :attr:`context_limit` (nothing is silently truncated)."""
+        if max_tokens < 1:
+            raise InputError(f"max_tokens={max_tokens}: must be at least 1")
+        why = self.context_error(len(prompt), int(max_tokens))
+        if why is not None:
+            raise InputError(why)
         with self._lock:
             rid = self._next_rid
             self._next_rid += 1
-        stops = frozenset(self.mcfg.eos_ids if stop_ids is None else stop_ids)
+        stops = set(self.mcfg.eos_ids if stop_ids is None else stop_ids)
+        stops.update(extra_stop_ids or [])
         return Request(
             rid,
             list(prompt),
             int(max_tokens),
             predicted_len=int(predicted_len if predicted_len is not None else max_tokens),
-            stop_ids=stops,
+            stop_ids=frozenset(stops),
             temperature=float(temperature),
-            seed=int(seed),
+            seed=random.getrandbits(31) if seed is None else int(seed),
+            top_k=int(top_k),
+            top_p=float(top_p),
+            logprobs=int(logprobs),
             arrival=time.monotonic(),
         )
 
@@ -312,6 +266,7 @@ class Engine:
     # -- loop
     def _meta(self, b: MicroBatch) -> BatchMeta:
         ids, pos, slots, ql, cl, bts, rows, rids, temps, seeds = ([] for _ in range(10))
+        tks, tps, lps = [], [], []
         for it in b.items:
             r = self.sched.requests[it.rid]
             ids.extend(r.token(i) for i in range(it.start, it.start + it.n))
@@ -325,7 +280,12 @@ class Engine:
                 rids.append(it.rid)
                 temps.append(r.temperature)
                 seeds.append(r.seed * 1_000_003 + it.start + it.n)
-        return BatchMeta(b.bid, ids, pos, slots, ql, cl, bts, rows, rids, temps, seeds)
+                tks.append(r.top_k)
+                tps.append(r.top_p)
+                lps.append(r.logprobs)
+        return BatchMeta(
+            b.bid, ids, pos, slots, ql, cl, bts, rows, rids, temps, seeds, tks, tps, lps
+        )
 
     def _submit_ready(self) -> None:
         while len(self.in_flight) < self.sched.depth:
@@ -358,13 +318,15 @@ class Engine:
                 if m[2] in self.stats.batch_log:
                     self.stats.batch_log[m[2]]["stages"][m[1]] = (m[3], m[4])
             elif m[0] == "result":
-                _, bid, tokens, t0, t1 = m
+                _, bid, tokens, t0, t1, lps = m
                 if self._record:
                     self.stats.busy[self.num_stages - 1].append((t0, t1))
                 if bid in self.stats.batch_log:
                     self.stats.batch_log[bid]["stages"][self.num_stages - 1] = (t0, t1)
                     self.stats.batch_log[bid]["recv"] = recv
-                b = self.in_flight.pop(bid)
+                b = self.in_flight.pop(bid, None)
+                if b is None:  # a batch of a pipeline that was replaced
+                    continue
                 now = time.monotonic()
                 before = {rid: len(self.sched.requests[rid].output) for rid in tokens}
                 t_c = time.perf_counter()
@@ -373,10 +335,12 @@ class Engine:
                 finished.extend(done)
                 if self._record:
                     self.stats.kv_timeline.append((now, self.bm.num_used))
-                if self.on_token is not None:
-                    for rid, tok in tokens.items():
-                        r = self.sched.requests[rid]
-                        if len(r.output) > before[rid]:
+                for rid, tok in tokens.items():
+                    r = self.sched.requests[rid]
+                    if len(r.output) > before[rid]:
+                        if r.logprobs >= 0:
+                            r.token_logprobs.append(lps.get(rid))
+                        if self.on_token is not None:
                             self.on_token(r, tok, r.state == "finished")
         return finished
 
@@ -415,25 +379,101 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                block = not (self.sched.has_unfinished() or self.in_flight)
+                self.last_loop = time.monotonic()
                 try:
-                    msg = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
-                    while True:
-                        self._accept(msg)
-                        msg = self._incoming.get_nowait()
-                except queue.Empty:
-                    pass
-                self._submit_ready()
-                if self.in_flight:
-                    self._handle(self.executor.poll(timeout=0.02))
-                else:
-                    self._stalled()
-                if len(self.sched.finished) > 256:
-                    self.sched.prune_finished()
-                self.stats.t_end = time.monotonic()
-        except BaseException as exc:  # surfaced by the API as 500s
+                    self._step()
+                except Exception as exc:  # a stage died (or a bug): fail fast, maybe restart
+                    if not self._recover(exc):
+                        return
+        except BaseException as exc:  # surfaced by the API as 503s
             self.error = exc
+            self.healthy = False
             raise
+
+    def _step(self) -> None:
+        block = not (self.sched.has_unfinished() or self.in_flight)
+        try:
+            msg = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
+            while True:
+                self._accept(msg)
+                msg = self._incoming.get_nowait()
+        except queue.Empty:
+            pass
+        if self._shutdown_at is not None and time.monotonic() >= self._shutdown_at:
+            self._fail_all("the server is shutting down")
+        self._submit_ready()
+        if self.in_flight:
+            self._handle(self.executor.poll(timeout=0.02))
+        else:
+            self._stalled()
+            self.executor.check()
+        if len(self.sched.finished) > 256:
+            self.sched.prune_finished()
+        self.stats.t_end = time.monotonic()
+
+    def _fail_all(self, reason: str, reset: bool = False) -> None:
+        """End every unfinished request with ``finish_reason="error"``; with ``reset`` (the
+        pipeline died: nothing in flight survives) also a fresh scheduler and KV map."""
+        reqs = [*self.sched.running, *self.sched.waiting]
+        if reset:
+            self.in_flight.clear()
+            self.bm = BlockManager(self.bm.num_blocks, self.bm.block_size)
+            self.sched = make_scheduler(
+                self.cfg.scheduler, self._scfg, self.bm, self.num_stages, self.costs
+            )
+        for r in reqs:
+            if not reset:
+                self.sched.abort(r.rid)
+            r.state, r.finish_reason, r.error = "finished", "error", reason
+            if reset:
+                r.in_flight = False
+            if self.on_token is not None:
+                self.on_token(r, -1, True)
+
+    def _recover(self, exc: Exception) -> bool:
+        """After a failure: end all requests, then restart the pipeline (true) or give up."""
+        reason = str(exc) if isinstance(exc, StageFailure) else f"engine error: {exc!r}"
+        self.healthy = False
+        self.failure = reason
+        now = time.monotonic()
+        self.failures = [t for t in self.failures if now - t < FAILURE_WINDOW_S] + [now]
+        self._fail_all(reason, reset=True)
+        self.executor.close(kill=True)
+        while self.cfg.restart_on_failure and len(self.failures) <= self.cfg.max_restarts:
+            if self._stop.is_set():
+                return False
+            try:
+                self.executor = self._make_executor()
+            except Exception as again:
+                self.failures.append(time.monotonic())
+                self.failure = f"{reason}; restart failed: {again}"
+                time.sleep(min(5.0, 0.5 * len(self.failures)))
+                continue
+            self.restarts += 1
+            self.healthy = True
+            return True
+        self.error = StageFailure(
+            f"{reason} (no restart: serve.restart_on_failure={self.cfg.restart_on_failure}, "
+            f"{len(self.failures)} failure(s) in {FAILURE_WINDOW_S:.0f} s, "
+            f"serve.max_restarts={self.cfg.max_restarts})"
+        )
+        if self.on_fatal is not None:
+            self.on_fatal(self.error)
+        return False
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Stop accepting (the API checks :attr:`accepting`); requests still running after
+        ``timeout_s`` end with an error. Thread-safe."""
+        self._shutdown_at = time.monotonic() + max(0.0, timeout_s)
+
+    @property
+    def accepting(self) -> bool:
+        return self.healthy and self.error is None and self._shutdown_at is None
+
+    @property
+    def unfinished(self) -> int:
+        """Requests queued or running (approximate when read from another thread)."""
+        return len(self.sched.waiting) + len(self.sched.running) + self._incoming.qsize()
 
     def _accept(self, msg) -> None:
         if isinstance(msg, tuple):  # ("abort", rid)
@@ -454,7 +494,7 @@ class Engine:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.executor.close()
+        self.executor.close(kill=self.error is not None or not self.healthy)
 
     def __enter__(self) -> Engine:
         return self

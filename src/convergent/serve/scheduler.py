@@ -65,6 +65,9 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     temperature: float = 0.0
     seed: int = 0
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0
+    logprobs: int = -1  # -1: none; k >= 0: chosen token's logprob and the top k
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -75,6 +78,8 @@ class Request:
     admit_order: int = -1
     first_token_time: float | None = None
     finish_time: float | None = None
+    token_logprobs: list = field(default_factory=list)  # per output token, where asked
+    error: str | None = None  # why it ended with finish_reason "error"
 
     @property
     def total_len(self) -> int:

@@ -48,6 +48,9 @@ class BatchMeta:
     sample_rids: list[int]
     temperatures: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)  # per sampled row (request seed + position)
+    top_ks: list[int] = field(default_factory=list)  # per sampled row; <= 0: off
+    top_ps: list[float] = field(default_factory=list)  # per sampled row; 1.0: off
+    logprobs: list[int] = field(default_factory=list)  # per sampled row; -1: none
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +82,7 @@ class StageRunner:
 
         self.spec = spec
         self.torch = torch
+        self.last_logprobs: dict[int, tuple] = {}  # rid -> (logprob, top) of the last run
         self.dtype = getattr(torch, spec.dtype)
         cfg = read_config(spec.model_dir)
         self.config = cfg
@@ -112,6 +116,7 @@ class StageRunner:
         """
         torch = self.torch
         from convergent.models.llama import PagedBatch
+        from convergent.serve.sampling import RowParams, sample_rows
 
         with torch.inference_mode():
             if self.first:
@@ -129,18 +134,16 @@ class StageRunner:
                 return h
             rows = torch.tensor(meta.sample_rows, dtype=torch.int64, device=self.device)
             logits = self.model.logits(h.index_select(0, rows)).float()
-            return dict(zip(meta.sample_rids, self._sample(logits, meta), strict=True))
-
-    def _sample(self, logits, meta: BatchMeta) -> list[int]:
-        torch = self.torch
-        toks = logits.argmax(-1).tolist()
-        temps = meta.temperatures or [0.0] * len(toks)
-        for i, t in enumerate(temps):
-            if t and t > 0:
-                g = torch.Generator().manual_seed(meta.seeds[i] & 0x7FFFFFFF)
-                p = torch.softmax(logits[i].cpu() / t, -1)
-                toks[i] = int(torch.multinomial(p, 1, generator=g))
-        return toks
+            toks, info = sample_rows(
+                logits,
+                RowParams(meta.temperatures, meta.seeds, meta.top_ks, meta.top_ps, meta.logprobs),
+            )
+            # logprob info (where asked) is kept beside the tokens for the caller
+            out = dict(zip(meta.sample_rids, toks, strict=True))
+            self.last_logprobs = {
+                r: x for r, x in zip(meta.sample_rids, info, strict=True) if x is not None
+            }
+            return out
 
 
 def _next_meta(in_q, parent: int, poll_s: float = 1.0):
@@ -154,11 +157,24 @@ def _next_meta(in_q, parent: int, poll_s: float = 1.0):
                 return None
 
 
-def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
+def _start_heartbeat(out_q, stage: int, interval: float) -> None:
+    import threading
+
+    def beat():
+        while True:
+            out_q.put(("hb", stage))
+            time.sleep(interval)
+
+    threading.Thread(target=beat, name="stage-heartbeat", daemon=True).start()
+
+
+def stage_main(spec: StageSpec, port: int, in_q, out_q, hb_interval: float = 1.0) -> None:
     """Entry point of a stage process (``multiprocessing`` spawn target).
 
     Messages to ``out_q``: ``("ready", stage, kv_bytes)``, ``("busy", stage, bid, t0, t1)``,
-    ``("result", bid, {rid: token}, t0, t1)``, ``("error", stage, traceback)``.
+    ``("result", bid, {rid: token}, t0, t1, {rid: logprob info})``, ``("error", stage,
+    traceback)`` and, every ``hb_interval`` seconds from a side thread, ``("hb", stage)``
+    (the engine's liveness check).
     """
     try:
         import torch
@@ -174,6 +190,7 @@ def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
             os.environ["MASTER_PORT"] = str(port)
             dist.init_process_group("nccl" if device_gpu else "gloo", rank=spec.stage, world_size=p)
         out_q.put(("ready", spec.stage, runner.kv.nbytes))
+        _start_heartbeat(out_q, spec.stage, hb_interval)
         hidden = runner.config.hidden_size
         pending: deque = deque()
 
@@ -210,7 +227,7 @@ def stage_main(spec: StageSpec, port: int, in_q, out_q) -> None:
             out = runner.run(meta, x)
             t1 = time.monotonic()
             if runner.last:
-                out_q.put(("result", meta.bid, out, t0, t1))
+                out_q.put(("result", meta.bid, out, t0, t1, runner.last_logprobs))
             else:
                 out = out.contiguous()
                 pending.append((dist.isend(out, dst=spec.stage + 1), out))

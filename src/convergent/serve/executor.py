@@ -1,0 +1,214 @@
+"""Executors: where the engine's stages run, and how their death is noticed.
+
+* :class:`LocalExecutor` — all stages in this process, run one after another (the
+  ``sequential`` scheduler's one process; also handy in tests).
+* :class:`ProcessExecutor` — one process per stage, ``torch.distributed`` point-to-point
+  activations between them (gloo on CPU), metadata through queues. :meth:`check` watches
+  the stage processes: an exit code (killed by a signal, crashed) or a heartbeat older
+  than the timeout raises :class:`StageFailure` naming the stage and the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import socket
+import time
+
+from convergent.errors import ConvergentError
+from convergent.serve.stage import BatchMeta, StageRunner, StageSpec
+
+__all__ = ["LocalExecutor", "ProcessExecutor", "StageFailure", "free_port"]
+
+
+class StageFailure(ConvergentError):
+    """A pipeline stage died, crashed or stopped answering (the message says which/why)."""
+
+    exit_code = 1
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class LocalExecutor:
+    """Runs the stages in this process, synchronously."""
+
+    def __init__(self, specs: list[StageSpec]) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, specs[0].threads))
+        self.runners = [StageRunner(s) for s in specs]
+        self.kv_bytes = sum(r.kv.nbytes for r in self.runners)
+        self._done: list[tuple] = []
+
+    def submit(self, meta: BatchMeta) -> None:
+        x = None
+        for s, r in enumerate(self.runners):
+            t0 = time.monotonic()
+            try:
+                x = r.run(meta, x)
+            except Exception as exc:
+                raise StageFailure(f"stage {s} failed: {exc!r}") from exc
+            t1 = time.monotonic()
+            if s < len(self.runners) - 1:
+                self._done.append(("busy", s, meta.bid, t0, t1))
+        self._done.append(("result", meta.bid, x, t0, t1, dict(self.runners[-1].last_logprobs)))
+
+    def poll(self, timeout: float) -> list[tuple]:
+        out, self._done = self._done, []
+        return out
+
+    def check(self) -> None:
+        """Nothing to watch: a failure surfaces as an exception of :meth:`submit`."""
+
+    def close(self, kill: bool = False) -> None:
+        self._done = []
+
+
+class ProcessExecutor:
+    """One spawned process per stage; see :func:`convergent.serve.stage.stage_main`."""
+
+    def __init__(
+        self,
+        specs: list[StageSpec],
+        start_timeout: float = 300.0,
+        heartbeat_timeout: float = 30.0,
+    ) -> None:
+        import multiprocessing as mp
+
+        from convergent.serve.stage import stage_main
+
+        ctx = mp.get_context("spawn")
+        self.out_q = ctx.Queue()
+        self.in_qs = [ctx.Queue() for _ in specs]
+        self.heartbeat_timeout = heartbeat_timeout
+        hb_every = min(1.0, heartbeat_timeout / 4)
+        port = free_port()
+        self.procs = [
+            ctx.Process(
+                target=stage_main,
+                args=(s, port, self.in_qs[i], self.out_q, hb_every),
+                daemon=True,
+                name=f"serve-stage-{i}",
+            )
+            for i, s in enumerate(specs)
+        ]
+        for p in self.procs:
+            p.start()
+        self.kv_bytes = 0
+        ready = 0
+        deadline = time.monotonic() + start_timeout
+        while ready < len(specs):
+            try:
+                msg = self.out_q.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(i, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    self.close(kill=True)
+                    why = (
+                        f"stage {dead[0][0]} {_exit_reason(dead[0][1])} while starting"
+                        if dead
+                        else "pipeline stages did not start in time"
+                    )
+                    raise StageFailure(why) from None
+                continue
+            if msg[0] == "error":
+                self.close(kill=True)
+                raise StageFailure(f"stage {msg[1]} failed to start: {_last_line(msg[2])}")
+            if msg[0] == "ready":
+                ready += 1
+                self.kv_bytes += msg[2]
+        self.last_beat = [time.monotonic()] * len(specs)
+        self._checked = 0.0
+        self._pending: list[tuple] = []  # non-heartbeat messages read by check()
+
+    def submit(self, meta: BatchMeta) -> None:
+        for i, q in enumerate(self.in_qs):
+            if i == 0:
+                q.put(meta)
+            else:  # later stages do not need the token ids
+                q.put(BatchMeta(**{**meta.__dict__, "input_ids": []}))
+
+    def poll(self, timeout: float) -> list[tuple]:
+        out = []
+        try:
+            out.append(self.out_q.get(timeout=timeout))
+            while True:
+                out.append(self.out_q.get_nowait())
+        except queue.Empty:
+            pass
+        msgs, self._pending = self._pending + self._sort(out), []
+        self.check()
+        return msgs + self._pending
+
+    def _sort(self, out: list[tuple]) -> list[tuple]:
+        """Record heartbeats, raise on a stage's error report, return the rest."""
+        now = time.monotonic()
+        msgs = []
+        for m in out:
+            if m[0] == "hb":
+                self.last_beat[m[1]] = now
+            elif m[0] == "error":
+                self.close(kill=True)
+                raise StageFailure(f"stage {m[1]} failed: {_last_line(m[2])}")
+            else:
+                msgs.append(m)
+        return msgs
+
+    def check(self) -> None:
+        """Raise :class:`StageFailure` if a stage process is gone or silent (at most every
+        0.1 s: ``exitcode`` is a non-blocking ``waitpid``)."""
+        now = time.monotonic()
+        if now - self._checked < 0.1:
+            return
+        self._checked = now
+        out = []
+        with contextlib.suppress(queue.Empty):
+            while True:  # heartbeats that arrived while nothing was polled
+                out.append(self.out_q.get_nowait())
+        self._pending.extend(self._sort(out))
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                raise StageFailure(f"stage {i} (pid {p.pid}) {_exit_reason(p.exitcode)}")
+            if now - self.last_beat[i] > self.heartbeat_timeout:
+                raise StageFailure(
+                    f"stage {i} (pid {p.pid}) sent no heartbeat for "
+                    f"{now - self.last_beat[i]:.1f} s (serve.heartbeat_timeout_s)"
+                )
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the stages: politely (a stop message, then join), or at once (``kill``:
+        after a failure the survivors may be blocked on a dead peer)."""
+        if not kill:
+            for q in self.in_qs:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        for q in [*self.in_qs, self.out_q]:
+            with contextlib.suppress(Exception):
+                q.cancel_join_thread()
+                q.close()
+
+
+def _last_line(tb: str) -> str:
+    lines = [x for x in str(tb).strip().splitlines() if x.strip()]
+    return lines[-1] if lines else "unknown error"

@@ -1,0 +1,113 @@
+"""One choice's output as the client sees it: incremental text, stop strings, logprobs.
+
+The engine produces token ids; :class:`ChoiceOutput` turns them into text deltas (holding
+back an incomplete UTF-8 sequence, and the tail that could still become a stop string),
+ends the choice at the first stop string (the text stops before it, as OpenAI's does) and
+builds the OpenAI logprob records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from convergent.serve.protocol import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
+
+__all__ = ["ChoiceOutput"]
+
+
+class ChoiceOutput:
+    """Accumulates one engine request's tokens (``tok`` decodes; may be ``None``)."""
+
+    def __init__(self, index: int, req: Any, tok: Any, stops: list[str]) -> None:
+        self.index, self.req, self.tok = index, req, tok
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.text = ""  # the full text so far (cut at a stop string once found)
+        self.sent = 0  # characters of ``text`` already sent
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.lp_sent = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, token: int, finished: bool, reason: str | None) -> tuple[str, bool]:
+        """Apply one engine event; returns ``(text delta, stop string hit)``."""
+        if self.done:
+            return "", False
+        if token >= 0:
+            self.tokens.append(token)
+        full = self.tok.decode(self.tokens) if self.tok is not None else ""
+        cut = min((i for s in self.stops if (i := full.find(s)) >= 0), default=-1)
+        hit = cut >= 0
+        if hit:
+            full = full[:cut]
+        self.text = full
+        if hit:
+            self.finish_reason = "stop"
+        elif finished:
+            self.finish_reason = reason or "stop"
+            if reason == "error":
+                self.error = self.req.error or "the engine failed"
+        if self.done:
+            safe = len(full)
+        else:
+            safe = len(full) - self.hold
+            while safe > 0 and full[safe - 1] == "\ufffd":  # incomplete UTF-8: wait
+                safe -= 1
+        delta = full[self.sent : max(self.sent, safe)]
+        self.sent = max(self.sent, safe)
+        return delta, hit
+
+    # -- logprobs
+    def _entries(self, start: int) -> list[tuple[int, tuple]]:
+        lps = self.req.token_logprobs
+        n = min(len(self.tokens), len(lps))
+        return [(self.tokens[i], lps[i]) for i in range(start, n) if lps[i] is not None]
+
+    def _s(self, i: int) -> str:
+        return self.tok.token_str(i) if self.tok is not None else str(i)
+
+    def chat_logprobs(self, new_only: bool = False) -> ChatLogprobs | None:
+        if self.req.logprobs < 0:
+            return None
+        start = self.lp_sent if new_only else 0
+        items = self._entries(start)
+        self.lp_sent = start + len(items)
+        out = []
+        for t, (lp, top) in items:
+            s = self._s(t)
+            tops = [
+                TopLogprob(token=self._s(i), logprob=v, bytes=list(self._s(i).encode()))
+                for i, v in top
+            ]
+            out.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=tops))
+        return ChatLogprobs(content=out)
+
+    def completion_logprobs(
+        self, new_only: bool = False, offset0: int = 0
+    ) -> CompletionLogprobs | None:
+        if self.req.logprobs < 0:
+            return None
+        start = self.lp_sent if new_only else 0
+        items = self._entries(start)
+        self.lp_sent = start + len(items)
+        toks, lps, tops, offs = [], [], [], []
+        off = offset0
+        for t, (lp, top) in items:
+            s = self._s(t)
+            toks.append(s)
+            lps.append(lp)
+            tops.append({self._s(i): v for i, v in top})
+            offs.append(off)
+            off += len(s)
+        return CompletionLogprobs(
+            tokens=toks, token_logprobs=lps, top_logprobs=tops, text_offset=offs
+        )

@@ -1,0 +1,70 @@
+"""Run one serving instance: engine + API under uvicorn, with failure and signal handling.
+
+SIGTERM / SIGINT: the listening socket closes (no new requests), the engine ends requests
+still running after ``serve.shutdown_timeout_s`` with an error (streams get an error
+event), uvicorn waits for the responses to finish, the stages stop, the process exits 0.
+When the engine gives up after a stage failure (restarts exhausted or disabled) the
+server stops and :func:`serve_forever` raises :class:`~convergent.serve.executor.StageFailure`
+(exit code 1).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from convergent.serve.config import ServeConfig
+
+__all__ = ["serve_forever"]
+
+
+def serve_forever(
+    model_dir: Path,
+    sc: ServeConfig,
+    host: str,
+    port: int,
+    api_key: str = "",
+    predictor=None,
+    log=lambda msg: print(msg, file=sys.stderr, flush=True),
+) -> None:
+    import uvicorn
+
+    from convergent.serve.api import create_app
+    from convergent.serve.engine import Engine
+    from convergent.serve.tokenizer import load_tokenizer
+
+    engine = Engine(model_dir, sc)
+    tok, note = load_tokenizer(model_dir, engine.mcfg.vocab_size)
+    log(note)
+    engine.start()
+    try:
+        app = create_app(engine, api_key=api_key, predictor=predictor, tokenizer=tok)
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                engine.begin_shutdown(sc.shutdown_timeout_s)
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=sc.shutdown_timeout_s + 5.0,
+        )
+        server = _Server(config)
+
+        def fatal(exc: BaseException) -> None:
+            log(f"error: {exc}")
+            server.should_exit = True
+
+        engine.on_fatal = fatal
+        log(
+            f"serving {model_dir} ({sc.scheduler}, {engine.num_stages} stage(s), context "
+            f"{engine.context_limit} tokens) on http://{host}:{port}/v1"
+        )
+        server.run()
+    finally:
+        engine.close()
+    if engine.error is not None:
+        raise engine.error
