@@ -429,6 +429,9 @@ def run_dispatcher(
         log_level="warning",
         timeout_graceful_shutdown=sc.shutdown_timeout_s + 5,
     )
+    from convergent.serve.server import quiet_signals
+
+    quiet_signals()
     try:
         uvicorn.Server(config_).run()
     finally:

@@ -162,11 +162,24 @@ class ProcessExecutor:
             if m[0] == "hb":
                 self.last_beat[m[1]] = now
             elif m[0] == "error":
-                self.close(kill=True)
-                raise StageFailure(f"stage {m[1]} failed: {_last_line(m[2])}")
+                raise self._failure(f"stage {m[1]} failed: {_last_line(m[2])}")
             else:
                 msgs.append(m)
         return msgs
+
+    def _failure(self, report: str) -> StageFailure:
+        """A stage reported an error: if a peer process died (its neighbours then fail on
+        the broken link), name the dead one as the cause."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+            if dead:
+                i, p = dead[0]
+                self.close(kill=True)
+                return StageFailure(f"stage {i} (pid {p.pid}) {_exit_reason(p.exitcode)}")
+            time.sleep(0.05)
+        self.close(kill=True)
+        return StageFailure(report)
 
     def check(self) -> None:
         """Raise :class:`StageFailure` if a stage process is gone or silent (at most every

@@ -15,7 +15,17 @@ from pathlib import Path
 
 from convergent.serve.config import ServeConfig
 
-__all__ = ["serve_forever"]
+__all__ = ["quiet_signals", "serve_forever"]
+
+
+def quiet_signals() -> None:
+    """Make SIGTERM / SIGINT no-ops before uvicorn captures them: after its graceful
+    shutdown uvicorn re-raises the captured signal with the previous handler, which by
+    default would kill the process (exit -15) instead of letting it exit 0."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
 
 
 def serve_forever(
@@ -63,6 +73,7 @@ def serve_forever(
             f"serving {model_dir} ({sc.scheduler}, {engine.num_stages} stage(s), context "
             f"{engine.context_limit} tokens) on http://{host}:{port}/v1"
         )
+        quiet_signals()
         server.run()
     finally:
         engine.close()

@@ -1,0 +1,141 @@
+"""Stage processes killed mid-stream, restarts, heartbeats and graceful SIGTERM, on a real
+`convergent serve` (3 pipeline stages) driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+
+from servers import stage_pids, start_server, stop_server, wait_health  # noqa: E402
+
+COMMON = (
+    "serve.scheduler=interleaved",
+    "serve.stages=3",
+    "serve.kv_budget_bytes=262144",
+    "serve.block_size=4",
+    "serve.max_model_len=256",
+)
+
+
+def _client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _streams_then(base, action, n=3, max_tokens=240):
+    """Open ``n`` streams; once each has a token, run ``action``; returns per stream
+    ``(text, exception or None, seconds from action to the stream's end)``."""
+    started = threading.Barrier(n + 1)
+    fired = {}
+    out = [None] * n
+
+    def one(i):
+        text, exc, got_first = "", None, False
+        try:
+            s = _client(base).completions.create(
+                model="m",
+                prompt=f"s{i}",
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for ch in s:
+                text += ch.choices[0].text if ch.choices else ""
+                if not got_first:
+                    got_first = True
+                    started.wait(timeout=120)
+        except Exception as e:  # noqa: BLE001 - what the client raised is the result
+            exc = e
+        if not got_first:
+            started.wait(timeout=120)
+        out[i] = (text, exc, time.monotonic() - fired.get("t", time.monotonic()))
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    started.wait(timeout=120)
+    fired["t"] = time.monotonic()
+    action()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts), "a stream hung"
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(hf_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fail")
+    proc, base = start_server(hf_llama_dir, root, *COMMON, "serve.heartbeat_timeout_s=5")
+    yield proc, base
+    stop_server(proc)
+
+
+@pytest.mark.parametrize("stage", [2, 0, 1], ids=["last", "first", "middle"])
+def test_killed_stage_fails_streams_then_restarts(pipeline_server, stage):
+    proc, base = pipeline_server
+    ref = _client(base).completions.create(
+        model="m", prompt="ref", max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    pids = stage_pids(proc.pid)
+    assert len(pids) == 3
+    victim = pids[stage]
+    results = _streams_then(base, lambda: os.kill(victim, signal.SIGKILL))
+    for text, exc, took in results:
+        assert isinstance(exc, openai.APIError), (text, exc)
+        assert f"stage {stage}" in str(exc) and "SIGKILL" in str(exc)
+        assert took < 60
+    # unhealthy until the pipeline is back, then it serves the same tokens again
+    h = httpx.get(base + "/health", timeout=5)
+    assert h.status_code in (200, 503)
+    if h.status_code == 503:
+        assert f"stage {stage}" in h.json()["reason"]
+    health = wait_health(base, timeout=120)
+    assert health["restarts"] >= 1
+    assert victim not in stage_pids(proc.pid)
+    again = _client(base).completions.create(
+        model="m", prompt="ref", max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    assert again.choices[0].text == ref.choices[0].text
+    metrics = httpx.get(base + "/metrics", timeout=5).text
+    assert 'convergent_serve_requests_total{status="error"}' in metrics
+
+
+def test_no_restart_heartbeat_timeout_exits_nonzero(hf_llama_dir, tmp_path):
+    """A frozen (SIGSTOPped) stage is caught by the heartbeat; without restarts the
+    in-flight requests end with the reason and the server exits non-zero."""
+    proc, base = start_server(
+        hf_llama_dir,
+        tmp_path,
+        *COMMON,
+        "serve.restart_on_failure=false",
+        "serve.heartbeat_timeout_s=2",
+    )
+    try:
+        victim = stage_pids(proc.pid)[1]
+        results = _streams_then(base, lambda: os.kill(victim, signal.SIGSTOP), n=2)
+        for _text, exc, _took in results:
+            assert isinstance(exc, openai.APIError) and "heartbeat" in str(exc)
+        assert proc.wait(timeout=60) != 0
+        assert "no restart" in proc.log_path.read_text()
+    finally:
+        stop_server(proc)
+
+
+def test_sigterm_with_streams_in_flight_exits_cleanly(hf_llama_dir, tmp_path):
+    proc, base = start_server(hf_llama_dir, tmp_path, *COMMON, "serve.shutdown_timeout_s=1")
+    stages = stage_pids(proc.pid)
+    try:
+        results = _streams_then(base, lambda: proc.send_signal(signal.SIGTERM), max_tokens=240)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        stop_server(proc)
+    for text, exc, _took in results:  # each stream ended: complete, or with the reason
+        assert exc is None or "shutting down" in str(exc), (text, exc)
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in stages)
