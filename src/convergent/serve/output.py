@@ -25,6 +25,7 @@ class ChoiceOutput:
 
     def __init__(self, index: int, req: Any, tok: Any, stops: list[str]) -> None:
         self.index, self.req, self.tok = index, req, tok
+        self.stop_ids = req.stop_ids
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.tokens: list[int] = []
@@ -44,7 +45,10 @@ class ChoiceOutput:
             return "", False
         if token >= 0:
             self.tokens.append(token)
-        full = self.tok.decode(self.tokens) if self.tok is not None else ""
+        shown = self.tokens
+        if finished and reason == "stop" and shown and shown[-1] in self.stop_ids:
+            shown = shown[:-1]  # a stop token's text is not part of the output (as vLLM)
+        full = self.tok.decode(shown) if self.tok is not None else ""
         cut = min((i for s in self.stops if (i := full.find(s)) >= 0), default=-1)
         hit = cut >= 0
         if hit:
@@ -105,7 +109,10 @@ class ChoiceOutput:
             s = self._s(t)
             toks.append(s)
             lps.append(lp)
-            tops.append({self._s(i): v for i, v in top})
+            d: dict[str, float] = {}
+            for i, v in top:  # ids that decode alike share a key: keep the likelier
+                d.setdefault(self._s(i), v)
+            tops.append(d)
             offs.append(off)
             off += len(s)
         return CompletionLogprobs(
