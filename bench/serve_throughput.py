@@ -15,6 +15,8 @@ simulator error for comparison.
     python bench/serve_throughput.py        # defaults: 500 requests, prompts x0.5, outputs x0.125
     python bench/serve_throughput.py --requests 64 --quick
     python bench/serve_throughput.py --only interleaved,tdpipe_learned --repeat 2 --quick
+    python bench/serve_throughput.py --dispatch      # dispatcher: 2 instances vs 1, routing,
+                                                     # overhead, failover -> serve_dispatch.json
 
 Writes bench/results/serve_throughput.json and bench/results/serve_kv_usage.png.
 All runs share the same model (random ~30M-parameter Llama, HF format), the same trace
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
 
@@ -218,7 +221,33 @@ def main(argv: list[str] | None = None) -> int:
         "report the median (the CPU is shared: load changes over time)",
     )
     ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument(
+        "--dispatch",
+        action="store_true",
+        help="instead: the dispatcher benchmark (bench/serve_dispatch.py) -> serve_dispatch.json",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="--dispatch: interleaved rounds")
     args = ap.parse_args(argv)
+    if args.dispatch:
+        from serve_dispatch import run as run_dispatch
+
+        from convergent.serve.offline import ensure_random_model
+
+        mdir = args.model_dir or Path(tempfile.gettempdir()) / "convergent-serve-30m"
+        ensure_random_model(mdir, "30m", seed=0)
+        res = run_dispatch(
+            mdir,
+            args.out / f"serve_dispatch{args.tag}.json",
+            args.rounds,
+            min(args.requests, 48),
+            args.quick,
+        )
+        print(
+            json.dumps({k: res[k] for k in ("throughput", "routing", "overhead")}, default=str)[
+                :3000
+            ]
+        )
+        return 0
 
     import torch
 
