@@ -12,7 +12,7 @@ import httpx
 from convergent.serve.executor import free_port
 
 
-def start_server(model_dir, run_root, *sets: str, instances: int = 1, key: str | None = None):
+def start_server(model_dir, run_root, *sets: str, instances: int | None = None, key=None):
     """Start `convergent serve`; returns ``(proc, base_url)`` once /health answers 200."""
     port = free_port()
     cmd = [
@@ -27,7 +27,7 @@ def start_server(model_dir, run_root, *sets: str, instances: int = 1, key: str |
         "--set",
         f"run.root={run_root}",
     ]
-    if instances > 1:
+    if instances is not None:  # a dispatcher in front
         cmd += ["--instances", str(instances)]
     if key:
         cmd += ["--api-key", key]

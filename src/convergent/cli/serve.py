@@ -60,7 +60,7 @@ def register(app: typer.Typer) -> None:
             "--instances",
             min=1,
             max=64,
-            help="Instances behind one dispatcher (serve.instances).",
+            help="Instances behind one dispatcher (serve.instances; given, even 1, a dispatcher runs).",
         ),
     ) -> None:
         """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         if instances is not None:
             sc = sc.model_copy(update={"instances": instances})
         key = api_key if api_key is not None else sc.api_key
-        if sc.instances > 1:
+        if sc.instances > 1 or instances is not None:  # --instances 1: one, dispatched
             from convergent.serve.dispatch import run_dispatcher
 
             run_dispatcher(mdir, sc, host or sc.host, port or sc.port, key, config, sets)
