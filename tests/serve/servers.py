@@ -40,6 +40,12 @@ def start_server(model_dir, run_root, *sets: str, instances: int | None = None, 
     proc.log_path = run_root / f"server-{port}.log"
     base = f"http://127.0.0.1:{port}"
     wait_health(base, proc)
+    if instances is not None:  # every instance up, not just one
+        deadline = time.monotonic() + 240
+        while not all(i["healthy"] for i in httpx.get(base + "/instances", timeout=5).json()):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"instances did not start: {proc.log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
     return proc, base
 
 
