@@ -118,3 +118,27 @@ def test_sigterm_stops_dispatcher_and_instances(dispatched):
     assert proc.wait(timeout=90) == 0
     time.sleep(0.5)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+
+
+def test_dispatch_to_instances_started_elsewhere(hf_llama_dir, tmp_path):
+    """serve.instance_urls: the dispatcher routes to running instances (one per node on a
+    cluster) instead of starting its own."""
+    inst, url = start_server(hf_llama_dir, tmp_path, "serve.scheduler=sequential")
+    try:
+        proc, base = start_server(
+            hf_llama_dir, tmp_path, f'serve.instance_urls=["{url}"]', instances=1
+        )
+        try:
+            st = httpx.get(base + "/instances", timeout=10).json()
+            assert [i["url"] for i in st] == [url] and st[0]["pid"] is None
+            c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+            r = c.completions.create(
+                model="m", prompt="hi", max_tokens=4, extra_body={"ignore_eos": True}
+            )
+            assert r.usage.completion_tokens == 4
+            assert httpx.get(base + "/instances", timeout=10).json()[0]["served"] == 1
+        finally:
+            assert stop_server(proc) == 0
+        assert inst.poll() is None  # not the dispatcher's to stop
+    finally:
+        stop_server(inst)

@@ -75,7 +75,7 @@ def register(app: typer.Typer) -> None:
         if instances is not None:
             sc = sc.model_copy(update={"instances": instances})
         key = api_key if api_key is not None else sc.api_key
-        if sc.instances > 1 or instances is not None:  # --instances 1: one, dispatched
+        if sc.instances > 1 or sc.instance_urls or instances is not None:  # dispatched
             from convergent.serve.dispatch import run_dispatcher
 
             run_dispatcher(mdir, sc, host or sc.host, port or sc.port, key, config, sets)

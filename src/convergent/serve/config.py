@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -52,3 +52,8 @@ class ServeConfig(Section):
     dispatch_policy: Literal["load", "round_robin"] = "load"
     dispatch_max_outstanding: int = Field(64, ge=1, le=100000)  # per instance; rest queue
     pin_cpus: bool = True  # instance i runs on core i mod cores (Linux)
+    # instances started elsewhere (e.g. one per cluster node): the dispatcher routes to these
+    # URLs instead of starting its own; their restarts are their own (or the batch system's)
+    instance_urls: list[Annotated[str, Field(pattern=r"^https?://[^/\s]+/?$")]] = Field(
+        default_factory=list, max_length=64
+    )

@@ -395,23 +395,27 @@ def run_dispatcher(
         print(msg, file=sys.stderr, flush=True)
 
     tok, _ = load_tokenizer(mdir, read_config(mdir).vocab_size)
-    ports = [free_port() for _ in range(sc.instances)]
-    insts = [Instance(i, f"http://127.0.0.1:{p}") for i, p in enumerate(ports)]
+    external = [u.rstrip("/") for u in sc.instance_urls]
+    ports = [free_port() for _ in range(0 if external else sc.instances)]
+    urls = external or [f"http://127.0.0.1:{p}" for p in ports]
+    insts = [Instance(i, u) for i, u in enumerate(urls)]
     disp = Dispatcher(insts, sc.dispatch_policy, sc.dispatch_max_outstanding)
     app = create_dispatch_app(disp, sc, tok, key)
 
     def spawn(inst):
         return _spawn(inst, mdir, sc, key, config, sets, ports[inst.index])
 
-    for inst in insts:
-        spawn(inst)
+    if not external:
+        for inst in insts:
+            spawn(inst)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         tasks = [
             asyncio.create_task(_watch(disp, app.state.client)),
-            asyncio.create_task(_supervise(disp, spawn, sc, log)),
         ]
+        if not external:
+            tasks.append(asyncio.create_task(_supervise(disp, spawn, sc, log)))
         yield
         for t in tasks:
             t.cancel()
@@ -419,7 +423,7 @@ def run_dispatcher(
     app.router.lifespan_context = lifespan
 
     log(
-        f"dispatching ({sc.dispatch_policy}) over {sc.instances} instances "
+        f"dispatching ({sc.dispatch_policy}) over {len(insts)} instances "
         f"({', '.join(i.url for i in insts)}) on http://{host}:{port}/v1"
     )
     config_ = uvicorn.Config(
