@@ -139,3 +139,56 @@ def test_sigterm_with_streams_in_flight_exits_cleanly(hf_llama_dir, tmp_path):
     for text, exc, _took in results:  # each stream ended: complete, or with the reason
         assert exc is None or "shutting down" in str(exc), (text, exc)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in stages)
+
+
+def test_engine_marks_requests_that_never_started(hf_llama_dir):
+    """In-process engine, 2 stage processes: after a stage death, requests that never
+    reached the stages are marked retryable (the API answers them with code
+    ``not_started``, which the dispatcher routes again); the engine restarts and serves."""
+    from convergent.serve.config import ServeConfig
+    from convergent.serve.engine import Engine
+
+    cfg = ServeConfig(
+        scheduler="interleaved",
+        stages=2,
+        max_num_seqs=1,
+        block_size=4,
+        kv_budget_bytes=262144,
+        profile_costs=False,
+        heartbeat_timeout_s=5,
+    )
+    done = threading.Event()
+    first = threading.Event()
+    with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
+        reqs = [eng.make_request([256, 1, 2, i], 150) for i in range(5)]
+        ended = []
+
+        def on_token(req, tok, finished):
+            if tok >= 0:
+                first.set()
+            if finished:
+                ended.append(req)
+                if len(ended) == len(reqs):
+                    done.set()
+
+        eng.on_token = on_token
+        eng.start()
+        for r in reqs:
+            eng.add_request(r)
+        assert first.wait(60)
+        eng.executor.procs[1].kill()
+        assert done.wait(60)
+        assert all(r.finish_reason == "error" and "stage 1" in r.error for r in reqs)
+        started = [r for r in reqs if r.output]
+        assert started and all(not r.retryable for r in started)
+        assert any(r.retryable and not r.output for r in reqs)
+        deadline = time.monotonic() + 120
+        while not eng.healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.healthy and eng.restarts == 1
+        again = eng.make_request([256, 1, 2, 0], 5)
+        done.clear()
+        ended.clear()
+        reqs = [again]
+        eng.add_request(again)
+        assert done.wait(60) and again.finish_reason == "length" and len(again.output) == 5

@@ -394,6 +394,8 @@ def create_app(
         failed = [o for o in outs if o.error is not None]
         if failed:
             code = "shutting_down" if "shutting down" in failed[0].error else "stage_failure"
+            if all(o.req.retryable and not o.tokens for o in outs):
+                code = "not_started"  # queued only: safe to send again (the dispatcher does)
             if "timed out" in failed[0].error:
                 return _error(504, failed[0].error, "timeout", "server_error")
             return _error(503, failed[0].error, code, "server_error")

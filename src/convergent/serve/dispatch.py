@@ -35,7 +35,7 @@ from convergent.serve.config import ServeConfig
 
 __all__ = ["Dispatcher", "Instance", "create_dispatch_app", "run_dispatcher"]
 
-RETRYABLE = ("engine_restarting", "engine_dead", "shutting_down")
+RETRYABLE = ("engine_restarting", "engine_dead", "shutting_down", "not_started")
 
 
 @dataclass

@@ -422,6 +422,7 @@ class Engine:
                 self.cfg.scheduler, self._scfg, self.bm, self.num_stages, self.costs
             )
         for r in reqs:
+            r.retryable = not (r.in_flight or r.num_computed or r.output)
             if not reset:
                 self.sched.abort(r.rid)
             r.state, r.finish_reason, r.error = "finished", "error", reason

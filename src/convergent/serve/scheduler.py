@@ -80,6 +80,7 @@ class Request:
     finish_time: float | None = None
     token_logprobs: list = field(default_factory=list)  # per output token, where asked
     error: str | None = None  # why it ended with finish_reason "error"
+    retryable: bool = False  # ended by a failure before any of it reached the stages
 
     @property
     def total_len(self) -> int:
