@@ -107,7 +107,7 @@ def create_app(
     counters = {"requests": 0, "completed": 0, "tokens": 0}
     vocab = engine.mcfg.vocab_size
     metrics = ServeMetrics(
-        lambda: len(engine.sched.waiting) + engine._incoming.qsize(),
+        lambda: engine.queue_length,
         lambda: engine.bm.num_used / max(1, engine.bm.num_blocks),
     )
     app.state.metrics = metrics
@@ -145,7 +145,7 @@ def create_app(
         metrics.requests.labels(status="rejected").inc()
         if engine.error is not None:
             msg, code = f"the engine stopped: {engine.error}", "engine_dead"
-        elif engine._shutdown_at is not None:
+        elif engine.shutting_down:
             msg, code = "the server is shutting down", "shutting_down"
         else:
             msg, code = (
@@ -439,7 +439,7 @@ def create_app(
         stalled = time.monotonic() - engine.last_loop > engine.cfg.heartbeat_timeout_s
         if engine.accepting and not stalled:
             return Health(status="ok", restarts=engine.restarts).model_dump(exclude_none=True)
-        if engine._shutdown_at is not None and engine.error is None:
+        if engine.shutting_down and engine.error is None:
             h = Health(status="shutting_down", restarts=engine.restarts)
         else:
             why = str(engine.error or engine.failure or "the engine loop is stalled")
@@ -457,7 +457,7 @@ def create_app(
         queued = sum(len(r.prompt) + r.max_tokens for r in list(s.waiting))
         return {
             "healthy": engine.accepting,
-            "waiting": len(s.waiting) + engine._incoming.qsize(),
+            "waiting": engine.queue_length,
             "running": len(s.running),
             "queued_tokens": queued,
             "kv_used_fraction": engine.bm.num_used / max(1, engine.bm.num_blocks),

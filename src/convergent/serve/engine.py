@@ -472,9 +472,13 @@ class Engine:
         return self.healthy and self.error is None and self._shutdown_at is None
 
     @property
-    def unfinished(self) -> int:
-        """Requests queued or running (approximate when read from another thread)."""
-        return len(self.sched.waiting) + len(self.sched.running) + self._incoming.qsize()
+    def shutting_down(self) -> bool:
+        return self._shutdown_at is not None
+
+    @property
+    def queue_length(self) -> int:
+        """Requests waiting for admission (approximate when read from another thread)."""
+        return len(self.sched.waiting) + self._incoming.qsize()
 
     def _accept(self, msg) -> None:
         if isinstance(msg, tuple):  # ("abort", rid)
