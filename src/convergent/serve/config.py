@@ -44,9 +44,9 @@ class ServeConfig(Section):
     # -- failure handling (see convergent.serve.engine)
     restart_on_failure: bool = True  # a dead stage: end its requests with an error, restart
     max_restarts: int = Field(3, ge=0, le=100)  # restarts within 10 minutes before giving up
-    heartbeat_timeout_s: float = Field(30.0, gt=0.5, le=3600.0)  # silent stage = dead
-    shutdown_timeout_s: float = Field(10.0, ge=0.0, le=3600.0)  # SIGTERM: finish, then cancel
-    request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)  # API: end a request after this
+    heartbeat_timeout_s: float = Field(30.0, gt=0.5, le=3600.0, allow_inf_nan=False)  # silent stage = dead
+    shutdown_timeout_s: float = Field(10.0, ge=0.0, le=3600.0, allow_inf_nan=False)  # SIGTERM: finish, then cancel
+    request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, allow_inf_nan=False)  # API: end a request after this
     # -- many instances behind one dispatcher (`convergent serve --instances N`)
     instances: int = Field(1, ge=1, le=64)
     dispatch_policy: Literal["load", "round_robin"] = "load"
