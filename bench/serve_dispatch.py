@@ -93,9 +93,19 @@ async def _fire(base, trace, kill=None):
 
         t0 = time.monotonic()
         tasks = [asyncio.create_task(one(p, mt)) for p, mt in trace]
+        at_kill = None
         if kill is not None:
             await asyncio.sleep(kill[0])
+            m = (await c.get(base + "/metrics")).text
+            queued = [
+                ln for ln in m.splitlines() if ln.startswith("convergent_dispatch_queue_length ")
+            ]
+            held = [i["outstanding"] for i in (await c.get(base + "/instances")).json()]
             kill[1]()
+            at_kill = {
+                "dispatcher_queue": float(queued[0].split()[1]),
+                "outstanding_per_instance": held,
+            }
         await asyncio.gather(*tasks)
         wall = time.monotonic() - t0
     lat.sort()
@@ -107,6 +117,7 @@ async def _fire(base, trace, kill=None):
         "p50_s": lat[len(lat) // 2] if lat else None,
         "p99_s": p99,
         **status,
+        **({"at_kill": at_kill} if kill is not None else {}),
     }
 
 
@@ -141,12 +152,12 @@ def run(model, out_path, rounds=3, n=48, quick=False):
     }
     thr = {"1": [], "2": []}
     trace = _trace(n, 0, skew=False)
-    for _r in range(rounds):
-        for k in ("1", "2"):
+    for r in range(rounds):  # sides alternate their order round by round
+        for k in ("1", "2") if r % 2 == 0 else ("2", "1"):
             proc, base = _start(model, run_root, int(k), "load")
             try:
                 asyncio.run(_fire(base, trace[:4]))  # warm-up
-                thr[k].append(asyncio.run(_fire(base, trace)))
+                thr[k].append({"loadavg": os.getloadavg(), **asyncio.run(_fire(base, trace))})
             finally:
                 stop_server(proc)
     t1 = _med([x["tok_s"] for x in thr["1"]])
@@ -160,11 +171,11 @@ def run(model, out_path, rounds=3, n=48, quick=False):
     }
     skew = _trace(n, 1, skew=True)
     pol = {"load": [], "round_robin": []}
-    for _r in range(rounds):
-        for p in ("load", "round_robin"):
+    for r in range(rounds):
+        for p in ("load", "round_robin") if r % 2 == 0 else ("round_robin", "load"):
             proc, base = _start(model, run_root, 2, p)
             try:
-                pol[p].append(asyncio.run(_fire(base, skew)))
+                pol[p].append({"loadavg": os.getloadavg(), **asyncio.run(_fire(base, skew))})
             finally:
                 stop_server(proc)
     res["routing"] = {

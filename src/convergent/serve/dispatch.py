@@ -196,11 +196,21 @@ def create_dispatch_app(disp: Dispatcher, sc: ServeConfig, tok=None, api_key: st
             try:
                 req = client.build_request("POST", url, content=raw, headers=headers)
                 resp = await client.send(req, stream=True)
-            except httpx.TransportError:
+            except (httpx.ConnectError, httpx.ConnectTimeout):  # never reached it: again
                 await disp.release(inst, tokens)
                 await disp.set_health(inst, False)
                 disp.rerouted += 1
                 continue
+            except httpx.TransportError:  # sent, then the instance died: it was running
+                await disp.release(inst, tokens)
+                await disp.set_health(inst, False)
+                inst.failed += 1
+                routed.labels(instance=str(inst.index), status="error").inc()
+                return err(
+                    503,
+                    f"instance {inst.index} failed while the request was running",
+                    "instance_failed",
+                )
             if resp.status_code == 503:
                 data = await resp.aread()
                 await resp.aclose()
