@@ -86,17 +86,32 @@ def test_killed_stage_fails_streams_then_restarts(pipeline_server, stage):
     pids = stage_pids(proc.pid)
     assert len(pids) == 3
     victim = pids[stage]
-    results = _streams_then(base, lambda: os.kill(victim, signal.SIGKILL))
+    seen = []  # /health answers from the kill until the pipeline is back
+    stop = threading.Event()
+
+    def watch():
+        with httpx.Client(timeout=5) as h:
+            while not stop.is_set():
+                r = h.get(base + "/health")
+                seen.append((r.status_code, r.json()))
+                time.sleep(0.05)
+
+    def kill():
+        os.kill(victim, signal.SIGKILL)
+        threading.Thread(target=watch, daemon=True).start()
+
+    results = _streams_then(base, kill)
     for text, exc, took in results:
         assert isinstance(exc, openai.APIError), (text, exc)
         assert f"stage {stage}" in str(exc) and "SIGKILL" in str(exc)
         assert took < 60
     # unhealthy until the pipeline is back, then it serves the same tokens again
-    h = httpx.get(base + "/health", timeout=5)
-    assert h.status_code in (200, 503)
-    if h.status_code == 503:
-        assert f"stage {stage}" in h.json()["reason"]
     health = wait_health(base, timeout=120)
+    time.sleep(0.2)
+    stop.set()
+    bad = [body for code, body in seen if code == 503]
+    assert bad and all(b["status"] == "unhealthy" and f"stage {stage}" in b["reason"] for b in bad)
+    assert seen[-1][0] == 200
     assert health["restarts"] >= 1
     assert victim not in stage_pids(proc.pid)
     again = _client(base).completions.create(
