@@ -272,3 +272,23 @@ def test_metrics_names_and_values(server):
         assert name in text, name
     out = [ln for ln in text.splitlines() if ln.startswith("convergent_serve_output_tokens_total ")]
     assert float(out[0].split()[1]) >= 3
+
+
+def test_choice_output_holds_back_partial_utf8_and_stop_prefixes():
+    from convergent.serve.output import ChoiceOutput
+    from convergent.serve.scheduler import Request
+
+    req = Request(0, [1], 64, stop_ids=frozenset({257}))
+    o = ChoiceOutput(0, req, BT, ["STOP", "XY"])
+    deltas = []
+    for b in "héllo STwo STOP world".encode():
+        d, hit = o.add(b, False, None)
+        assert "\ufffd" not in d
+        deltas.append(d)
+        if hit:
+            break
+    assert "".join(deltas) == "héllo STwo " and o.finish_reason == "stop"
+    # a stop token ends the choice and its text is not shown
+    o2 = ChoiceOutput(0, Request(1, [1], 64, stop_ids=frozenset({ord("!")})), BT, [])
+    text = "".join(o2.add(b, b == ord("!"), "stop" if b == ord("!") else None)[0] for b in b"ok!")
+    assert text == "ok" and o2.finish_reason == "stop"
