@@ -204,7 +204,7 @@ def profile_costs(
 def calibrate_from_run(batch_log: dict[int, dict], base: CostTable) -> CostTable:
     """Fit per-stage time models on the busy intervals of a measured run.
 
-    ``batch_log`` is :attr:`convergent.serve.engine.EngineStats.batch_log`. Also measures
+    ``batch_log`` is :attr:`convergent.serve.stats.EngineStats.batch_log`. Also measures
     the engine's dispatch latency and the stage-to-stage hop latency (medians over
     micro-batches that found the next stage idle) and the result's return latency to
     the engine (median; entries with a ``recv`` time), and each stage's turnaround
