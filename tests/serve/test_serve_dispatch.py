@@ -72,7 +72,10 @@ def test_failover_loses_no_queued_request(dispatched):
             async def one(i):
                 try:
                     r = await c.completions.create(
-                        model="m", prompt=f"q{i}", max_tokens=120, extra_body={"ignore_eos": True}
+                        model="convergent-llama",
+                        prompt=f"q{i}",
+                        max_tokens=120,
+                        extra_body={"ignore_eos": True},
                     )
                     return r
                 except openai.APIError as e:
@@ -108,7 +111,10 @@ def test_failover_loses_no_queued_request(dispatched):
     wait_health(base)
     c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
     assert (
-        c.completions.create(model="m", prompt="after", max_tokens=3).usage.completion_tokens >= 1
+        c.completions.create(
+            model="convergent-llama", prompt="after", max_tokens=3
+        ).usage.completion_tokens
+        >= 1
     )
 
 
@@ -134,7 +140,7 @@ def test_dispatch_to_instances_started_elsewhere(hf_llama_dir, tmp_path):
             assert [i["url"] for i in st] == [url] and st[0]["pid"] is None
             c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
             r = c.completions.create(
-                model="m", prompt="hi", max_tokens=4, extra_body={"ignore_eos": True}
+                model="convergent-llama", prompt="hi", max_tokens=4, extra_body={"ignore_eos": True}
             )
             assert r.usage.completion_tokens == 4
             assert httpx.get(base + "/instances", timeout=10).json()[0]["served"] == 1

@@ -40,7 +40,7 @@ def _streams_then(base, action, n=3, max_tokens=240):
         text, exc, got_first = "", None, False
         try:
             s = _client(base).completions.create(
-                model="m",
+                model="convergent-llama",
                 prompt=f"s{i}",
                 max_tokens=max_tokens,
                 stream=True,
@@ -81,7 +81,7 @@ def pipeline_server(hf_llama_dir, tmp_path_factory):
 def test_killed_stage_fails_streams_then_restarts(pipeline_server, stage):
     proc, base = pipeline_server
     ref = _client(base).completions.create(
-        model="m", prompt="ref", max_tokens=8, extra_body={"ignore_eos": True}
+        model="convergent-llama", prompt="ref", max_tokens=8, extra_body={"ignore_eos": True}
     )
     pids = stage_pids(proc.pid)
     assert len(pids) == 3
@@ -115,7 +115,7 @@ def test_killed_stage_fails_streams_then_restarts(pipeline_server, stage):
     assert health["restarts"] >= 1
     assert victim not in stage_pids(proc.pid)
     again = _client(base).completions.create(
-        model="m", prompt="ref", max_tokens=8, extra_body={"ignore_eos": True}
+        model="convergent-llama", prompt="ref", max_tokens=8, extra_body={"ignore_eos": True}
     )
     assert again.choices[0].text == ref.choices[0].text
     metrics = httpx.get(base + "/metrics", timeout=5).text

@@ -98,9 +98,13 @@ def test_malformed_requests_get_400_naming_the_field(server):
                 param.split(".")[0].split("[")[0] in err["message"]
                 or "context length" in err["message"]
             ), err
+    # another model's name: 404, as vLLM answers
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(server).completions.create(model="gpt-4", prompt="a", max_tokens=1)
+    assert e.value.body["param"] == "model"
     # the openai client sees a BadRequestError with the field
     with pytest.raises(openai.BadRequestError) as e:
-        _client(server).completions.create(model="m", prompt="a", temperature=-1)
+        _client(server).completions.create(model="convergent-llama", prompt="a", temperature=-1)
     assert "temperature" in str(e.value)
 
 
@@ -124,7 +128,7 @@ def test_stop_strings_and_stop_token_ids(server, hf_model):
     stop_id = ref[6]
     hf_stop = _ref_greedy(hf_model, ids, 40, eos=[stop_id])
     r = c.completions.create(
-        model="m",
+        model="convergent-llama",
         prompt="stop me",
         max_tokens=40,
         extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]},
@@ -143,7 +147,7 @@ def test_stop_strings_and_stop_token_ids(server, hf_model):
         pytest.skip("reference text has no printable ASCII pair")
     s = text[ascii_at[0] : ascii_at[0] + 2]
     r = c.completions.create(
-        model="m",
+        model="convergent-llama",
         prompt="stop me",
         max_tokens=40,
         stop=[s, "\x00never"],
@@ -153,7 +157,7 @@ def test_stop_strings_and_stop_token_ids(server, hf_model):
     assert r.choices[0].text == text[: text.index(s)]
     chunks = list(
         c.completions.create(
-            model="m",
+            model="convergent-llama",
             prompt="stop me",
             max_tokens=40,
             stop=s,
@@ -193,13 +197,13 @@ def test_n_seed_top_k_top_p_match_reference(server, hf_model):
     ids = BT.encode("seed")
     greedy = _ref_greedy(hf_model, ids, 10)
     r = c.completions.create(
-        model="m", prompt="seed", max_tokens=10, n=3, extra_body={"ignore_eos": True}
+        model="convergent-llama", prompt="seed", max_tokens=10, n=3, extra_body={"ignore_eos": True}
     )
     assert [ch.index for ch in r.choices] == [0, 1, 2]
     assert all(ch.text == BT.decode(greedy) for ch in r.choices)
     assert r.usage.completion_tokens == 30
     kw = dict(
-        model="m",
+        model="convergent-llama",
         prompt=[ids],
         max_tokens=12,
         temperature=0.9,
@@ -221,7 +225,11 @@ def test_logprobs_match_transformers(server, hf_model):
     c = _client(server)
     ids = BT.encode("lp")
     r = c.completions.create(
-        model="m", prompt="lp", max_tokens=6, logprobs=3, extra_body={"ignore_eos": True}
+        model="convergent-llama",
+        prompt="lp",
+        max_tokens=6,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
     )
     ref = hf_model.generate(
         torch.tensor([ids]),
@@ -244,7 +252,7 @@ def test_logprobs_match_transformers(server, hf_model):
         assert got and all(min(abs(v - w) for w in top.values.tolist()) < 1e-4 for v in got)
         assert max(got) == pytest.approx(float(top.values[0]), abs=1e-4)
     chat = c.chat.completions.create(
-        model="m",
+        model="convergent-llama",
         messages=MSG,
         max_tokens=4,
         logprobs=True,
@@ -258,7 +266,9 @@ def test_logprobs_match_transformers(server, hf_model):
 
 def test_metrics_names_and_values(server):
     c = _client(server)
-    c.completions.create(model="m", prompt="m", max_tokens=3, extra_body={"ignore_eos": True})
+    c.completions.create(
+        model="convergent-llama", prompt="m", max_tokens=3, extra_body={"ignore_eos": True}
+    )
     text = httpx.get(server + "/metrics", timeout=10).text
     for name in (
         "convergent_serve_queue_length ",

@@ -101,7 +101,7 @@ def test_server_uses_the_checkpoint_tokenizer(bpe_model_dir, tmp_path):
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
         msgs = [{"role": "user", "content": "hello chat template"}]
         r = c.chat.completions.create(
-            model="m", messages=msgs, max_tokens=12, extra_body={"ignore_eos": True}
+            model="convergent-llama", messages=msgs, max_tokens=12, extra_body={"ignore_eos": True}
         )
         ids = ref_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -133,7 +133,11 @@ def test_server_uses_the_checkpoint_tokenizer(bpe_model_dir, tmp_path):
         )
         out2 = g2[0, len(ids) :].tolist()
         r2 = c.chat.completions.create(
-            model="m", messages=msgs, max_tokens=12, stop=[s], extra_body={"ignore_eos": True}
+            model="convergent-llama",
+            messages=msgs,
+            max_tokens=12,
+            stop=[s],
+            extra_body={"ignore_eos": True},
         )
         assert r2.choices[0].finish_reason == "stop"
         assert r2.usage.completion_tokens == len(out2)

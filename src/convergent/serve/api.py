@@ -4,9 +4,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 (both with ``stream: true`` as server-sent events ending in ``data: [DONE]``),
 ``GET /health`` (200 ok / 503 with the reason), ``GET /metrics`` (Prometheus,
 :mod:`convergent.serve.metrics`), ``GET /load`` (what the dispatcher routes by) and
-``GET /stats``. Requests are validated by :mod:`convergent.serve.protocol` (400 naming
-the field); text is tokenized with the checkpoint's own tokenizer and chat template
-(:mod:`convergent.serve.tokenizer`). With an API key set, every ``/v1`` request needs
+``GET /stats``. A request naming another model gets 404 (as vLLM answers). Requests are
+validated by :mod:`convergent.serve.protocol` (400 naming the field); text is tokenized
+with the checkpoint's own tokenizer and chat template (:mod:`convergent.serve.tokenizer`). With an API key set, every ``/v1`` request needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
 Failures: a request whose engine request ends with ``finish_reason="error"`` (a stage died,
@@ -284,6 +284,15 @@ def create_app(
             body = parse_request(
                 await request.body(), ChatCompletionRequest if chat else CompletionRequest
             )
+            if body.model is not None and body.model != model_name:
+                metrics.requests.labels(status="rejected").inc()
+                return _error(
+                    404,
+                    f"The model '{body.model}' does not exist (this server has '{model_name}')",
+                    "model_not_found",
+                    "NotFoundError",
+                    param="model",
+                )
             reqs, outs = _make(body, chat)
         except RequestError as e:
             metrics.requests.labels(status="rejected").inc()
