@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from convergent.configbase import Name, PathStr, Section
+from convergent.analytics.config import AnalyticsConfig
 from convergent.data.config import DataConfig
 from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text
@@ -41,6 +42,7 @@ class ConvergentConfig(Section):
     cluster: ClusterConfig = ClusterConfig()
     simulate: SimulateConfig = SimulateConfig()
     data: DataConfig = DataConfig()
+    analytics: AnalyticsConfig = AnalyticsConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()

@@ -10,7 +10,8 @@ import typer
 
 data_app = typer.Typer(
     name="data",
-    help="Dataset store: pack small files into shards, inspect, verify, export, cache.",
+    help="Dataset store: pack small files into shards, inspect, verify, export, cache; "
+         "analytics on Dask: stats, dedup, filter, split, merge.",
     no_args_is_help=True,
 )
 
@@ -179,4 +180,7 @@ def cache(
 
 def register(app: typer.Typer) -> None:
     """Add the `data` sub-commands to the root app."""
+    from convergent.cli.data_analytics import register as register_analytics
+
+    register_analytics(data_app)
     app.add_typer(data_app, name="data")

@@ -1,0 +1,102 @@
+"""Derived values of a molecular record: forces, energy per atom, composition, hashes,
+geometry fingerprint. Pure functions of one record (numpy), shared by every command."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import xxhash
+
+SYMBOLS = (
+    "X H He Li Be B C N O F Ne Na Mg Al Si P S Cl Ar K Ca Sc Ti V Cr Mn Fe Co Ni Cu Zn Ga Ge "
+    "As Se Br Kr Rb Sr Y Zr Nb Mo Tc Ru Rh Pd Ag Cd In Sn Sb Te I Xe Cs Ba La Ce Pr Nd Pm Sm "
+    "Eu Gd Tb Dy Ho Er Tm Yb Lu Hf Ta W Re Os Ir Pt Au Hg Tl Pb Bi Po At Rn Fr Ra Ac Th Pa U "
+    "Np Pu Am Cm Bk Cf Es Fm Md No Lr Rf Db Sg Bh Hs Mt Ds Rg Cn Nh Fl Mc Lv Ts Og"
+).split()
+
+FP_LEN = 32  # fingerprint length: sorted distances, resampled to this many when longer
+
+
+def symbol(z: int) -> str:
+    return SYMBOLS[z] if 0 <= z < len(SYMBOLS) else f"Z{z}"
+
+
+def formula(numbers: np.ndarray) -> str:
+    """Hill-ordered formula (C, H first, then alphabetical), e.g. ``CH4O``."""
+    zs, counts = np.unique(numbers, return_counts=True)
+    d = {symbol(int(z)): int(c) for z, c in zip(zs, counts, strict=True)}
+    order = [s for s in ("C", "H") if s in d and "C" in d] + sorted(k for k in d if not ("C" in d and k in ("C", "H")))
+    return "".join(f"{s}{d[s] if d[s] > 1 else ''}" for s in order)
+
+
+def force_norms(rec: dict[str, Any]) -> np.ndarray:
+    """|F| per atom (eV/Å); NaN where forces are missing."""
+    f = np.asarray(rec["forces"], np.float64)
+    return np.sqrt(np.einsum("ij,ij->i", f, f)) if f.size else np.zeros(0)
+
+
+def values(rec: dict[str, Any]) -> dict[str, Any]:
+    """The names a ``--where`` expression can use (see :mod:`convergent.analytics.where`)."""
+    numbers = rec["numbers"]
+    n = int(len(numbers))
+    fn = force_norms(rec)
+    e = float(rec["energy"])
+    meta = rec.get("meta") or {}
+    return {
+        "key": rec["key"], "molecule_id": rec["molecule_id"], "n_atoms": n, "energy": e,
+        "e_per_atom": e / n if n else float("nan"),
+        "max_force": float(fn.max()) if fn.size else 0.0,
+        "mean_force": float(fn.mean()) if fn.size else 0.0,
+        "has_forces": bool(fn.size == 0 or np.all(np.isfinite(fn))),
+        "has_energy": bool(np.isfinite(e)),
+        "charge": int(rec["charge"]), "multiplicity": int(rec["multiplicity"]),
+        "elements": sorted({symbol(int(z)) for z in numbers}),
+        "formula": formula(numbers),
+        "source": str(meta.get("source", meta.get("origin", ""))),
+        "sampler": str(meta.get("sampler", "")),
+        "round": meta.get("round", -1),
+        "meta": meta,
+    }
+
+
+def structure_hash(rec: dict[str, Any]) -> int:
+    """xxh3-64 of the structure: atomic numbers, positions, cell, pbc, charge, multiplicity
+    (bit-exact). Labels and the key are not part of it."""
+    h = xxhash.xxh3_64()
+    h.update(np.ascontiguousarray(rec["numbers"], np.int64).tobytes())
+    h.update(np.ascontiguousarray(rec["positions"], np.float64).tobytes())
+    h.update(np.ascontiguousarray(rec["cell"], np.float64).tobytes())
+    h.update(np.ascontiguousarray(rec["pbc"], bool).tobytes())
+    h.update(np.array([rec["charge"], rec["multiplicity"]], np.int64).tobytes())
+    return h.intdigest()
+
+
+def composition_hash(rec: dict[str, Any]) -> int:
+    """xxh3-64 of (sorted atomic numbers, charge, multiplicity): near duplicates share it."""
+    z = np.sort(np.asarray(rec["numbers"], np.int64))
+    return xxhash.xxh3_64_intdigest(z.tobytes() + np.array([rec["charge"], rec["multiplicity"]], np.int64).tobytes())
+
+
+def fingerprint(numbers: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Geometry fingerprint, invariant to rotation, translation and atom order: for each
+    element pair (Zi <= Zj, in order) the sorted interatomic distances, concatenated; a
+    list longer than :data:`FP_LEN` is resampled at ``FP_LEN`` evenly spaced quantiles
+    (each element pair keeps a share proportional to its length). float64[FP_LEN]."""
+    n = len(numbers)
+    out = np.zeros(FP_LEN)
+    if n < 2:
+        return out
+    z = np.asarray(numbers, np.int64)
+    p = np.asarray(positions, np.float64)
+    i, j = np.triu_indices(n, 1)
+    d = np.linalg.norm(p[i] - p[j], axis=1)
+    a, b = np.minimum(z[i], z[j]), np.maximum(z[i], z[j])
+    order = np.lexsort((d, b, a))  # by pair type, then distance
+    d = d[order]
+    m = len(d)
+    if m <= FP_LEN:
+        out[:m] = d
+        return out
+    q = (np.arange(FP_LEN) + 0.5) * (m / FP_LEN) - 0.5
+    return np.interp(q, np.arange(m), d)

@@ -1,0 +1,410 @@
+"""The analytics engine: per-shard tasks on Dask, per-worker output sinks, one commit.
+
+Every command is a map over the shards of its input dataset(s): one task per shard, run
+on a ``distributed.Client`` (local cluster by default, the Slurm cluster at scale) or, with
+no client, in this process (the same functions, in order). A task streams its shard
+record by record, so a worker holds one shard's index and one record at a time.
+
+**Aggregated intermediate I/O.** A task does not write files of its own. Records it keeps
+go to a *sink*: one :class:`~convergent.data.writer.DatasetWriter` per (run, output) per
+worker process, kept in this module between tasks and rolled by size
+(``shard_bytes``). After the map the driver seals every worker's sinks in one call and
+commits each output's manifest once, with its lineage. So a stage writes about
+``workers x ceil(bytes per worker / shard_bytes)`` files, not one per task.
+
+**Locality.** With a node-local cache directory (``data.cache_dir``; ``{worker}`` in it is
+replaced by the worker's name), the driver asks each worker which input shards its cache
+holds, and a task reading such a shard is restricted to those workers (Dask worker
+restrictions); it then reads the local copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from convergent.data import format as fmt
+from convergent.data.manifest import (
+    Manifest,
+    ShardInfo,
+    manifest_path,
+    read_manifest,
+    write_manifest,
+)
+from convergent.data.reader import ShardReader
+from convergent.data.writer import DatasetWriter
+from convergent.errors import DataError
+
+# --------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One input shard: which dataset, which shard, where its records start globally."""
+
+    dataset: str  # dataset directory
+    info: ShardInfo
+    shard_no: int  # position in the dataset's manifest
+    start: int  # global index (over all inputs) of the shard's first record
+    input_no: int = 0  # which input dataset (merge)
+
+
+@dataclass(frozen=True)
+class OutSpec:
+    """Where and how an output dataset is written."""
+
+    path: str
+    schema: str
+    compression: str
+    shard_bytes: int
+
+
+def plan(datasets: Sequence[str | os.PathLike[str]]) -> tuple[list[ShardTask], list[Manifest]]:
+    """One task per shard of each input dataset, with global record offsets."""
+    tasks: list[ShardTask] = []
+    manifests = []
+    start = 0
+    for k, d in enumerate(datasets):
+        m = read_manifest(d)
+        manifests.append(m)
+        for j, info in enumerate(m.shards):
+            tasks.append(ShardTask(str(Path(d).resolve()), info, j, start, k))
+            start += info.records
+    return tasks, manifests
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class ShardView:
+    """Records of one shard, decoded or as checked raw frames (for copying unchanged)."""
+
+    def __init__(self, task: ShardTask, cache_dir: str | None = None) -> None:
+        cache = None
+        if cache_dir:
+            from convergent.data.cache import ShardCache
+
+            c = ShardCache(_expand(cache_dir))
+            if c.local_path(task.info, Path(task.dataset)).exists():
+                cache = c  # read the node-local copy; never copy a shard in for one pass
+        self.task = task
+        self.reader = ShardReader(Path(task.dataset), task.info, cache)
+        self.cols = self.reader.meta.index
+        self.schema = fmt.SCHEMA_NAMES[self.reader.meta.schema]
+        self.codec = self.reader.meta.codec
+        self.n = task.info.records
+        self.keys = fmt.strings(self.cols, "key")
+        self.molecule_ids = (fmt.strings(self.cols, "molecule_id") if self.schema == "molecular"
+                             else self.keys)
+
+    def record(self, i: int) -> dict[str, Any]:
+        return self.reader.record(i)
+
+    def encoded(self, i: int) -> fmt.Encoded:
+        """The index fields of record ``i`` (body empty), for :meth:`DatasetWriter.write_encoded`."""
+        c = self.cols
+        if self.schema == "molecular":
+            return fmt.Encoded(self.keys[i], b"", self.molecule_ids[i], int(c["n_atoms"][i]),
+                               float(c["energy"][i]), int(c["charge"][i]), int(c["multiplicity"][i]))
+        payload = None
+        if c["inlined"][i]:
+            o = c["inline.off"]
+            payload = c["inline.data"][int(o[i]): int(o[i + 1])].tobytes()
+        return fmt.Encoded(self.keys[i], b"", size=int(c["size"][i]), payload=payload)
+
+    def frame(self, i: int) -> bytes:
+        """Record ``i``'s stored frame, checksum checked (b"" for an inlined record)."""
+        rd = self.reader
+        offs = rd._offsets
+        a, b = offs[i], offs[i + 1]  # type: ignore[index]
+        if a == b:
+            return b""
+        if rd._view is None or rd._pid != os.getpid():
+            rd._map()
+        buf = rd._view[a:b]  # type: ignore[index]
+        stored, raw, codec, p1, p2, digest = fmt.FRAME.unpack_from(buf, 0)
+        if (stored != len(buf) - fmt.FRAME_SIZE or p1 or p2
+                or xxhash.xxh3_64_intdigest(buf[fmt.FRAME_SIZE:], fmt._frame_seed(stored, raw, codec)) != digest):
+            fmt.unpack_frame(buf, rd.name, None, i, a)  # raises the precise DataError
+        return bytes(buf)
+
+    def copy_to(self, sink: DatasetWriter, i: int) -> None:
+        """Append record ``i`` unchanged (raw frame when the codec matches, else re-encoded)."""
+        if self.codec == sink._codec:
+            sink.write_encoded(self.encoded(i), self.frame(i))
+        else:
+            sink.write(self.record(i))
+
+    def close(self) -> None:
+        self.reader.release()
+
+
+def _expand(cache_dir: str) -> str:
+    return cache_dir.replace("{worker}", worker_name())
+
+
+def worker_name() -> str:
+    """This Dask worker's name ("local" outside a worker)."""
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().name)
+    except (ImportError, ValueError):
+        return "local"
+
+
+# --------------------------------------------------------------------------- sinks (worker side)
+
+_SINKS: dict[str, dict[str, DatasetWriter]] = {}
+_SINK_LOCK = threading.Lock()
+_PROC_TAG = secrets.token_hex(3)
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_PROC_TAG", secrets.token_hex(3)))
+
+
+def sink(run: str, name: str, spec: OutSpec) -> DatasetWriter:
+    """This process's writer for output ``name`` of ``run`` (created on first use)."""
+    with _SINK_LOCK:
+        per_run = _SINKS.setdefault(run, {})
+        w = per_run.get(name)
+        if w is None:
+            w = DatasetWriter(spec.path, schema=spec.schema, compression=spec.compression,
+                              shard_bytes=spec.shard_bytes, commit=False, check_unique=False,
+                              tag=f"{run}{_PROC_TAG}{name}")
+            per_run[name] = w
+        return w
+
+
+def seal_sinks(run: str) -> dict[str, list[dict[str, Any]]]:
+    """Seal this process's sinks of ``run``; their new shards by output name."""
+    with _SINK_LOCK:
+        per_run = _SINKS.pop(run, {})
+    out = {}
+    for name, w in per_run.items():
+        w.flush()
+        out[name] = [vars(s) for s in w.new_shards]
+    return out
+
+
+def abort_sinks(run: str) -> None:
+    """Drop this process's sinks of ``run`` (their files are removed by the driver)."""
+    with _SINK_LOCK:
+        per_run = _SINKS.pop(run, {})
+    for w in per_run.values():
+        w.abort()
+
+
+def _cached(cache_dir: str, items: list[tuple[str, ShardInfo]]) -> list[int]:
+    """Worker side: positions in ``items`` whose shard this worker's cache holds."""
+    from convergent.data.cache import ShardCache
+
+    d = Path(_expand(cache_dir))
+    if not d.is_dir():
+        return []
+    c = ShardCache(d)
+    return [k for k, (ds, info) in enumerate(items) if c.local_path(info, Path(ds)).exists()]
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass
+class StageIO:
+    """Files and bytes one stage wrote."""
+
+    files: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Engine:
+    """Runs per-shard tasks on ``client`` (or in this process) with progress and locality."""
+
+    client: Any = None
+    progress: bool = True
+    cache_dir: str | None = None
+    io: dict[str, StageIO] = field(default_factory=dict)
+    placed: dict[int, list[str]] = field(default_factory=dict)  # task no -> allowed workers
+
+    @property
+    def workers(self) -> int:
+        if self.client is None:
+            return 1
+        return len(self.client.scheduler_info().get("workers", {}))
+
+    def _placement(self, tasks: Sequence[ShardTask]) -> dict[int, list[str]]:
+        if self.client is None or not self.cache_dir:
+            return {}
+        items = [(t.dataset, t.info) for t in tasks]
+        held = self.client.run(_cached, self.cache_dir, items)
+        where: dict[int, list[str]] = {}
+        for w, idx in held.items():
+            for k in idx:
+                where.setdefault(k, []).append(w)
+        n = len(held)
+        return {k: sorted(ws) for k, ws in where.items() if len(ws) < n}
+
+    def map(self, fn: Callable[..., Any], tasks: Sequence[ShardTask], *args: Any,
+            label: str = "working", per_task: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """``[fn(task, *args, *per_task[k]) for k, task in enumerate(tasks)]`` on the cluster
+        (or here); results in task order."""
+        extra = per_task if per_task is not None else [()] * len(tasks)
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        err = Console(stderr=True)
+        cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*cols, transient=True, console=err, disable=not (self.progress and err.is_terminal)) as bar:
+            t = bar.add_task(label, total=len(tasks))
+            if self.client is None:
+                out = []
+                for task, more in zip(tasks, extra, strict=True):
+                    out.append(fn(task, *args, *more))
+                    bar.advance(t)
+                return out
+            from distributed import as_completed
+
+            self.placed = self._placement(tasks)
+            futs = []
+            for k, task in enumerate(tasks):
+                ws = self.placed.get(k)
+                futs.append(self.client.submit(fn, task, *args, *extra[k], pure=False, workers=ws,
+                                               allow_other_workers=False if ws else None,
+                                               key=f"{label.replace(' ', '-')}-{secrets.token_hex(4)}-{k}"))
+            pos = {f.key: k for k, f in enumerate(futs)}
+            out = [None] * len(tasks)
+            try:
+                for f in as_completed(futs):
+                    out[pos[f.key]] = f.result()
+                    bar.advance(t)
+            except BaseException:
+                for f in futs:
+                    f.cancel()
+                raise
+            return out
+
+    def seal(self, run: str) -> dict[str, list[list[dict[str, Any]]]]:
+        """Seal every worker's sinks of ``run``: output name -> one shard list per worker."""
+        per = self.client.run(seal_sinks, run).values() if self.client is not None else [seal_sinks(run)]
+        out: dict[str, list[list[dict[str, Any]]]] = {}
+        for d in per:
+            for name, shards in d.items():
+                out.setdefault(name, []).append(shards)
+        return out
+
+    def abort(self, run: str, specs: dict[str, OutSpec]) -> None:
+        """Drop the sinks of ``run`` everywhere and delete the files they wrote."""
+        with contextlib.suppress(Exception):
+            if self.client is not None:
+                self.client.run(abort_sinks, run)
+            else:
+                abort_sinks(run)
+        for spec in specs.values():
+            for f in Path(spec.path).glob(f"shard-{run}*"):
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+            for f in Path(spec.path).glob(f".shard-{run}*"):
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+
+
+def new_run() -> str:
+    """A short id naming one command's output shards (``shard-<run><proc><output>-<seq>``)."""
+    return secrets.token_hex(3)
+
+
+def prepare_outputs(specs: dict[str, OutSpec], overwrite: bool) -> None:
+    """Refuse existing outputs (unless ``overwrite``) before anything is computed."""
+    for spec in specs.values():
+        if manifest_path(spec.path).is_file() and not overwrite:
+            raise DataError(f"dataset already exists: {spec.path}",
+                            hint="pass --overwrite to replace it, or choose another output path")
+        if Path(spec.path).exists() and not Path(spec.path).is_dir():
+            raise DataError(f"output {spec.path} exists and is not a directory")
+    for spec in specs.values():
+        Path(spec.path).mkdir(parents=True, exist_ok=True)
+
+
+def commit(engine: Engine, run: str, specs: dict[str, OutSpec], lineage: dict[str, Any],
+           stage: str, check_keys: bool = False) -> dict[str, Manifest]:
+    """Seal the sinks and write each output's manifest once (with ``lineage``).
+
+    An output no worker wrote to becomes an empty dataset. Old shards of an overwritten
+    dataset are deleted after the new manifest is committed.
+    """
+    try:
+        parts = engine.seal(run)
+        out = {}
+        io = engine.io.setdefault(stage, StageIO())
+        for name, spec in specs.items():
+            shards = [ShardInfo(**s) for part in parts.get(name, []) for s in part]
+            shards.sort(key=lambda s: s.name)
+            if check_keys:
+                _check_unique(spec.path, shards)
+            old = [s.name for s in read_manifest(spec.path).shards] if manifest_path(spec.path).is_file() else []
+            m = Manifest(schema=spec.schema, compression=spec.compression, shards=shards,
+                         extra={"lineage": dict(lineage, output=name)})
+            write_manifest(spec.path, m)
+            keep = {s.name for s in shards}
+            for o in old:
+                if o not in keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        (Path(spec.path) / o).unlink()
+            io.files += len(shards) + 1
+            io.bytes += m.bytes + manifest_path(spec.path).stat().st_size
+            out[name] = m
+        return out
+    except BaseException:
+        engine.abort(run, specs)
+        raise
+
+
+def _check_unique(path: str, shards: list[ShardInfo]) -> None:
+    seen: dict[str, str] = {}
+    for info in shards:
+        rd = ShardReader(Path(path), info)
+        for key in fmt.strings(rd.meta.index, "key"):
+            if key in seen:
+                raise DataError(f"{path}: duplicate record key {key!r} (from two inputs)",
+                                hint="merge datasets whose keys are distinct, or use --prefix-keys")
+            seen[key] = info.name
+
+
+def lineage(operation: str, inputs: Sequence[str | os.PathLike[str]], manifests: Sequence[Manifest],
+            parameters: dict[str, Any]) -> dict[str, Any]:
+    """The lineage entry of an output manifest: inputs (path, records, manifest digest, their
+    own lineage's operation) and the operation with its parameters."""
+    from convergent import __version__
+
+    ins = []
+    for p, m in zip(inputs, manifests, strict=True):
+        raw = manifest_path(p).read_bytes()
+        parent = m.extra.get("lineage") or {}
+        ins.append({"path": str(Path(p).resolve()), "records": m.records,
+                    "manifest_xxh3": xxhash.xxh3_64_hexdigest(raw),
+                    "produced_by": parent.get("operation")})
+    return {"operation": operation, "parameters": parameters, "inputs": ins,
+            "convergent": __version__, "time": time.time()}
+
+
+def shard_groups(values: np.ndarray, n: int) -> list[np.ndarray]:
+    """Indices of ``values`` (non-negative ints) split into ``n`` buckets by ``value % n``."""
+    b = values % n
+    order = np.argsort(b, kind="stable")
+    cuts = np.searchsorted(b[order], np.arange(1, n))
+    return np.split(order, cuts)
