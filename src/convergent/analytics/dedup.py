@@ -183,7 +183,8 @@ def _match(engine: Engine, tasks: list[ShardTask], parts: int, tol: float) -> di
         res = [_match_task([s[p] for s in scanned], tol) for p in range(parts)]
     else:
         client = engine.client
-        placed = engine._placement(tasks)
+        tasks = engine.with_cache(tasks)
+        placed = engine.placed = engine._placement(tasks)
         scanned = [client.submit(_scan_task, t, parts, pure=False, workers=placed.get(k),
                                  allow_other_workers=False if placed.get(k) else None)
                    for k, t in enumerate(tasks)]

@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,7 @@ class ShardTask:
     shard_no: int  # position in the dataset's manifest
     start: int  # global index (over all inputs) of the shard's first record
     input_no: int = 0  # which input dataset (merge)
+    cache_dir: str | None = None  # node-local cache to read from where it holds the shard
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ def plan(datasets: Sequence[str | os.PathLike[str]]) -> tuple[list[ShardTask], l
 class ShardView:
     """Records of one shard, decoded or as checked raw frames (for copying unchanged)."""
 
-    def __init__(self, task: ShardTask, cache_dir: str | None = None) -> None:
+    def __init__(self, task: ShardTask) -> None:
         cache = None
+        cache_dir = task.cache_dir
         if cache_dir:
             from convergent.data.cache import ShardCache
 
@@ -150,6 +152,7 @@ class ShardView:
 
 
 def _expand(cache_dir: str) -> str:
+    """The cache directory of this worker (``{worker}`` replaced by its name)."""
     return cache_dir.replace("{worker}", worker_name())
 
 
@@ -203,11 +206,13 @@ def abort_sinks(run: str) -> None:
         w.abort()
 
 
-def _cached(cache_dir: str, items: list[tuple[str, ShardInfo]]) -> list[int]:
-    """Worker side: positions in ``items`` whose shard this worker's cache holds."""
+def _cached(cache_dir: str, items: list[tuple[str, ShardInfo]], dask_worker: Any = None) -> list[int]:
+    """Worker side (``client.run``): positions in ``items`` whose shard this worker's
+    cache holds."""
     from convergent.data.cache import ShardCache
 
-    d = Path(_expand(cache_dir))
+    name = str(dask_worker.name) if dask_worker is not None else worker_name()
+    d = Path(cache_dir.replace("{worker}", name))
     if not d.is_dir():
         return []
     c = ShardCache(d)
@@ -241,6 +246,12 @@ class Engine:
             return 1
         return len(self.client.scheduler_info().get("workers", {}))
 
+    def with_cache(self, tasks: Sequence[ShardTask]) -> list[ShardTask]:
+        """The tasks, told to read through this engine's cache directory."""
+        if not self.cache_dir:
+            return list(tasks)
+        return [replace(t, cache_dir=self.cache_dir) for t in tasks]
+
     def _placement(self, tasks: Sequence[ShardTask]) -> dict[int, list[str]]:
         if self.client is None or not self.cache_dir:
             return {}
@@ -258,6 +269,7 @@ class Engine:
         """``[fn(task, *args, *per_task[k]) for k, task in enumerate(tasks)]`` on the cluster
         (or here); results in task order."""
         extra = per_task if per_task is not None else [()] * len(tasks)
+        tasks = self.with_cache(tasks)
         from rich.console import Console
         from rich.progress import (
             BarColumn,
