@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from convergent.configbase import Name, PathStr, Section
 from convergent.analytics.config import AnalyticsConfig
+from convergent.configbase import Name, PathStr, Section
 from convergent.data.config import DataConfig
 from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text

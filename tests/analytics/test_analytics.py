@@ -129,10 +129,9 @@ def test_bad_where_is_one_line_exit_2(demo_like, tmp_path, capsys, where, needle
 
 
 def test_split_by_scaffold_has_no_leakage(client, tmp_path):
+    from analyticsdata import RING_SMILES
     from rdkit import Chem
     from rdkit.Chem.Scaffolds import MurckoScaffold
-
-    from analyticsdata import RING_SMILES
 
     recs = ring_records(frames=4)  # no SMILES in the records: scaffolds from the geometry
     src = _write(tmp_path / "rings", recs, shard_bytes=4096)
@@ -159,7 +158,7 @@ def test_split_by_scaffold_has_no_leakage(client, tmp_path):
 def test_split_modes_counts_and_seed(demo_like, tmp_path):
     a = split_dataset(demo_like, tmp_path / "a", "random", "val=10,test=10,train=rest", seed=1)
     assert a["records"] == {"val": 10, "test": 10, "train": 76}
-    b = split_dataset(demo_like, tmp_path / "b", "random", "val=10,test=10,train=rest", seed=1)
+    split_dataset(demo_like, tmp_path / "b", "random", "val=10,test=10,train=rest", seed=1)
     assert open_dataset(tmp_path / "a" / "val").keys() == open_dataset(tmp_path / "b" / "val").keys()
     m = split_dataset(demo_like, tmp_path / "m", "molecule", "train=0.7,val=0.3", seed=0)
     assert m["leakage"]["molecules_in_two_splits"] == 0 and m["leakage"]["ok"]
