@@ -217,3 +217,19 @@ def test_existing_output_is_refused_and_kept(demo_like, tmp_path):
     filter_dataset(demo_like, tmp_path / "f", "n_atoms > 4", overwrite=True)
     _ok(tmp_path / "f")
     assert len(list((tmp_path / "f").glob("shard-*"))) == len(read_manifest(tmp_path / "f").shards)
+
+
+def test_report_includes_dataset_stats(demo_like, tmp_path, capsys):
+    from convergent.cli import main
+    from convergent.config import ConvergentConfig
+    from convergent.monitor.report import build_report
+    from convergent.runs import open_run
+
+    run = open_run(ConvergentConfig(), tmp_path / "r")
+    assert main(["data", "stats", str(demo_like), "--run", str(run.path), "--single-process", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["records"] == 96 and Path(out["out"]) == run.report / "dataset"
+    md = build_report(run.path).read_text()
+    assert "## Dataset statistics" in md and "96 / " in md
+    for png in ("energy_per_atom.png", "force_norm.png"):
+        assert f"](dataset/{png})" in md and (run.report / "dataset" / png).stat().st_size > 1000

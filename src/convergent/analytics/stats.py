@@ -24,6 +24,7 @@ from convergent.errors import DataError
 from convergent.fsutil import atomic_write_text
 
 FORCE_EDGES = np.logspace(-4, 4, 1601)  # eV/Å
+STATS_JSON = "stats.json"
 QUANTILES = (0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999)
 
 
@@ -232,15 +233,18 @@ def write_stats(stats: dict[str, Any], out: str | os.PathLike[str]) -> dict[str,
     """Write ``stats.json`` and PNG histograms into ``out``; returns {title: file name}."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "stats.json", json.dumps(stats, indent=1) + "\n")
-    figs = {}
-    try:
-        import matplotlib
+    figs = _plots(stats, out)
+    atomic_write_text(out / STATS_JSON, json.dumps(dict(stats, plots=figs), indent=1) + "\n")
+    return figs
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # pragma: no cover - matplotlib is a core dependency
-        return figs
+
+def _plots(stats: dict[str, Any], out: Path) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = {}
     specs = [
         ("Atoms per structure", "atoms_per_structure.png", None),
         ("Energy per atom (eV)", "energy_per_atom.png", stats["energy_per_atom"]["histogram"]),

@@ -53,8 +53,9 @@ def register(app: typer.Typer) -> None:
     def stats(
         path: Path = typer.Argument(..., help="Dataset directory."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Write stats.json + PNG histograms here "
-                                        "(default DATASET.stats next to the dataset; a run's "
-                                        "report/dataset directory puts them in its report)."),
+                                        "(default DATASET.stats next to the dataset)."),
+        run: Path | None = typer.Option(None, "--run", help="A run directory: write into its "
+                                        "report/dataset, which `convergent report` includes."),
         workers: int | None = _WORKERS, single: bool = _SINGLE, as_json: bool = _JSON,
         config: Path | None = _CONFIG, sets: list[str] | None = _SET,
     ) -> None:
@@ -62,11 +63,14 @@ def register(app: typer.Typer) -> None:
         force-norm distributions, label completeness."""
         from convergent.analytics.stats import compute_stats, write_stats
         from convergent.data.manifest import check_dataset
+        from convergent.errors import RunDirError
 
         check_dataset(path, "dataset")
+        if run is not None and not (run / "config.yaml").is_file():
+            raise RunDirError(f"--run {run}: not a run directory (no config.yaml)")
         with _engine(config, sets, workers, single, as_json) as (cfg, eng):
             st = compute_stats(path, eng, bins=cfg.analytics.histogram_bins)
-        target = out or path.parent / f"{path.name}.stats"
+        target = out or (run / "report" / "dataset" if run is not None else path.parent / f"{path.name}.stats")
         st["plots"] = write_stats(st, target)
         st["out"] = str(target)
         e, f = st["energy_per_atom"], st["force_norm"]

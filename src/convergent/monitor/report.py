@@ -20,6 +20,7 @@ from convergent.runs import RunDir
 from convergent.runsdb.records import latest
 
 PREDICTIONS = Path("screen") / "predictions.json"
+DATASET_STATS = Path("dataset") / "stats.json"  # under report/, written by `data stats --run`
 
 
 def _plt():
@@ -129,6 +130,32 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
     return format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
+def _dataset_stats(path: Path) -> list[str]:
+    """The "Dataset statistics" section from ``data stats`` output, if the run has one."""
+    if not path.is_file():
+        return []
+    try:
+        st = json.loads(path.read_text())
+        e, f, lab = st["energy_per_atom"], st["force_norm"], st["label_completeness"]
+        rows = [
+            ("records / atoms", f"{st['records']} / {st['atoms']}"),
+            ("atoms per element", ", ".join(f"{k} {v}" for k, v in st["elements"].items())),
+            ("sampler", ", ".join(f"{k} {v}" for k, v in st["sampler"].items())),
+            ("atoms per structure (min / mean / max)", f"{st['atoms_per_structure']['min']} / "
+             f"{st['atoms_per_structure']['mean']:.1f} / {st['atoms_per_structure']['max']}"),
+            ("energy per atom p1 / p50 / p99 (eV)", " / ".join(_fmt(e["quantiles"].get(q)) for q in ("p1", "p50", "p99"))),
+            ("force norm p50 / p99 / max (eV/Å)", " / ".join(
+                [_fmt(f["quantiles"].get(q)) for q in ("p50", "p99")] + [_fmt(f.get("max"))])),
+            ("labelled: energy / forces", f"{lab['energy']:.1%} / {lab['forces']:.1%}"),
+        ]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ["## Dataset statistics", f"(unreadable {path.name})", ""]
+    md = ["## Dataset statistics", _table(rows), ""]
+    for title, name in (st.get("plots") or {}).items():
+        md += [f"![{title}]({path.parent.name}/{name})", ""]
+    return md
+
+
 def build_report(run_dir: str | Path) -> Path:
     """Write ``report/report.md`` and its PNGs for ``run_dir``; returns the markdown path."""
     run = RunDir(Path(run_dir))
@@ -191,6 +218,7 @@ def build_report(run_dir: str | Path) -> Path:
         md += ["## Cost (accounting.jsonl)",
                "| stage | source | core-hours | GPU-hours |", "| --- | --- | --- | --- |",
                *[f"| {a} | {b} | {c} | {d} |" for a, b, c, d in cost], ""]
+    md += _dataset_stats(run.report / DATASET_STATS)
     bd = step_breakdown(steps)
     findings = diagnose(stages, steps)
     md += ["## Diagnosis", ""]
