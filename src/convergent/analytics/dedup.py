@@ -6,11 +6,12 @@ Three Dask stages:
    composition hash and fingerprint (:func:`~convergent.analytics.derived.fingerprint`,
    32 floats), bucketed by composition hash into ``P`` partitions (P grows with the
    dataset, so one partition's arrays stay bounded).
-2. **match** (one task per partition): within each composition, exact duplicates (same
-   structure hash) and near duplicates: ``max |fp_a - fp_b| <= tolerance`` (Å). Candidates
-   come from a sliding window on the fingerprint sum (``|Σ Δ| <= 32 * tolerance`` is
-   implied), then all 32 values are checked. The first record (lowest global index)
-   of a cluster is kept; a record is dropped if it matches an earlier kept one.
+2. **match** (one task per partition): exact duplicates (same structure hash) and,
+   within a composition, near duplicates: ``max |fp_a - fp_b| <= tolerance`` (Å).
+   Candidates come from a hash join on grid cells of fingerprint block sums (see
+   :func:`_near`; no pair is missed), then all 32 values are checked. The first record
+   (lowest global index) of a cluster is kept; a record is dropped if it matches an
+   earlier kept one.
 3. **write** (one task per shard): the kept records into per-worker sinks.
 
 Output: the kept set (a dataset) and ``dropped.jsonl`` in it (key, reason, kept key,
@@ -68,63 +69,89 @@ def _scan_task(task: ShardTask, parts: int) -> list[dict[str, np.ndarray]]:
 def _match_task(pieces: list[dict[str, np.ndarray]], tol: float) -> dict[str, np.ndarray]:
     """Dropped global indices of one partition, each with its reason and kept partner."""
     idx = np.concatenate([p["idx"] for p in pieces])
-    if idx.size == 0:
-        return {"drop": np.zeros(0, np.int64), "keep": np.zeros(0, np.int64),
-                "exact": np.zeros(0, bool), "dist": np.zeros(0)}
     hs = np.concatenate([p["hash"] for p in pieces])
     comp = np.concatenate([p["comp"] for p in pieces])
     fp = np.concatenate([p["fp"] for p in pieces]).astype(np.float64)
-    order = np.lexsort((idx, comp))
-    idx, hs, comp, fp = idx[order], hs[order], comp[order], fp[order]
-    drop, keep, exact, dist = [], [], [], []
-    bounds = np.flatnonzero(np.diff(comp)) + 1
-    for g in np.split(np.arange(idx.size), bounds):
-        dropped = np.zeros(g.size, bool)
-        # exact: same structure hash -> keep the lowest index
-        gh = hs[g]
-        o = np.lexsort((idx[g], gh))
-        first = o[0] if o.size else 0
-        for k in range(1, o.size):
-            if gh[o[k]] == gh[o[k - 1]]:
-                dropped[o[k]] = True
-                drop.append(idx[g][o[k]])
-                keep.append(idx[g][first])
-                exact.append(True)
-                dist.append(0.0)
-            else:
-                first = o[k]
-        if tol <= 0:
+    # exact: equal structure hash -> all but the lowest index of each run are dropped
+    o = np.lexsort((idx, hs))
+    same = np.zeros(idx.size, bool)
+    same[1:] = hs[o][1:] == hs[o][:-1]
+    head = np.maximum.accumulate(np.where(~same, np.arange(idx.size), 0))
+    ex_drop, ex_keep = idx[o][same], idx[o][head][same]
+    live = np.ones(idx.size, bool)
+    live[o[same]] = False
+    drop, keep, dist = [ex_drop], [ex_keep], [np.zeros(ex_drop.size)]
+    if tol > 0 and live.sum() > 1:
+        d, k, dd = _near(idx[live], comp[live], fp[live], tol)
+        drop.append(d)
+        keep.append(k)
+        dist.append(dd)
+    n_exact = ex_drop.size
+    d = np.concatenate(drop)
+    return {"drop": d, "keep": np.concatenate(keep), "dist": np.concatenate(dist),
+            "exact": np.arange(d.size) < n_exact}
+
+
+_BLOCKS = 4  # fingerprint blocks hashed into grid cells for the candidate search
+
+
+def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, tol: float) -> tuple[np.ndarray, ...]:
+    """Near duplicates among distinct structures: ``max |Δfp| <= tol``, same composition.
+
+    ``max |Δfp| <= tol`` implies each of 4 block sums (8 values each) differs by at most
+    ``8 tol``; so on a grid of that cell width, a pair sits in the same or an adjacent
+    cell in all 4 dimensions. Candidates come from a hash join over the 3^4 neighbour
+    cells (vectorised); each is then checked on all 32 values. No pair is missed.
+    """
+    n = idx.size
+    width = derived.FP_LEN // _BLOCKS
+    blocks = fp.reshape(n, _BLOCKS, width).sum(axis=2)
+    cells = np.floor(blocks / (width * tol)).astype(np.int64)
+
+    def key(c: np.ndarray) -> np.ndarray:
+        k = comp.copy()
+        for b in range(_BLOCKS):
+            k = (k * np.uint64(0x9E3779B97F4A7C15)) ^ c[:, b].astype(np.uint64)
+        return k
+
+    base = key(cells)
+    order = np.argsort(base, kind="stable")
+    sk = base[order]
+    ii, jj = [], []
+    for off in np.array(np.meshgrid(*[[-1, 0, 1]] * _BLOCKS)).T.reshape(-1, _BLOCKS):
+        q = key(cells + off)
+        lo = np.searchsorted(sk, q, "left")
+        hi = np.searchsorted(sk, q, "right")
+        cnt = hi - lo
+        if not cnt.any():
             continue
-        # near: sliding window on the fingerprint sum, survivors of the exact pass only
-        live = np.flatnonzero(~dropped)
-        f = fp[g][live]
-        s = f.sum(axis=1)
-        so = np.argsort(s, kind="stable")
-        width = derived.FP_LEN * tol
-        hi = np.searchsorted(s[so], s[so] + width, side="right")
-        pairs = []
-        for a in range(so.size):
-            if hi[a] - a <= 1:
-                continue
-            cand = so[a + 1: hi[a]]
-            d = np.abs(f[cand] - f[so[a]]).max(axis=1)
-            for c, dd in zip(cand[d <= tol].tolist(), d[d <= tol].tolist(), strict=True):
-                pairs.append((live[so[a]], live[c], dd))
-        if not pairs:
-            continue
-        gi = idx[g]
-        # greedy in global-index order: a record is dropped if near an earlier kept one
-        pairs = [(i, j, dd) if gi[i] < gi[j] else (j, i, dd) for i, j, dd in pairs]
-        pairs.sort(key=lambda t: (gi[t[1]], gi[t[0]]))
-        for i, j, dd in pairs:
-            if not dropped[i] and not dropped[j]:
-                dropped[j] = True
-                drop.append(gi[j])
-                keep.append(gi[i])
-                exact.append(False)
-                dist.append(dd)
-    return {"drop": np.asarray(drop, np.int64), "keep": np.asarray(keep, np.int64),
-            "exact": np.asarray(exact, bool), "dist": np.asarray(dist, np.float64)}
+        i = np.repeat(np.arange(n), cnt)
+        start = np.repeat(lo - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
+        j = order[np.arange(i.size) + start]
+        m = idx[i] < idx[j]
+        ii.append(i[m])
+        jj.append(j[m])
+    if not ii:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    i, j = np.concatenate(ii), np.concatenate(jj)
+    pair = np.unique(np.stack([i, j], 1), axis=0) if i.size else np.zeros((0, 2), np.int64)
+    i, j = pair[:, 0], pair[:, 1]
+    ok = comp[i] == comp[j]
+    i, j = i[ok], j[ok]
+    dd = np.abs(fp[i] - fp[j]).max(axis=1) if i.size else np.zeros(0)
+    ok = dd <= tol
+    i, j, dd = i[ok], j[ok], dd[ok]
+    # greedy in global-index order: a record is dropped if near an earlier kept one
+    o = np.lexsort((idx[i], idx[j]))
+    dropped: set[int] = set()
+    drop, keep, dist = [], [], []
+    for a, b, x in zip(i[o].tolist(), j[o].tolist(), dd[o].tolist(), strict=True):
+        if a not in dropped and b not in dropped:
+            dropped.add(b)
+            drop.append(idx[b])
+            keep.append(idx[a])
+            dist.append(x)
+    return np.asarray(drop, np.int64), np.asarray(keep, np.int64), np.asarray(dist)
 
 
 def _write_task(task: ShardTask, run: str, spec: OutSpec, drop: np.ndarray) -> int:

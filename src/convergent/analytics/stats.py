@@ -74,37 +74,47 @@ def _stats_task(task: ShardTask, epa_edges: np.ndarray) -> Partial:
     p.workers[worker_name()] += 1
     if v.schema != "molecular":
         raise DataError(f"{task.dataset}: data stats needs a molecular dataset, not {v.schema!r}")
-    epa = []
+    zs_all, fn_all, n_at, energies = [], [], np.zeros(v.n, np.int64), np.zeros(v.n)
     for i in range(v.n):
         r = v.record(i)
         z = r["numbers"]
-        n = len(z)
-        p.records += 1
-        p.atoms += n
-        p.n_atoms[n] += 1
-        zs, cnt = np.unique(z, return_counts=True)
-        for a, c in zip(zs.tolist(), cnt.tolist(), strict=True):
-            p.elements[a] += c
-            p.structures_with[a] += 1
+        n_at[i] = len(z)
+        zs_all.append(z)
         meta = r["meta"] or {}
         p.meta_keys.update(meta.keys())
         p.source[str(meta.get("source", meta.get("origin", "")) or "(none)").split(":")[0]] += 1
         p.sampler[str(meta.get("sampler", "") or "(none)")] += 1
         p.round[str(meta.get("round", "(none)"))] += 1
-        e = r["energy"]
-        if math.isfinite(e):
-            p.has_energy += 1
-            if n:
-                epa.append(e / n)
-        fn = derived.force_norms(r)
-        if fn.size == 0 or np.all(np.isfinite(fn)):
-            p.has_forces += 1
-            if fn.size:
-                p.force_hist += np.bincount(_bins(FORCE_EDGES, fn), minlength=len(FORCE_EDGES) + 1)
-                p.force_moments += (fn.size, fn.sum(), (fn * fn).sum())
-                p.force_max = max(p.force_max, float(fn.max()))
+        energies[i] = r["energy"]
+        f = r["forces"]
+        fn_all.append(f)
+    p.records = v.n
+    p.atoms = int(n_at.sum())
+    ks, cs = np.unique(n_at, return_counts=True)
+    p.n_atoms = Counter({int(k): int(c) for k, c in zip(ks, cs, strict=True)})
+    if v.n:
+        z = np.concatenate(zs_all)
+        rec_of = np.repeat(np.arange(v.n), n_at)
+        zc = np.bincount(z, minlength=256)
+        pairs = np.unique(rec_of * 256 + z)  # (record, element) present
+        sc = np.bincount(pairs % 256, minlength=256)
+        p.elements = Counter({int(k): int(zc[k]) for k in np.flatnonzero(zc)})
+        p.structures_with = Counter({int(k): int(sc[k]) for k in np.flatnonzero(sc)})
+        f = np.concatenate(fn_all)
+        fn = np.sqrt(np.einsum("ij,ij->i", f, f))
+        finite = np.isfinite(fn)
+        rec_ok = np.bincount(rec_of[~finite], minlength=v.n) == 0  # all force norms finite
+        p.has_forces = int(rec_ok.sum())
+        good = fn[rec_ok[rec_of]]
+        if good.size:
+            p.force_hist += np.bincount(_bins(FORCE_EDGES, good), minlength=len(FORCE_EDGES) + 1)
+            p.force_moments += (good.size, good.sum(), (good * good).sum())
+            p.force_max = float(good.max())
+    fin = np.isfinite(energies)
+    p.has_energy = int(fin.sum())
+    epa = energies[fin & (n_at > 0)] / n_at[fin & (n_at > 0)]
     v.close()
-    a = np.asarray(epa)
+    a = epa
     p.epa_hist = np.bincount(_bins(epa_edges, a), minlength=len(epa_edges) + 1)
     p.epa_moments = np.array([a.size, a.sum(), (a * a).sum()])
     return p
