@@ -78,6 +78,20 @@ def composition_hash(rec: dict[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(z.tobytes() + np.array([rec["charge"], rec["multiplicity"]], np.int64).tobytes())
 
 
+_PAIRS: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
+
+
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(i, j) of the n(n-1)/2 atom pairs and the resampling positions (cached per n)."""
+    got = _PAIRS.get(n)
+    if got is None:
+        i, j = np.triu_indices(n, 1)
+        m = len(i)
+        q = (np.arange(FP_LEN) + 0.5) * (m / FP_LEN) - 0.5 if m > FP_LEN else None
+        got = _PAIRS[n] = (i, j, q)
+    return got
+
+
 def fingerprint(numbers: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Geometry fingerprint, invariant to rotation, translation and atom order: for each
     element pair (Zi <= Zj, in order) the sorted interatomic distances, concatenated; a
@@ -87,16 +101,15 @@ def fingerprint(numbers: np.ndarray, positions: np.ndarray) -> np.ndarray:
     out = np.zeros(FP_LEN)
     if n < 2:
         return out
+    i, j, q = _pairs(n)
     z = np.asarray(numbers, np.int64)
-    p = np.asarray(positions, np.float64)
-    i, j = np.triu_indices(n, 1)
-    d = np.linalg.norm(p[i] - p[j], axis=1)
-    a, b = np.minimum(z[i], z[j]), np.maximum(z[i], z[j])
-    order = np.lexsort((d, b, a))  # by pair type, then distance
-    d = d[order]
-    m = len(d)
-    if m <= FP_LEN:
-        out[:m] = d
+    diff = positions[i] - positions[j]
+    d = np.sqrt(np.einsum("ij,ij->i", diff, diff))
+    zi, zj = z[i], z[j]
+    code = (np.minimum(zi, zj) * 256 + np.maximum(zi, zj)) * 4096.0  # pair type, then distance
+    v = np.sort(code + np.minimum(d, 4095.0))
+    d = v - np.floor(v / 4096.0) * 4096.0
+    if q is None:
+        out[: len(d)] = d
         return out
-    q = (np.arange(FP_LEN) + 0.5) * (m / FP_LEN) - 0.5
-    return np.interp(q, np.arange(m), d)
+    return np.interp(q, np.arange(len(d)), d)

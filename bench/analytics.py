@@ -1,0 +1,414 @@
+"""Dataset analytics benchmark: `stats`, `dedup`, `split` on a generated 1,000,000-record set.
+
+Three sides run the same work on the same dataset:
+
+* ``dask``   convergent.analytics on a LocalCluster of ``--workers`` single-threaded
+             worker processes (per-shard tasks, per-worker sinks, one manifest commit);
+* ``single`` the same code path in one process (``Engine(client=None)``);
+* ``naive``  a plain dask.bag version on the same cluster: records as a bag of dicts,
+             ``groupby`` for dedup, one output shard file per partition (and split).
+
+Each measurement runs in a fresh subprocess (fresh cluster) so its peak RSS is its own;
+sides are interleaved within each round, and the median over rounds is reported with
+min/max. Files and bytes written per stage are counted from the output directories.
+Peak memory per worker is also measured on a quarter of the dataset (same shards) to
+show it does not grow with the dataset.
+
+    python bench/analytics.py                 # generate (cached in bench/data/) and run
+    python bench/analytics.py --records 100000 --rounds 1   # a quick look
+
+Writes ``bench/results/analytics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+DATA = ROOT / "data"
+RESULTS = ROOT / "results" / "analytics.json"
+COMMANDS = ("stats", "dedup", "split")
+SIDES = ("dask", "single", "naive")
+ELEMENTS = np.array([1, 6, 7, 8])
+SHARD_BYTES = 2**30  # output shards roll at 1 GiB: one shard per worker and output at this size
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _molecules(n_mol: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_mol):
+        n = int(rng.integers(5, 31))
+        z = rng.choice(ELEMENTS, size=n, p=[0.5, 0.3, 0.1, 0.1])
+        pos = rng.normal(scale=0.9 * n ** (1 / 3), size=(n, 3))
+        out.append((z.astype(np.int64), pos))
+    return out
+
+
+def _part(k: int, per: int, n_mol: int, seed: int) -> list[dict]:
+    """Records k*per .. (k+1)*per - 1: MD frames of a pool of molecules, with ~1 % exact
+    and ~1 % near duplicates planted, meta like a simulation campaign's."""
+    mols = _molecules(n_mol, seed)
+    rng = np.random.default_rng([seed, k])
+    recs = []
+    for i in range(k * per, (k + 1) * per):
+        m = int(rng.integers(n_mol))
+        z, base = mols[m]
+        u = rng.random()
+        if u < 0.01 and recs:  # exact duplicate of an earlier record of this part
+            src = recs[int(rng.integers(len(recs)))]
+            recs.append(dict(src, key=f"r{i:07d}"))
+            continue
+        if u < 0.02 and recs:  # near duplicate: jittered by 1e-4 Å
+            src = recs[int(rng.integers(len(recs)))]
+            recs.append(dict(src, key=f"r{i:07d}", positions=src["positions"] + rng.uniform(-1e-4, 1e-4, src["positions"].shape)))
+            continue
+        pos = base + rng.normal(scale=0.05, size=base.shape)
+        n = len(z)
+        recs.append({
+            "key": f"r{i:07d}", "molecule_id": f"mol{m:05d}", "numbers": z, "positions": pos,
+            "energy": float(-4.5 * n + rng.normal(scale=0.3)), "forces": rng.normal(scale=1.0, size=(n, 3)),
+            "charge": 0, "multiplicity": 1,
+            "meta": {"program": "xtb", "method": "GFN2-xTB", "wall_s": round(float(rng.uniform(0.05, 0.4)), 6),
+                     "host": f"node{int(rng.integers(4)):02d}", "sampler": "md" if u < 0.9 else "opt",
+                     "temperature": 300.0, "replica": int(rng.integers(4)), "step": int(rng.integers(1000)),
+                     "timestep_fs": 0.5, "friction": 0.01, "seed": seed, "origin": f"g2:mol{m:05d}",
+                     "round": int(rng.integers(3))},
+        })
+    return recs
+
+
+def generate(path: Path, records: int, shard_mib: int, seed: int = 0) -> None:
+    """Write the dataset with the parallel writer on 2 local workers (cached)."""
+    from dask.distributed import Client, LocalCluster
+
+    from convergent.data.parallel import write_parallel
+
+    per = 10_000
+    parts = -(-records // per)
+    n_mol = max(10, records // 500)
+    import functools
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as cl, Client(cl) as c:
+        write_parallel([functools.partial(_part, k, per, n_mol, seed) for k in range(parts)], path,
+                       shard_bytes=shard_mib * 2**20, client=c, overwrite=True)
+
+
+def subset(src: Path, dst: Path, fraction: float) -> None:
+    """A dataset of the first ``fraction`` of ``src``'s shards (symlinked, own manifest)."""
+    from convergent.data.manifest import Manifest, read_manifest, write_manifest
+
+    m = read_manifest(src)
+    k = max(1, round(len(m.shards) * fraction))
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for s in m.shards[:k]:
+        (dst / s.name).symlink_to(src / s.name)
+    write_manifest(dst, Manifest(schema=m.schema, compression=m.compression, shards=m.shards[:k]))
+
+
+# --------------------------------------------------------------------------- naive dask.bag
+
+
+def _naive_records(task) -> list[dict]:
+    from convergent.data.reader import ShardReader
+
+    rd = ShardReader(Path(task.dataset), task.info)
+    return [rd.record(i) for i in range(task.info.records)]
+
+
+def _naive_feat(r: dict) -> dict:
+    from convergent.analytics import derived
+
+    fn = derived.force_norms(r)
+    n = len(r["numbers"])
+    return {"z": np.bincount(r["numbers"], minlength=256), "n": n, "epa": r["energy"] / n,
+            "fn": fn, "sampler": r["meta"].get("sampler"), "round": r["meta"].get("round")}
+
+
+def _naive_stats(bag):
+    def part(rs):
+        rs = list(rs)
+        z = np.sum([r["z"] for r in rs], axis=0) if rs else np.zeros(256)
+        fn = np.concatenate([r["fn"] for r in rs]) if rs else np.zeros(0)
+        return {"z": z, "n": [r["n"] for r in rs], "epa": [r["epa"] for r in rs], "fn": fn,
+                "sampler": [r["sampler"] for r in rs], "round": [r["round"] for r in rs]}
+
+    def agg(ps):
+        ps = list(ps)
+        fn = np.concatenate([p["fn"] for p in ps])
+        epa = np.concatenate([p["epa"] for p in ps])
+        return {"elements": np.sum([p["z"] for p in ps], axis=0).tolist(),
+                "epa_q": np.quantile(epa, [0.01, 0.5, 0.99]).tolist(),
+                "fn_q": np.quantile(fn, [0.01, 0.5, 0.99]).tolist()}
+
+    return bag.map(_naive_feat).reduction(part, agg, split_every=10**6)
+
+
+def _naive_write(rs, out: str, run: str, schema: str, compression: str):
+    """One shard file per partition (the naive output)."""
+    import secrets
+
+    from convergent.data.writer import DatasetWriter
+
+    rs = list(rs)
+    if not rs:
+        return []
+    w = DatasetWriter(out, schema=schema, compression=compression, commit=False, check_unique=False,
+                      tag=f"{run}{secrets.token_hex(3)}", shard_bytes=2**40)
+    w.write_many(rs)
+    w.flush()
+    return [vars(s) for s in w.new_shards]
+
+
+def _fp_row(r: dict) -> tuple:
+    from convergent.analytics import derived
+
+    return (derived.composition_hash(r), r["key"], derived.structure_hash(r),
+            derived.fingerprint(r["numbers"], r["positions"]).astype(np.float32))
+
+
+def _naive_group_dups(item, tol: float) -> list[str]:
+    """Dropped keys of one composition group (the same vectorised match as the engine)."""
+    from convergent.analytics.dedup import _match_task
+
+    _, rows = item
+    keys = [r[1] for r in rows]
+    piece = {"idx": np.arange(len(rows), dtype=np.int64), "hash": np.array([r[2] for r in rows], np.uint64),
+             "comp": np.array([r[0] for r in rows], np.uint64), "fp": np.stack([r[3] for r in rows])}
+    order = np.argsort(keys)  # keep the lowest key, like the engine keeps the lowest index
+    piece = {k: v[order] if k != "idx" else v for k, v in piece.items()}
+    keys = [keys[i] for i in order]
+    return [keys[int(i)] for i in _match_task([piece], tol)["drop"]]
+
+
+def run_naive(cmd: str, src: Path, out: Path, client, partitions: int, tol: float) -> None:
+    import dask.bag as db
+
+    from convergent.analytics.engine import plan
+    from convergent.data.parallel import merge_parts
+
+    tasks, (m,) = plan([src])
+    bag = db.from_sequence(tasks, npartitions=len(tasks)).map(_naive_records).flatten()
+    bag = bag.repartition(npartitions=partitions)
+    run = "naive"
+    if cmd == "stats":
+        res = _naive_stats(bag).compute()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "stats.json").write_text(json.dumps(res))
+        return
+    if cmd == "dedup":
+        groups = bag.map(_fp_row).groupby(lambda t: t[0])
+        dropped = set(groups.map(_naive_group_dups, tol).flatten().compute())
+        kept = bag.filter(lambda r, d=frozenset(dropped): r["key"] not in d)
+        parts = kept.map_partitions(_naive_write, str(out), run, m.schema, m.compression).compute()
+        merge_parts(out, [parts], m.schema, m.compression, overwrite=True)
+        return
+    # split by molecule, 80/10/10, seeded: one file per partition per split
+    mols = sorted(bag.map(lambda r: r["molecule_id"]).distinct().compute())
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(len(mols))
+    cut = np.cumsum([0, round(0.8 * len(mols)), round(0.1 * len(mols))])
+    where = {}
+    for s, name in enumerate(("train", "val", "test")):
+        hi = cut[s + 1] if s < 2 else len(mols)
+        for k in perm[cut[s]: hi]:
+            where[mols[k]] = name
+    for name in ("train", "val", "test"):
+        sub = bag.filter(lambda r, n=name, w=where: w[r["molecule_id"]] == n)
+        parts = sub.map_partitions(_naive_write, str(out / name), run, m.schema, m.compression).compute()
+        merge_parts(out / name, [parts], m.schema, m.compression, overwrite=True)
+
+
+# --------------------------------------------------------------------------- one measurement
+
+
+def _io(out: Path) -> tuple[int, int, int]:
+    """(files, bytes, most files in one output dataset directory)."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    per_dir: dict[Path, int] = {}
+    for p in files:
+        per_dir[p.parent] = per_dir.get(p.parent, 0) + 1
+    return len(files), sum(p.stat().st_size for p in files), max(per_dir.values(), default=0)
+
+
+def measure(side: str, cmd: str, src: Path, out: Path, workers: int, tol: float, naive_parts: int) -> dict:
+    """Run one (side, command) in this process; returns its numbers."""
+    from convergent.analytics.dedup import dedup_dataset
+    from convergent.analytics.engine import Engine
+    from convergent.analytics.split import split_dataset
+    from convergent.analytics.stats import compute_stats
+
+    if out.exists():
+        shutil.rmtree(out)
+    client = cluster = None
+    if side in ("dask", "naive"):
+        from distributed import Client
+
+        from convergent.cluster import make_local_cluster
+        from convergent.sim.config import ClusterConfig
+
+        cluster = make_local_cluster(ClusterConfig(n_workers=workers, threads_per_worker=1))
+        client = Client(cluster)
+        client.wait_for_workers(workers)
+    t0 = time.perf_counter()
+    if side == "naive":
+        run_naive(cmd, src, out, client, naive_parts, tol)
+    else:
+        eng = Engine(client, progress=False)
+        if cmd == "stats":
+            st = compute_stats(src, eng)
+            out.mkdir(parents=True)
+            (out / "stats.json").write_text(json.dumps(st))
+        elif cmd == "dedup":
+            dedup_dataset(src, out, tol, eng, shard_bytes=SHARD_BYTES)
+        else:
+            split_dataset(src, out, "molecule", "train=0.8,val=0.1,test=0.1", 0, eng, shard_bytes=SHARD_BYTES)
+    wall = time.perf_counter() - t0
+    files, nbytes, per_output = _io(out)
+    if client is not None:
+        peaks = sorted(v / 1024 for v in client.run(
+            lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss).values())
+        client.close()
+        cluster.close()
+    else:
+        peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"wall_s": wall, "files": files, "files_per_output": per_output, "bytes": nbytes,
+            "peak_rss_mib_per_worker": peaks}
+
+
+def _child(side: str, cmd: str, src: Path, args) -> dict:
+    out = DATA / f"analytics-out-{side}-{cmd}"
+    p = subprocess.run([sys.executable, __file__, "--one", side, cmd, "--src", str(src), "--out", str(out),
+                        "--workers", str(args.workers), "--tolerance", str(args.tolerance),
+                        "--naive-partitions", str(args.naive_partitions)],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
+    if p.returncode != 0:
+        return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _git() -> dict:
+    def g(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT.parent, capture_output=True, text=True).stdout.strip()
+
+    try:
+        from convergent.provenance import git_info  # type: ignore[import-not-found]
+
+        return git_info()
+    except Exception:
+        return {"commit": g("rev-parse", "HEAD"), "dirty": bool(g("status", "--porcelain", "--untracked-files=no"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--shard-mib", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--naive-partitions", type=int, default=100)
+    ap.add_argument("--commands", default=",".join(COMMANDS))
+    ap.add_argument("--one", nargs=2, metavar=("SIDE", "CMD"), help=argparse.SUPPRESS)
+    ap.add_argument("--src", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one[0], args.one[1], args.src, args.out, args.workers, args.tolerance,
+                                 args.naive_partitions)))
+        return
+    src = DATA / f"analytics-{args.records}"
+    if not (src / "manifest.json").is_file():
+        t = time.perf_counter()
+        generate(src, args.records, args.shard_mib)
+        print(f"generated {src} in {time.perf_counter() - t:.0f} s", flush=True)
+    quarter = DATA / f"analytics-{args.records}-quarter"
+    subset(src, quarter, 0.25)
+    from convergent.data.manifest import read_manifest
+
+    m = read_manifest(src)
+    commands = [c for c in args.commands.split(",") if c]
+    load0 = os.getloadavg()
+    runs: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in SIDES} for c in commands}
+    for r in range(args.rounds):
+        for c in commands:
+            order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
+            for s in order:
+                res = _child(s, c, src, args)
+                res["load_before"] = os.getloadavg()[0]
+                runs[c][s].append(res)
+                print(f"round {r} {c:5s} {s:6s} {res}", flush=True)
+    quarter_peaks = {c: _child("dask", c, quarter, args).get("peak_rss_mib_per_worker") for c in commands}
+    load1 = os.getloadavg()
+
+    def med(xs: list[dict], k: str) -> dict:
+        v = [x[k] for x in xs if k in x]
+        return {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v)), "n": len(v)} if v else {}
+
+    summary = {}
+    for c in commands:
+        d = {s: med(runs[c][s], "wall_s") for s in SIDES}
+        ok = all(d[s] for s in SIDES)
+        summary[c] = {
+            "wall_s": d,
+            "speedup_vs_single": d["single"]["median"] / d["dask"]["median"] if ok else None,
+            "speedup_vs_naive_dask": d["naive"]["median"] / d["dask"]["median"] if ok else None,
+            "files_written": {s: runs[c][s][-1].get("files") for s in SIDES},
+            "files_per_output_dataset": {s: runs[c][s][-1].get("files_per_output") for s in SIDES},
+            "bytes_written": {s: runs[c][s][-1].get("bytes") for s in SIDES},
+            "peak_rss_mib_per_worker": {s: max((x.get("peak_rss_mib_per_worker") or [0])[-1] for x in runs[c][s])
+                                        for s in SIDES},
+            "peak_rss_mib_per_worker_quarter_dataset": (quarter_peaks[c] or [None])[-1],
+            "runs": runs[c],
+        }
+    import dask
+    import distributed
+
+    import convergent
+
+    sp = [summary[c]["speedup_vs_single"] for c in commands]
+    sn = [summary[c]["speedup_vs_naive_dask"] for c in commands]
+    result = {
+        "benchmark": "dataset analytics: stats, dedup, split (molecule) on a generated dataset",
+        "speedup_vs_single": min(sp) if all(x is not None for x in sp) else None,
+        "speedup_vs_naive_dask": min(sn) if all(x is not None for x in sn) else None,
+        "files_per_stage_max": max(summary[c]["files_per_output_dataset"]["dask"] or 0 for c in commands),
+        "workers": args.workers,
+        "targets": {"speedup_vs_single": 1.8, "speedup_vs_naive_dask": 1.5, "files_per_stage_max": 2 * args.workers},
+        "git": _git(),
+        "dataset": {"records": m.records, "shards": len(m.shards), "bytes": m.bytes, "path": str(src),
+                    "shard_mib": args.shard_mib},
+        "rounds": args.rounds,
+        "load_average_before": load0, "load_average_after": load1,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": {"python": platform.python_version(), "numpy": np.__version__, "dask": dask.__version__,
+                     "distributed": distributed.__version__, "convergent": convergent.__version__},
+        "commands": summary,
+        "output_shard_bytes": SHARD_BYTES,
+        "note": "files_per_stage_max: most files in one output dataset of a stage, dask side (shards + "
+                "manifest + dropped.jsonl); split writes 3 such datasets (files_written counts all); "
+                "each measurement in a fresh process and cluster; cluster start-up not timed",
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("speedup_vs_single", "speedup_vs_naive_dask", "files_per_stage_max",
+                                             "workers")}))
+
+
+if __name__ == "__main__":
+    main()
