@@ -59,8 +59,10 @@ def register(app: typer.Typer) -> None:
         workers: int | None = _WORKERS, single: bool = _SINGLE, as_json: bool = _JSON,
         config: Path | None = _CONFIG, sets: list[str] | None = _SET,
     ) -> None:
-        """Counts per element/source/sampler/round, atoms per structure, energy-per-atom and
-        force-norm distributions, label completeness."""
+        """Dataset statistics: counts, distributions, label completeness (JSON + PNG).
+
+        Counts per element/source/sampler/round, atoms per structure, energy-per-atom and
+        force-norm quantiles and histograms, label completeness."""
         from convergent.analytics.stats import compute_stats, write_stats
         from convergent.data.manifest import check_dataset
         from convergent.errors import RunDirError
@@ -112,8 +114,10 @@ def register(app: typer.Typer) -> None:
         workers: int | None = _WORKERS, single: bool = _SINGLE, as_json: bool = _JSON,
         overwrite: bool = _OVERWRITE, config: Path | None = _CONFIG, sets: list[str] | None = _SET,
     ) -> None:
-        """Drop exact duplicates (same structure) and near duplicates (same composition,
-        fingerprints within tolerance); keep the first of each cluster."""
+        """Drop exact and near-duplicate structures; keep the first of each cluster.
+
+        Exact: the same structure bit for bit. Near: the same composition and sorted
+        interatomic distances per element pair within --tolerance Å."""
         from convergent.analytics.dedup import dedup_dataset
         from convergent.data.manifest import check_dataset
 
@@ -138,8 +142,9 @@ def register(app: typer.Typer) -> None:
         workers: int | None = _WORKERS, single: bool = _SINGLE, as_json: bool = _JSON,
         overwrite: bool = _OVERWRITE, config: Path | None = _CONFIG, sets: list[str] | None = _SET,
     ) -> None:
-        """Split into datasets with no molecule/scaffold/composition in two splits; reports
-        the leakage check."""
+        """Split into datasets (random, or whole molecules/scaffolds/compositions), seeded.
+
+        Reports the leakage check: no molecule/scaffold/composition in two splits."""
         from convergent.analytics.split import MODES, parse_sizes, split_dataset
         from convergent.data.manifest import check_dataset
         from convergent.errors import InputError
