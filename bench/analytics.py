@@ -343,6 +343,7 @@ def main() -> None:
 
     m = read_manifest(src)
     commands = [c for c in args.commands.split(",") if c]
+    git = _git()  # the code measured: recorded before the runs
     load0 = os.getloadavg()
     runs: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in SIDES} for c in commands}
     for r in range(args.rounds):
@@ -390,7 +391,7 @@ def main() -> None:
         "files_per_stage_max": max(summary[c]["files_per_output_dataset"]["dask"] or 0 for c in commands),
         "workers": args.workers,
         "targets": {"speedup_vs_single": 1.8, "speedup_vs_naive_dask": 1.5, "files_per_stage_max": 2 * args.workers},
-        "git": _git(),
+        "git": git,
         "dataset": {"records": m.records, "shards": len(m.shards), "bytes": m.bytes, "path": str(src),
                     "shard_mib": args.shard_mib},
         "rounds": args.rounds,

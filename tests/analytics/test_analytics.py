@@ -233,3 +233,20 @@ def test_report_includes_dataset_stats(demo_like, tmp_path, capsys):
     assert "## Dataset statistics" in md and "96 / " in md
     for png in ("energy_per_atom.png", "force_norm.png"):
         assert f"](dataset/{png})" in md and (run.report / "dataset" / png).stat().st_size > 1000
+
+
+def test_a_failing_task_leaves_no_output(client, demo_like, tmp_path):
+    from convergent.analytics.where import WhereError
+
+    # valid syntax, but it fails on the workers at the first record (division by zero)
+    with pytest.raises(WhereError, match="cannot evaluate on record"):
+        filter_dataset(demo_like, tmp_path / "out", "energy / (n_atoms - n_atoms) > 0", Engine(client, progress=False))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(("shard-", ".shard-"))]
+    # an existing output is untouched by a failed overwrite
+    filter_dataset(demo_like, tmp_path / "out", "n_atoms > 3")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    with pytest.raises(WhereError):
+        filter_dataset(demo_like, tmp_path / "out", "energy / (n_atoms - n_atoms) > 0",
+                       Engine(client, progress=False), overwrite=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
