@@ -216,6 +216,9 @@ def test_existing_output_is_refused_and_kept(demo_like, tmp_path):
     assert (tmp_path / "f" / "manifest.json").read_bytes() == before
     filter_dataset(demo_like, tmp_path / "f", "n_atoms > 4", overwrite=True)
     _ok(tmp_path / "f")
+    with pytest.raises(ConvergentError, match="is an input"):
+        filter_dataset(tmp_path / "f", tmp_path / "f", "n_atoms > 5", overwrite=True)
+    _ok(tmp_path / "f")
     assert len(list((tmp_path / "f").glob("shard-*"))) == len(read_manifest(tmp_path / "f").shards)
 
 

@@ -176,7 +176,7 @@ def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tole
     if m.schema != "molecular":
         raise DataError(f"{src}: data dedup needs a molecular dataset, not {m.schema!r}")
     spec = OutSpec(str(out), m.schema, m.compression, shard_bytes)
-    prepare_outputs({OUT: spec}, overwrite)
+    prepare_outputs({OUT: spec}, overwrite, [src])
     parts = max(engine.workers, -(-m.records // max(1, partition_records)), 1)
     run = new_run()
     try:

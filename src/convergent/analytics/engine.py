@@ -340,9 +340,15 @@ def new_run() -> str:
     return secrets.token_hex(3)
 
 
-def prepare_outputs(specs: dict[str, OutSpec], overwrite: bool) -> None:
-    """Refuse existing outputs (unless ``overwrite``) before anything is computed."""
+def prepare_outputs(specs: dict[str, OutSpec], overwrite: bool,
+                    inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
+    """Refuse existing outputs (unless ``overwrite``) and outputs that are inputs, before
+    anything is computed."""
+    ins = {Path(p).resolve() for p in inputs}
     for spec in specs.values():
+        if Path(spec.path).resolve() in ins:
+            raise DataError(f"output {spec.path} is an input of this command",
+                            hint="write the result to a new path")
         if manifest_path(spec.path).is_file() and not overwrite:
             raise DataError(f"dataset already exists: {spec.path}",
                             hint="pass --overwrite to replace it, or choose another output path")

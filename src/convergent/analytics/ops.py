@@ -72,7 +72,7 @@ def filter_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], whe
     if m.schema != "molecular":
         raise DataError(f"{src}: data filter needs a molecular dataset, not {m.schema!r}")
     spec = OutSpec(str(out), m.schema, m.compression, shard_bytes)
-    prepare_outputs({OUT: spec}, overwrite)
+    prepare_outputs({OUT: spec}, overwrite, [src])
     epa = _epa_moments(tasks) if "e_per_atom_z" in compile_where(where).names else (0.0, 1.0)
     run = new_run()
     try:
@@ -116,11 +116,9 @@ def merge_datasets(inputs: Sequence[str | os.PathLike[str]], out: str | os.PathL
     schemas = {m.schema for m in manifests}
     if len(schemas) > 1:
         raise DataError(f"cannot merge datasets of different schemas: {sorted(schemas)}")
-    if Path(out).resolve() in {Path(i).resolve() for i in inputs}:
-        raise DataError(f"output {out} is one of the inputs", hint="write the merge to a new path")
     comp = compression or manifests[0].compression
     spec = OutSpec(str(out), manifests[0].schema, comp, shard_bytes)
-    prepare_outputs({OUT: spec}, overwrite)
+    prepare_outputs({OUT: spec}, overwrite, inputs)
     prefixes = [f"{i}:" for i in range(len(inputs))] if prefix_keys else None
     run = new_run()
     try:

@@ -199,7 +199,7 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
     specs = {n: OutSpec(str(Path(out) / n), m.schema, m.compression, shard_bytes) for n in names}
     if (Path(out) / REPORT).exists() and not overwrite:
         raise DataError(f"split already exists: {out}", hint="pass --overwrite to replace it")
-    prepare_outputs(specs, overwrite)
+    prepare_outputs(specs, overwrite, [src])
     rng = np.random.default_rng(seed)
     tlist = [targets[n] for n in names]
     run = new_run()
