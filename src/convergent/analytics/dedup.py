@@ -117,25 +117,31 @@ def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, tol: float) -> tupl
     base = key(cells)
     order = np.argsort(base, kind="stable")
     sk = base[order]
+    run_end = np.searchsorted(sk, sk, "right")  # end of the run of equal keys at each position
+    offsets = np.array(np.meshgrid(*[[-1, 0, 1]] * _BLOCKS)).T.reshape(-1, _BLOCKS)
+    # a pair found with offset o is found again from its partner with -o: half suffices
+    first = np.array([next((x for x in o if x), 0) for o in offsets])
     ii, jj = [], []
-    for off in np.array(np.meshgrid(*[[-1, 0, 1]] * _BLOCKS)).T.reshape(-1, _BLOCKS):
+    for off in offsets[first >= 0]:
         q = key(cells + off)
         lo = np.searchsorted(sk, q, "left")
-        hi = np.searchsorted(sk, q, "right")
-        cnt = hi - lo
-        if not cnt.any():
-            continue
-        i = np.repeat(np.arange(n), cnt)
+        hit = (lo < n) & (sk[np.minimum(lo, n - 1)] == q)
+        lo = lo[hit]
+        cnt = run_end[lo] - lo
+        src = np.flatnonzero(hit)
+        i = np.repeat(src, cnt)
         start = np.repeat(lo - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
         j = order[np.arange(i.size) + start]
-        m = idx[i] < idx[j]
-        ii.append(i[m])
-        jj.append(j[m])
+        m = i != j
+        ii.append(np.minimum(i[m], j[m]))
+        jj.append(np.maximum(i[m], j[m]))
     if not ii:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     i, j = np.concatenate(ii), np.concatenate(jj)
     pair = np.unique(np.stack([i, j], 1), axis=0) if i.size else np.zeros((0, 2), np.int64)
     i, j = pair[:, 0], pair[:, 1]
+    swap = idx[i] > idx[j]  # i: the earlier record of the pair
+    i, j = np.where(swap, j, i), np.where(swap, i, j)
     ok = comp[i] == comp[j]
     i, j = i[ok], j[ok]
     dd = np.abs(fp[i] - fp[j]).max(axis=1) if i.size else np.zeros(0)
