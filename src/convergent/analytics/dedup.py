@@ -8,7 +8,7 @@ Three Dask stages:
    dataset, so one partition's arrays stay bounded).
 2. **match** (one task per partition): exact duplicates (same structure hash) and,
    within a composition, near duplicates: ``max |fp_a - fp_b| <= tolerance`` (Å).
-   Candidates come from a hash join on grid cells of fingerprint block sums (see
+   Candidates come from a hash join on grid cells of 4 fingerprint values (see
    :func:`_near`; no pair is missed), then all 32 values are checked. The first record
    (lowest global index) of a cluster is kept; a record is dropped if it matches an
    earlier kept one.
@@ -56,14 +56,16 @@ def _scan_task(task: ShardTask, parts: int) -> list[dict[str, np.ndarray]]:
     sh = np.zeros(n, np.uint64)
     comp = np.zeros(n, np.uint64)
     fp = np.zeros((n, derived.FP_LEN), np.float32)
+    nat = np.zeros(n, np.int32)
     for i in range(n):
         r = v.record(i)
+        nat[i] = len(r["numbers"])
         sh[i] = derived.structure_hash(r)
         comp[i] = derived.composition_hash(r)
         fp[i] = derived.fingerprint(r["numbers"], r["positions"])
     v.close()
     groups = shard_groups((comp & _MASK).astype(np.int64), parts)
-    return [{"idx": gidx[g], "hash": sh[g], "comp": comp[g], "fp": fp[g]} for g in groups]
+    return [{"idx": gidx[g], "hash": sh[g], "comp": comp[g], "fp": fp[g], "n": nat[g]} for g in groups]
 
 
 def _match_task(pieces: list[dict[str, np.ndarray]], tol: float) -> dict[str, np.ndarray]:
@@ -72,6 +74,7 @@ def _match_task(pieces: list[dict[str, np.ndarray]], tol: float) -> dict[str, np
     hs = np.concatenate([p["hash"] for p in pieces])
     comp = np.concatenate([p["comp"] for p in pieces])
     fp = np.concatenate([p["fp"] for p in pieces]).astype(np.float64)
+    nat = np.concatenate([p["n"] for p in pieces])
     # exact: equal structure hash -> all but the lowest index of each run are dropped
     o = np.lexsort((idx, hs))
     same = np.zeros(idx.size, bool)
@@ -82,7 +85,7 @@ def _match_task(pieces: list[dict[str, np.ndarray]], tol: float) -> dict[str, np
     live[o[same]] = False
     drop, keep, dist = [ex_drop], [ex_keep], [np.zeros(ex_drop.size)]
     if tol > 0 and live.sum() > 1:
-        d, k, dd = _near(idx[live], comp[live], fp[live], tol)
+        d, k, dd = _near(idx[live], comp[live], fp[live], nat[live], tol)
         drop.append(d)
         keep.append(k)
         dist.append(dd)
@@ -92,25 +95,30 @@ def _match_task(pieces: list[dict[str, np.ndarray]], tol: float) -> dict[str, np
             "exact": np.arange(d.size) < n_exact}
 
 
-_BLOCKS = 4  # fingerprint blocks hashed into grid cells for the candidate search
+_DIMS = 4  # fingerprint values hashed into grid cells for the candidate search
+_CHUNK = 200_000  # candidate pairs checked at a time (bounds the temporaries)
 
 
-def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, tol: float) -> tuple[np.ndarray, ...]:
+def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, nat: np.ndarray,
+          tol: float) -> tuple[np.ndarray, ...]:
     """Near duplicates among distinct structures: ``max |Δfp| <= tol``, same composition.
 
-    ``max |Δfp| <= tol`` implies each of 4 block sums (8 values each) differs by at most
-    ``8 tol``; so on a grid of that cell width, a pair sits in the same or an adjacent
-    cell in all 4 dimensions. Candidates come from a hash join over the 3^4 neighbour
-    cells (vectorised); each is then checked on all 32 values. No pair is missed.
+    ``max |Δfp| <= tol`` implies that 4 chosen fingerprint values (spread over the used
+    length, the same columns for a composition) each differ by at most ``tol``; so on a
+    grid of cell width ``tol`` a pair sits in the same or an adjacent cell in all 4
+    dimensions. Candidates come from a hash join over the neighbour cells (vectorised),
+    then each is checked on all 32 values. No pair is missed.
     """
     n = idx.size
-    width = derived.FP_LEN // _BLOCKS
-    blocks = fp.reshape(n, _BLOCKS, width).sum(axis=2)
-    cells = np.floor(blocks / (width * tol)).astype(np.int64)
+    m = np.minimum(nat.astype(np.int64) * (nat - 1) // 2, derived.FP_LEN)
+    cols = np.floor((np.arange(_DIMS) + 0.5)[None, :] * m[:, None] / _DIMS).astype(np.int64)
+    cols = np.minimum(cols, derived.FP_LEN - 1)
+    vals = np.take_along_axis(fp, cols, axis=1)
+    cells = np.floor(vals / tol).astype(np.int64)
 
     def key(c: np.ndarray) -> np.ndarray:
         k = comp.copy()
-        for b in range(_BLOCKS):
+        for b in range(_DIMS):
             k = (k * np.uint64(0x9E3779B97F4A7C15)) ^ c[:, b].astype(np.uint64)
         return k
 
@@ -118,7 +126,7 @@ def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, tol: float) -> tupl
     order = np.argsort(base, kind="stable")
     sk = base[order]
     run_end = np.searchsorted(sk, sk, "right")  # end of the run of equal keys at each position
-    offsets = np.array(np.meshgrid(*[[-1, 0, 1]] * _BLOCKS)).T.reshape(-1, _BLOCKS)
+    offsets = np.array(np.meshgrid(*[[-1, 0, 1]] * _DIMS)).T.reshape(-1, _DIMS)
     # a pair found with offset o is found again from its partner with -o: half suffices
     first = np.array([next((x for x in o if x), 0) for o in offsets])
     ii, jj = [], []
@@ -137,14 +145,14 @@ def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, tol: float) -> tupl
         jj.append(np.maximum(i[m], j[m]))
     if not ii:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    i, j = np.concatenate(ii), np.concatenate(jj)
-    pair = np.unique(np.stack([i, j], 1), axis=0) if i.size else np.zeros((0, 2), np.int64)
-    i, j = pair[:, 0], pair[:, 1]
+    code = np.unique(np.concatenate(ii) * n + np.concatenate(jj))
+    i, j = code // n, code % n
     swap = idx[i] > idx[j]  # i: the earlier record of the pair
     i, j = np.where(swap, j, i), np.where(swap, i, j)
     ok = comp[i] == comp[j]
     i, j = i[ok], j[ok]
-    dd = np.abs(fp[i] - fp[j]).max(axis=1) if i.size else np.zeros(0)
+    dd = np.concatenate([np.abs(fp[i[c: c + _CHUNK]] - fp[j[c: c + _CHUNK]]).max(axis=1)
+                         for c in range(0, i.size, _CHUNK)]) if i.size else np.zeros(0)
     ok = dd <= tol
     i, j, dd = i[ok], j[ok], dd[ok]
     # greedy in global-index order: a record is dropped if near an earlier kept one
