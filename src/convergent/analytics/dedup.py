@@ -181,7 +181,7 @@ def _write_task(task: ShardTask, run: str, spec: OutSpec, drop: np.ndarray) -> i
 
 def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tolerance: float = 0.01,
                   engine: Engine | None = None, shard_bytes: int = 128 * 2**20,
-                  partition_records: int = 200_000, overwrite: bool = False) -> dict[str, Any]:
+                  partition_records: int = 50_000, overwrite: bool = False) -> dict[str, Any]:
     """Write the records of ``src`` minus exact and near duplicates to ``out`` (see module)."""
     if not tolerance >= 0:
         raise DataError(f"dedup tolerance {tolerance} must be >= 0 (Å)")
