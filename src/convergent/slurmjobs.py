@@ -184,7 +184,13 @@ class JobWatch(threading.Thread):
                 return
 
     def stop(self) -> None:
+        """Stop polling; ``seen_ids`` then also holds jobs submitted since the last poll
+        (a replacement submitted just before the campaign ended)."""
         self._halt.set()
+        try:
+            self.seen_ids.update(self._jobs().values())
+        except Exception as exc:  # noqa: BLE001 - a summary detail, never fatal
+            log.warning("slurm job watch: %s", exc)
 
     def _jobs(self) -> dict[str, str]:
         """{job name in the cluster's plan: Slurm job id} for submitted jobs."""
