@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo      run the converged loop on small data (runs/demo, about 6-9 min on 2 cores)"
-	@echo "make test      run the default test suite (under 10 min on 2 cores)"
+	@echo "make test      run the default test suite (about 12 min on 2 cores)"
 	@echo "make test-all  also run tests marked slow"
 	@echo "make test-slurm  the real-Slurm tests (starts a 2-node Slurm; root)"
 	@echo "make lint      ruff over src/ and tests/"
