@@ -55,6 +55,34 @@ class TopKState:
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def topk_payload(
+    tensor: torch.Tensor, residuals: dict, key: Any, ratio: float
+) -> tuple[torch.Tensor, int]:
+    """Top-k selection with error feedback: ``(payload, k)``.
+
+    The residual of ``key`` (what earlier rounds did not send) is added to ``tensor``,
+    the ``k = ceil(ratio * n)`` largest magnitudes are sent, the rest is kept as the new
+    residual. The payload is ``[values (fp32), indices (int32 viewed as fp32)]``.
+    """
+    n = tensor.numel()
+    res = residuals.get(key)
+    acc = tensor.float() + res if res is not None and res.shape == tensor.shape else tensor.float()
+    k = max(1, min(n, math.ceil(ratio * n)))
+    top = acc.abs().topk(k, sorted=False).indices
+    new_res = acc.clone()
+    new_res[top] = 0.0
+    residuals[key] = new_res
+    return torch.cat([acc[top], top.to(torch.int32).view(torch.float32)]), k
+
+
+def topk_sum(gathered: list[torch.Tensor], k: int, n: int, device: Any) -> torch.Tensor:
+    """Sum of the sparse payloads of :func:`topk_payload` as a dense fp32 vector of ``n``."""
+    out = torch.zeros(n, dtype=torch.float32, device=device)
+    for p in gathered:
+        out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
+    return out
+
+
 def topk_hook(state, bucket):  # noqa: ANN001 - DDP checks annotations, keep none
     """DDP comm hook: top-k sparsified all-gather with error feedback (see module doc)."""
     group = state.process_group
@@ -62,22 +90,12 @@ def topk_hook(state, bucket):  # noqa: ANN001 - DDP checks annotations, keep non
     grad = bucket.buffer()
     n = grad.numel()
     idx_key = bucket.index()
-    res = state.residuals.get(idx_key)
-    acc = grad.float() + res if res is not None and res.shape == grad.shape else grad.float()
-    k = max(1, min(n, math.ceil(state.ratio * n)))
-    top = acc.abs().topk(k, sorted=False).indices
-    vals = acc[top]
-    new_res = acc.clone()
-    new_res[top] = 0.0
-    state.residuals[idx_key] = new_res
-    payload = torch.cat([vals, top.to(torch.int32).view(torch.float32)])
+    payload, k = topk_payload(grad, state.residuals, idx_key, state.ratio)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     fut = dist.all_gather(gathered, payload, group=group, async_op=True).get_future()
 
     def decompress(_: torch.futures.Future) -> torch.Tensor:
-        out = torch.zeros(n, dtype=torch.float32, device=grad.device)
-        for p in gathered:
-            out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
+        out = topk_sum(gathered, k, n, grad.device)
         out.div_(world)
         grad.copy_(out.to(grad.dtype))
         return grad

@@ -208,23 +208,13 @@ def _slow_allreduce(st: HierState, shard: torch.Tensor, key: int) -> torch.Tenso
         shard.copy_(half)
         return shard
     if st.compression == "topk":
-        n = shard.numel()
-        res = st.residuals.get(key)
-        acc = shard.float() + res if res is not None and res.shape == shard.shape else shard.float()
-        k = max(1, min(n, math.ceil(st.topk_ratio * n)))
-        top = acc.abs().topk(k, sorted=False).indices
-        vals = acc[top]
-        new_res = acc.clone()
-        new_res[top] = 0.0
-        st.residuals[key] = new_res
-        payload = torch.cat([vals, top.to(torch.int32).view(torch.float32)])
+        from convergent.train.compression import topk_payload, topk_sum
+
+        payload, k = topk_payload(shard, st.residuals, key, st.topk_ratio)
         gathered = [torch.empty_like(payload) for _ in range(size)]
         st.slow_bytes += payload.numel() * 4
         dist.all_gather(gathered, payload, group=group)
-        out = torch.zeros(n, dtype=torch.float32, device=shard.device)
-        for p in gathered:
-            out.index_add_(0, p[k:].view(torch.int32).long(), p[:k])
-        shard.copy_(out.to(shard.dtype))
+        shard.copy_(topk_sum(gathered, k, shard.numel(), shard.device).to(shard.dtype))
         return shard
     st.slow_bytes += shard.numel() * shard.element_size()
     dist.all_reduce(shard, group=group)
