@@ -1,0 +1,233 @@
+"""The one discipline every benchmark in bench/ follows.
+
+A benchmark compares *sides* (ours and one or more peers, or several settings of ours).
+This module gives it:
+
+* :func:`provenance` — git commit + dirty flag of the checkout, package versions, the
+  machine (CPU model, cores, memory, GPU if any) and the load average;
+* :func:`interleave` — run the sides A B C A B C … for ``rounds`` rounds, so slow drift of
+  the machine (other jobs, thermal, page cache) lands on every side alike;
+* :func:`summarise` — median with its spread (min, max, IQR) of each metric, never best-of;
+* :class:`Result` / :func:`write_result` — one JSON per bench with ``commit`` at the top,
+  each side's exact settings, the differences that remain between sides stated in words,
+  and a refusal to write from a dirty tree unless ``--allow-dirty`` is given (the result
+  then says so).
+
+Use::
+
+    from _harness import Side, add_args, interleave, write_result
+    ap = argparse.ArgumentParser(); add_args(ap, default_out="bench/results/x.json")
+    args = ap.parse_args()
+    check_clean(args)                      # fail fast, before minutes of work
+    sides = [Side("ours", run_ours, {"threads": 2}), Side("peer", run_peer, {"threads": 2})]
+    res = interleave("x", sides, rounds=args.rounds)
+    res.headline["speedup"] = res.ratio("ours", "peer", "samples_per_s")
+    write_result(res, args)
+
+Each side's callable takes the round number and returns a dict ``metric -> float`` (other
+JSON values are kept per round but not summarised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("convergent", "torch", "numpy", "dask", "distributed", "tblite", "pyscf", "ase",
+            "transformers", "tokenizers", "pyarrow", "rdkit", "mlflow")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """Commit of the checkout and whether tracked files differ from it."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(status),
+            "dirty_files": status.splitlines() if status else []}
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return {"host": platform.node(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+            "memory_gib": round(mem, 1) if mem else None, "gpu": gpu,
+            "os": platform.platform()}
+
+
+def provenance() -> dict[str, Any]:
+    return {**git_state(), "versions": versions(), "machine": machine(),
+            "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "load_avg_before": list(os.getloadavg())}
+
+
+def summarise(values: list[float]) -> dict[str, Any]:
+    """Median and spread of one metric over rounds (never best-of)."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        return {"n": 0, "median": None}
+    if len(vals) >= 4:
+        q1, _, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+    else:
+        q1, q3 = vals[0], vals[-1]
+    return {"n": len(vals), "median": statistics.median(vals), "min": vals[0],
+            "max": vals[-1], "q1": q1, "q3": q3, "values": [float(v) for v in values]}
+
+
+@dataclass
+class Side:
+    """One side of a comparison: a name, a callable run once per round, its settings."""
+
+    name: str
+    run: Callable[[int], dict[str, Any]]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    benchmark: str
+    provenance: dict[str, Any]
+    rounds: int
+    settings: dict[str, dict[str, Any]]
+    per_round: dict[str, list[dict[str, Any]]]
+    summary: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    differences: list[str] = field(default_factory=list)
+    headline: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def median(self, side: str, metric: str) -> float | None:
+        return self.summary.get(side, {}).get(metric, {}).get("median")
+
+    def ratio(self, a: str, b: str, metric: str) -> float | None:
+        """Ratio of medians a/b of ``metric`` (None when either is missing or b is 0)."""
+        x, y = self.median(a, metric), self.median(b, metric)
+        return None if x is None or not y else x / y
+
+    def summarise(self) -> None:
+        self.summary = {}
+        for side, rows in self.per_round.items():
+            metrics: dict[str, list[float]] = {}
+            for row in rows:
+                for key, value in row.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        metrics.setdefault(key, []).append(value)
+            self.summary[side] = {k: summarise(v) for k, v in metrics.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        # the commit at the top level, where readers (and issue checks) look first
+        return {"benchmark": self.benchmark, "commit": self.provenance.get("commit"),
+                "dirty": self.provenance.get("dirty"), **self.headline, **d}
+
+
+def interleave(benchmark: str, sides: list[Side], rounds: int, warmup: int = 0,
+               differences: list[str] | None = None, progress: bool = True) -> Result:
+    """Run every side once per round, in the same order each round (A B C A B C …).
+
+    ``warmup`` extra rounds run first and are discarded (imports, caches, JIT).
+    """
+    if len({s.name for s in sides}) != len(sides):
+        raise ValueError("side names must be unique")
+    res = Result(benchmark=benchmark, provenance=provenance(), rounds=rounds,
+                 settings={s.name: s.settings for s in sides},
+                 per_round={s.name: [] for s in sides}, differences=list(differences or []))
+    for r in range(-warmup, rounds):
+        for side in sides:
+            t0 = time.perf_counter()
+            row = dict(side.run(r) or {})
+            row.setdefault("wall_s", time.perf_counter() - t0)
+            row["load1"] = os.getloadavg()[0]
+            if r >= 0:
+                row["round"] = r
+                res.per_round[side.name].append(row)
+            if progress:
+                tag = "warmup" if r < 0 else f"round {r + 1}/{rounds}"
+                print(f"[{benchmark}] {tag} {side.name}: "
+                      + ", ".join(f"{k}={v:.4g}" for k, v in row.items()
+                                  if isinstance(v, float)), file=sys.stderr, flush=True)
+    res.provenance["load_avg_after"] = list(os.getloadavg())
+    res.provenance["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
+    res.summarise()
+    return res
+
+
+def add_args(ap: argparse.ArgumentParser, default_out: str, rounds: int = 5) -> None:
+    ap.add_argument("--rounds", type=int, default=rounds,
+                    help=f"interleaved rounds per side (default {rounds})")
+    ap.add_argument("--out", default=default_out, help="result JSON path")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="write a result even though tracked files differ from the commit "
+                         "(the JSON then says dirty: true)")
+
+
+def check_clean(args: argparse.Namespace) -> None:
+    """Refuse (exit 2) before any work when the tree is dirty and --allow-dirty is not set."""
+    state = git_state()
+    if state["dirty"] and not getattr(args, "allow_dirty", False):
+        files = ", ".join(state["dirty_files"][:5])
+        sys.exit(f"error: the working tree has uncommitted changes ({files}); a result must "
+                 "come from a commit — commit first, or pass --allow-dirty")
+
+
+def write_result(res: Result | dict[str, Any], args: argparse.Namespace) -> Path:
+    """Write the result JSON atomically (refusing a dirty tree unless allowed)."""
+    check_clean(args)
+    data = res.to_dict() if isinstance(res, Result) else res
+    if "commit" not in data:
+        raise ValueError("a result must carry its commit (use provenance())")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}", file=sys.stderr)
+    return out

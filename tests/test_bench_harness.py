@@ -1,0 +1,64 @@
+"""The shared benchmark harness: interleaved order, median and spread, dirty refusal."""
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import _harness as h  # noqa: E402
+
+
+def test_summarise_is_median_with_spread_not_best():
+    s = h.summarise([5.0, 1.0, 3.0, 100.0, 2.0])
+    assert s["median"] == 3.0 and s["min"] == 1.0 and s["max"] == 100.0
+    assert s["q1"] == 2.0 and s["q3"] == 5.0 and s["n"] == 5
+
+
+def test_interleave_runs_sides_alternately_and_discards_warmup():
+    order = []
+
+    def side(name, value):
+        def run(r):
+            order.append((name, r))
+            return {"x": value + max(r, 0)}
+        return run
+
+    res = h.interleave("t", [h.Side("a", side("a", 10.0), {"k": 1}),
+                             h.Side("b", side("b", 20.0), {"k": 1})],
+                       rounds=3, warmup=1, differences=["none"], progress=False)
+    assert order == [("a", -1), ("b", -1), ("a", 0), ("b", 0), ("a", 1), ("b", 1),
+                     ("a", 2), ("b", 2)]
+    assert [r["round"] for r in res.per_round["a"]] == [0, 1, 2]
+    assert res.median("a", "x") == 11.0 and res.ratio("b", "a", "x") == 21.0 / 11.0
+    d = res.to_dict()
+    assert d["commit"] == res.provenance["commit"] and d["differences"] == ["none"]
+    assert set(d["provenance"]) >= {"versions", "machine", "load_avg_before", "load_avg_after"}
+
+
+def test_write_refuses_a_dirty_tree_unless_allowed(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.email=a@b", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "f.txt").write_text("1")
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    (repo / "f.txt").write_text("2")
+    old = h.ROOT
+    h.ROOT = repo
+    try:
+        res = h.interleave("t", [h.Side("a", lambda r: {"x": 1.0})], rounds=1, progress=False)
+        assert res.provenance["dirty"] is True
+        out = tmp_path / "r.json"
+        with pytest.raises(SystemExit):
+            h.write_result(res, argparse.Namespace(out=str(out), allow_dirty=False))
+        assert not out.exists()
+        h.write_result(res, argparse.Namespace(out=str(out), allow_dirty=True))
+        data = json.loads(out.read_text())
+        assert data["dirty"] is True and len(data["commit"]) == 40
+    finally:
+        h.ROOT = old
