@@ -218,6 +218,23 @@ def check_clean(args: argparse.Namespace) -> None:
                  "come from a commit — commit first, or pass --allow-dirty")
 
 
+def stamp(benchmark: str, prov: dict[str, Any], data: dict[str, Any],
+          differences: list[str] | None = None) -> dict[str, Any]:
+    """A result for a bench that drives its own rounds (not :func:`interleave`): ``commit``
+    and ``dirty`` at the top, then ``data``, the stated ``differences`` and the provenance
+    (``prov`` from :func:`provenance` at the start, completed here with the load after)."""
+    prov = dict(prov)
+    prov.setdefault("load_avg_after", list(os.getloadavg()))
+    prov.setdefault("finished_utc", datetime.now(UTC).isoformat(timespec="seconds"))
+    return {"benchmark": benchmark, "commit": prov.get("commit"), "dirty": prov.get("dirty"),
+            **data, "differences": list(differences or []), "provenance": prov}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """:func:`summarise` of the values that are not None (None: a side failed that round)."""
+    return summarise([v for v in values if v is not None])
+
+
 def write_result(res: Result | dict[str, Any], args: argparse.Namespace) -> Path:
     """Write the result JSON atomically (refusing a dirty tree unless allowed)."""
     check_clean(args)

@@ -62,3 +62,13 @@ def test_write_refuses_a_dirty_tree_unless_allowed(tmp_path):
         assert data["dirty"] is True and len(data["commit"]) == 40
     finally:
         h.ROOT = old
+
+
+def test_stamp_puts_commit_on_top_and_completes_the_provenance():
+    prov = h.provenance()
+    d = h.stamp("b", prov, {"speedup": 2.0}, differences=["peer uses 1 thread"])
+    assert list(d)[:3] == ["benchmark", "commit", "dirty"] and d["commit"] == prov["commit"]
+    assert d["speedup"] == 2.0 and d["differences"] == ["peer uses 1 thread"]
+    assert len(d["provenance"]["load_avg_after"]) == 3 and "load_avg_after" not in prov
+    s = h.spread([3.0, None, 1.0, 2.0])
+    assert s["n"] == 3 and s["median"] == 2.0 and s["min"] == 1.0
