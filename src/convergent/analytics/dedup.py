@@ -244,7 +244,6 @@ def _pick(scanned: list[dict[str, np.ndarray]], p: int) -> dict[str, np.ndarray]
 
 
 def _progress(engine: Engine, futs: list[Any], label: str) -> None:
-    from distributed import wait
     from rich.console import Console
     from rich.progress import Progress
 
@@ -253,11 +252,10 @@ def _progress(engine: Engine, futs: list[Any], label: str) -> None:
         t = bar.add_task(label, total=len(futs))
         from distributed import as_completed
 
-        for f in as_completed(futs):
+        for f in as_completed(futs, loop=engine.client.loop):
             if f.status == "error":
                 f.result()
             bar.advance(t)
-    wait(futs)
 
 
 def _keys(tasks: list[ShardTask], wanted: np.ndarray) -> dict[int, str]:

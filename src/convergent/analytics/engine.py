@@ -301,7 +301,7 @@ class Engine:
             pos = {f.key: k for k, f in enumerate(futs)}
             out = [None] * len(tasks)
             try:
-                for f in as_completed(futs):
+                for f in as_completed(futs, loop=self.client.loop):
                     out[pos[f.key]] = f.result()
                     bar.advance(t)
             except BaseException:
