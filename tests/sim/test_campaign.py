@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
+from convergent.clusterconfig import ClusterConfig
 from convergent.data.reader import open_dataset
 from convergent.errors import ConfigError, InputError
 from convergent.sim.campaign import (
@@ -25,7 +26,7 @@ from convergent.sim.campaign import (
     plan_tasks,
     run_campaign,
 )
-from convergent.sim.config import ClusterConfig, RelabelConfig, SimulateConfig
+from convergent.sim.config import RelabelConfig, SimulateConfig
 from convergent.sim.relabel import relabel, relabel_selection
 from convergent.sim.sources import load_molecules
 
@@ -193,7 +194,8 @@ _DRIVER = textwrap.dedent(
     import sys
     from pathlib import Path
     from convergent.sim.campaign import run_campaign
-    from convergent.sim.config import ClusterConfig, SimulateConfig
+    from convergent.clusterconfig import ClusterConfig
+    from convergent.sim.config import SimulateConfig
 
     def report(task, result, summary):
         print("TASK", task.task_id, summary.done, flush=True)

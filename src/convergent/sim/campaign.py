@@ -46,8 +46,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from convergent.clusterconfig import ClusterConfig
 from convergent.sim.calculators import CalcSpec
-from convergent.sim.config import ClusterConfig, SimulateConfig
+from convergent.sim.config import SimulateConfig
 from convergent.sim.farm import run_nonce
 from convergent.sim.guards import TIMEOUT_TOPIC, Backstop
 from convergent.sim.plan import frame_key, plan_tasks

@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from convergent.sim.config import ClusterConfig
+from convergent.clusterconfig import ClusterConfig
 from convergent.sim.farm import Farm, n_workers
 from convergent.sim.guards import Backstop
 from convergent.sim.progress import make_progress
