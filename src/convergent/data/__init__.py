@@ -10,10 +10,9 @@ Modules (each with one job):
 
 * :mod:`~convergent.data.format`    shard layout, record encoding, CRC-checked frames
 * :mod:`~convergent.data.manifest`  ``manifest.json``: the commit point of a dataset
-* :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process)
+* :mod:`~convergent.data.reader`    ``open_dataset`` (map-style), ``split_by_molecule``
+* :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process), ``write_subset``
 * :mod:`~convergent.data.parallel`  ``write_parallel`` on Dask, index merge
-* :mod:`~convergent.data.reader`    ``open_dataset`` (map-style), ``split_by_molecule``,
-  ``write_subset``; re-exports the streaming readers
 * :mod:`~convergent.data.order`     pure functions: block shuffle, rank/worker split
 * :mod:`~convergent.data.stream`    ``StreamingDataset``, ``MixedStreamingDataset``,
   ``StreamingLoader`` (torch)

@@ -1,4 +1,4 @@
-"""Map-style reader of a dataset directory, molecule-wise split, subset writing.
+"""Map-style reader of a dataset directory and the molecule-wise split.
 
 >>> ds = open_dataset("data/train")
 >>> len(ds), ds[0]["energy"], ds.keys()[:3], ds.manifest.records
@@ -8,8 +8,8 @@ it is read and every shard's header/index/trailer CRC when it is opened, so corr
 raises :class:`~convergent.errors.DataError` naming the shard and offset. With a
 :class:`~convergent.data.cache.ShardCache`, shard data is read from node-local copies.
 
-The streaming (torch) readers live in :mod:`convergent.data.stream` and are re-exported
-here: ``from convergent.data.reader import StreamingDataset``.
+The streaming (torch) readers live in :mod:`convergent.data.stream`; subsets of a dataset
+are written by :func:`convergent.data.writer.write_subset`.
 """
 
 from __future__ import annotations
@@ -318,29 +318,3 @@ def split_by_molecule(
     is_val = is_val_mol[inverse] if n_mol else np.zeros(0, bool)
     idx = np.arange(len(mol), dtype=np.int64)
     return idx[~is_val], idx[is_val]
-
-
-def write_subset(ds: Dataset, indices: Sequence[int] | np.ndarray, path: str | os.PathLike[str],
-                 **writer_kwargs: Any) -> Manifest:
-    """Copy the records at ``indices`` (in that order) into a new dataset at ``path``.
-
-    ``writer_kwargs`` go to :class:`~convergent.data.writer.DatasetWriter` (schema and
-    compression default to the source's).
-    """
-    from convergent.data.writer import DatasetWriter
-
-    writer_kwargs.setdefault("schema", ds.schema)
-    writer_kwargs.setdefault("compression", ds.manifest.compression)
-    with DatasetWriter(path, **writer_kwargs) as w:
-        for i in indices:
-            w.write(ds[int(i)])
-    return w.manifest
-
-
-def __getattr__(name: str) -> Any:
-    # torch-based streaming readers are imported lazily so map-style users skip torch.
-    if name in ("StreamingDataset", "MixedStreamingDataset", "StreamingLoader"):
-        from convergent.data import stream
-
-        return getattr(stream, name)
-    raise AttributeError(name)

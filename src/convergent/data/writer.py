@@ -15,10 +15,12 @@ import contextlib
 import os
 import secrets
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from convergent.data import format as fmt
@@ -29,6 +31,7 @@ from convergent.data.manifest import (
     read_manifest,
     write_manifest,
 )
+from convergent.data.reader import Dataset, open_dataset
 from convergent.errors import DataError
 from convergent.fsutil import file_mode, fsync_dir
 
@@ -157,8 +160,6 @@ class DatasetWriter:
                     f"{self.path}: cannot append {schema!r} records to a {self.manifest.schema!r} dataset"
                 )
             if check_unique:
-                from convergent.data.reader import open_dataset
-
                 self._keys.update(open_dataset(self.path).keys())
         elif exists and not overwrite:
             raise DataError(
@@ -295,4 +296,19 @@ def write_records(path: str | os.PathLike[str], records: Any, **kwargs: Any) -> 
     """Write an iterable of records to a new dataset; returns its manifest."""
     with DatasetWriter(path, **kwargs) as w:
         w.write_many(records)
+    return w.manifest
+
+
+def write_subset(ds: Dataset, indices: Sequence[int] | np.ndarray, path: str | os.PathLike[str],
+                 **writer_kwargs: Any) -> Manifest:
+    """Copy the records at ``indices`` (in that order) into a new dataset at ``path``.
+
+    ``writer_kwargs`` go to :class:`~convergent.data.writer.DatasetWriter` (schema and
+    compression default to the source's).
+    """
+    writer_kwargs.setdefault("schema", ds.schema)
+    writer_kwargs.setdefault("compression", ds.manifest.compression)
+    with DatasetWriter(path, **writer_kwargs) as w:
+        for i in indices:
+            w.write(ds[int(i)])
     return w.manifest
