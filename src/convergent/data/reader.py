@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from convergent.data import format as fmt
+from convergent.data.index import strings
 from convergent.data.manifest import Manifest, ShardInfo, read_manifest
+from convergent.data.records import decode_bytes, decode_molecular, decode_plain_bytes_frames
 from convergent.errors import DataError
 
 if TYPE_CHECKING:
@@ -162,7 +164,7 @@ class ShardReader:
             return [self.record(i) for i in local]
         if self._pid != _PID[0] or self._view is None:
             self._map()
-        fast = fmt.decode_plain_bytes_frames(self._view, self._offsets_np, local)  # type: ignore[arg-type]
+        fast = decode_plain_bytes_frames(self._view, self._offsets_np, local)  # type: ignore[arg-type]
         return [r if r is not None else self.record(i) for r, i in zip(fast, local, strict=True)]
 
     def record(self, i: int) -> dict[str, Any]:
@@ -172,7 +174,7 @@ class ShardReader:
         assert meta is not None
         try:
             if meta.schema == 1:
-                return fmt.decode_molecular(body)
+                return decode_molecular(body)
             if len(body) == 0:
                 cols = meta.index
                 if not cols["inlined"][i]:
@@ -180,7 +182,7 @@ class ShardReader:
                 o = cols["inline.off"]
                 key = _string_at(cols, "key", i)
                 return {"key": key, "payload": cols["inline.data"][int(o[i]) : int(o[i + 1])].tobytes()}
-            return fmt.decode_bytes(body)
+            return decode_bytes(body)
         except DataError:
             raise
         except Exception as exc:  # any decode failure of a checksum-valid frame
@@ -250,7 +252,7 @@ class Dataset:
         """All record keys, in index order (read from the shard indices only)."""
         out: list[str] = []
         for sh in self.shards:
-            out.extend(fmt.strings(sh.meta.index, "key"))
+            out.extend(strings(sh.meta.index, "key"))
         return out
 
     def molecule_ids(self) -> list[str]:
@@ -259,7 +261,7 @@ class Dataset:
             return self.keys()
         out: list[str] = []
         for sh in self.shards:
-            out.extend(fmt.strings(sh.meta.index, "molecule_id"))
+            out.extend(strings(sh.meta.index, "molecule_id"))
         return out
 
     def column(self, name: str) -> np.ndarray:

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from convergent.data import format as fmt
+from convergent.data.index import pack_index
 from convergent.data.manifest import (
     Manifest,
     ShardInfo,
@@ -32,6 +33,7 @@ from convergent.data.manifest import (
     write_manifest,
 )
 from convergent.data.reader import Dataset, open_dataset
+from convergent.data.records import Encoded, build_index, encode_bytes, encode_molecular
 from convergent.errors import DataError
 from convergent.fsutil import file_mode, fsync_dir
 
@@ -51,7 +53,7 @@ class _OpenShard:
         self.hash = xxhash.xxh3_64()
         self.header = fmt.pack_header(schema, codec)
         self.pos = 0
-        self.encoded: list[fmt.Encoded] = []
+        self.encoded: list[Encoded] = []
         self.offsets: list[int] = []
         self.inline_bytes = 0  # inlined payload bytes (they go into the index)
         self._write(self.header)
@@ -61,7 +63,7 @@ class _OpenShard:
         self.hash.update(data)
         self.pos += len(data)
 
-    def add(self, enc: fmt.Encoded, frame: bytes) -> None:
+    def add(self, enc: Encoded, frame: bytes) -> None:
         self.offsets.append(self.pos)
         self.encoded.append(enc)
         self.inline_bytes += len(enc.payload or b"")
@@ -71,8 +73,8 @@ class _OpenShard:
     def seal(self, schema: str) -> ShardInfo:
         """Write index + trailer, fsync, rename to the final name; return its manifest entry."""
         index_offset = self.pos
-        cols = fmt.build_index(schema, self.encoded, self.offsets + [index_offset])
-        index = fmt.pack_index(cols)
+        cols = build_index(schema, self.encoded, self.offsets + [index_offset])
+        index = pack_index(cols)
         self._write(index)
         self._write(fmt.pack_trailer(self.header, index, index_offset, len(self.encoded)))
         self.fh.flush()
@@ -183,16 +185,16 @@ class DatasetWriter:
         if self._closed:
             raise DataError(f"{self.path}: writer is closed")
         enc = (
-            fmt.encode_molecular(record) if self._schema_id == 1
-            else fmt.encode_bytes(record, self.inline_bytes)
+            encode_molecular(record) if self._schema_id == 1
+            else encode_bytes(record, self.inline_bytes)
         )
         frame = fmt.pack_frame(enc.body, self._codec, compressor=self._zstd) if enc.body else b""
         self.write_encoded(enc, frame)
 
-    def write_encoded(self, enc: fmt.Encoded, frame: bytes) -> None:
+    def write_encoded(self, enc: Encoded, frame: bytes) -> None:
         """Append one record encoded and framed elsewhere (e.g. on a Dask worker).
 
-        ``enc`` is the record's :class:`~convergent.data.format.Encoded` (its ``body`` may
+        ``enc`` is the record's :class:`~convergent.data.records.Encoded` (its ``body`` may
         be empty) and ``frame`` is ``format.pack_frame(body, codec)`` of this dataset's
         schema and codec. DataError on a duplicate key.
         """
