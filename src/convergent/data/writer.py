@@ -12,6 +12,7 @@ intact; shard files it does not list are ignored by readers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import secrets
 import tempfile
@@ -114,6 +115,9 @@ class DatasetWriter:
         commit_on_error: when the ``with`` block raises, still seal and commit the
             records accepted so far (default; right for long campaigns that resume).
             ``False`` rolls back to the last committed manifest instead (``pack``).
+        existing: ``path`` already opened with :func:`~convergent.data.reader.open_dataset`
+            by the caller (``append`` only): its manifest and keys are used instead of
+            reading them again, so a resuming campaign reads the dataset once.
     """
 
     def __init__(
@@ -131,8 +135,11 @@ class DatasetWriter:
         tag: str | None = None,
         zstd_level: int = 3,
         commit_on_error: bool = True,
+        existing: Dataset | None = None,
     ) -> None:
         self.path = Path(path)
+        if existing is not None and not (append and commit and existing.path.resolve() == self.path.resolve()):
+            raise DataError(f"{self.path}: existing= must be this dataset, opened to append to it")
         self._schema_id = fmt.schema_id(schema)
         self._codec = fmt.codec_id(compression)
         if shard_bytes < 4096:
@@ -151,18 +158,12 @@ class DatasetWriter:
         self._keys: set[str] = set()
         self._old_shards: list[str] = []
         self.path.mkdir(parents=True, exist_ok=True)
-        exists = manifest_path(self.path).is_file()
+        exists = existing is not None or manifest_path(self.path).is_file()
         if not commit:
             # a part of a parallel write: the driver merges and commits the manifest
             self.manifest = Manifest(schema=schema, compression=compression)
         elif exists and append:
-            self.manifest = read_manifest(self.path)
-            if self.manifest.schema != schema:
-                raise DataError(
-                    f"{self.path}: cannot append {schema!r} records to a {self.manifest.schema!r} dataset"
-                )
-            if check_unique:
-                self._keys.update(open_dataset(self.path).keys())
+            self._open_for_append(existing)
         elif exists and not overwrite:
             raise DataError(
                 f"dataset already exists: {self.path}",
@@ -271,6 +272,26 @@ class DatasetWriter:
                 raise
 
     # ------------------------------------------------------------------ internals
+
+    def _open_for_append(self, existing: Dataset | None) -> None:
+        """Take the committed manifest (and, with ``check_unique``, the keys) of the dataset,
+        from ``existing`` or from one opening of it."""
+        ds = existing
+        if ds is None and self.check_unique:
+            ds = open_dataset(self.path)
+        try:
+            # a copy: this writer adds shards to it, the reader's view stays as opened
+            self.manifest = copy.deepcopy(ds.manifest) if ds is not None else read_manifest(self.path)
+            if self.manifest.schema != self.schema:
+                raise DataError(
+                    f"{self.path}: cannot append {self.schema!r} records to a "
+                    f"{self.manifest.schema!r} dataset"
+                )
+            if self.check_unique:
+                self._keys.update(ds.keys())
+        finally:
+            if ds is not None and existing is None:
+                ds.close()
 
     def _seal(self) -> None:
         if self._open is None:
