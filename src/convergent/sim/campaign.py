@@ -115,12 +115,3 @@ def run_campaign(
               description=f"{sim.sampler} x {CalcSpec.from_simulate(sim).level}",
               backstop_s=2 * sim.timeout_s + 30 if sim.timeout_s > 0 else None)
     return finish(summary, t0)
-
-
-def __getattr__(name: str):
-    """``relabel`` and ``relabel_selection`` live in :mod:`convergent.sim.relabel`."""
-    if name in ("relabel", "relabel_selection"):
-        from convergent.sim import relabel as _rel
-
-        return getattr(_rel, name)
-    raise AttributeError(name)
