@@ -136,10 +136,7 @@ class ShardView:
         if rd._view is None or rd._pid != os.getpid():
             rd._map()
         buf = rd._view[a:b]  # type: ignore[index]
-        stored, raw, codec, p1, p2, digest = fmt.FRAME.unpack_from(buf, 0)
-        if (stored != len(buf) - fmt.FRAME_SIZE or p1 or p2
-                or xxhash.xxh3_64_intdigest(buf[fmt.FRAME_SIZE:], fmt.frame_seed(stored, raw, codec)) != digest):
-            fmt.unpack_frame(buf, rd.name, None, i, a)  # raises the precise DataError
+        fmt.check_frame(buf, rd.name, i, a)
         return bytes(buf)
 
     def copy_to(self, sink: DatasetWriter, i: int) -> None:

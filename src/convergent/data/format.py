@@ -114,9 +114,9 @@ def frame_seed(stored_len: int, raw_len: int, codec: int) -> int:
     return (raw_len << 32 | stored_len) ^ (codec << 61) ^ FRAME_SEED_SALT
 
 
-def unpack_frame(buf: bytes | memoryview, where: str, decompressor: Any = None,
-                 record: int | None = None, offset: int | None = None) -> bytes | memoryview:
-    """Check a frame's CRC and length and return its (decompressed) body.
+def check_frame(buf: bytes | memoryview, where: str, record: int | None = None,
+                offset: int | None = None) -> tuple[int, int, int]:
+    """Check a frame's length, padding and xxh3; return ``(stored_len, raw_len, codec)``.
 
     ``buf`` is exactly the frame as delimited by the offset table. ``where`` names the
     shard (with ``record`` and ``offset`` given, "shard <where> record <i> at offset <o>"
@@ -139,7 +139,14 @@ def unpack_frame(buf: bytes | memoryview, where: str, decompressor: Any = None,
             raise DataError(f"{where}: frame header padding is not zero (corrupted record)")
         raise DataError(f"{where}: frame checksum mismatch (corrupted record)",
                         hint="run 'convergent data verify' on the dataset")
-    stored = view[FRAME_SIZE:]
+    return stored_len, raw_len, codec
+
+
+def unpack_frame(buf: bytes | memoryview, where: str, decompressor: Any = None,
+                 record: int | None = None, offset: int | None = None) -> bytes | memoryview:
+    """Check a frame (:func:`check_frame`) and return its (decompressed) body."""
+    stored_len, raw_len, codec = check_frame(buf, where, record, offset)
+    stored = memoryview(buf)[FRAME_SIZE:]
     if codec == 0 and raw_len == stored_len:
         return stored
     if record is not None:

@@ -11,15 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-# Symbols of elements 1..118 (index = atomic number).
-_SYMBOLS = (
-    "X H He Li Be B C N O F Ne Na Mg Al Si P S Cl Ar K Ca Sc Ti V Cr Mn Fe Co Ni Cu Zn Ga Ge "
-    "As Se Br Kr Rb Sr Y Zr Nb Mo Tc Ru Rh Pd Ag Cd In Sn Sb Te I Xe Cs Ba La Ce Pr Nd Pm Sm "
-    "Eu Gd Tb Dy Ho Er Tm Yb Lu Hf Ta W Re Os Ir Pt Au Hg Tl Pb Bi Po At Rn Fr Ra Ac Th Pa U "
-    "Np Pu Am Cm Bk Cf Es Fm Md No Lr Rf Db Sg Bh Hs Mt Ds Rg Cn Nh Fl Mc Lv Ts Og"
-).split()
-_NUMBER = {s: i for i, s in enumerate(_SYMBOLS)}
+from ase.data import chemical_symbols
 
 
 @dataclass(frozen=True)
@@ -40,7 +32,7 @@ class Molecule:
 
     @property
     def symbols(self) -> list[str]:
-        return [_SYMBOLS[int(z)] for z in self.numbers]
+        return [chemical_symbols[int(z)] for z in self.numbers]
 
     def to_atoms(self):  # -> ase.Atoms
         """A fresh ``ase.Atoms`` (no cell, no pbc); charge/multiplicity go to the calculator."""
