@@ -260,7 +260,7 @@ def _progress(engine: Engine, futs: list[Any], label: str) -> None:
 
 def _keys(tasks: list[ShardTask], wanted: np.ndarray) -> dict[int, str]:
     """Keys of the records at global indices ``wanted`` (read from the shard indices)."""
-    from convergent.data import format as fmt
+    from convergent.data.index import strings
     from convergent.data.reader import ShardReader
 
     wanted = np.unique(wanted)
@@ -268,7 +268,7 @@ def _keys(tasks: list[ShardTask], wanted: np.ndarray) -> dict[int, str]:
     for t in tasks:
         lo, hi = np.searchsorted(wanted, [t.start, t.start + t.info.records])
         if hi > lo:
-            ks = fmt.strings(ShardReader(Path(t.dataset), t.info).meta.index, "key")
+            ks = strings(ShardReader(Path(t.dataset), t.info).meta.index, "key")
             for g in wanted[lo:hi].tolist():
                 out[g] = ks[g - t.start]
     return out
