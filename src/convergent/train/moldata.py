@@ -20,8 +20,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from convergent.data.cache import ShardCache
+from convergent.data.reader import open_dataset
 from convergent.errors import DataError
-from convergent.train.tasks import MicroBatch
+from convergent.models.batching import batches_by_atom_budget
+from convergent.models.io import save_model
+from convergent.models.molecular import build_model, energy_and_forces, fit_reference_energies
+from convergent.train.molcolumns import ColumnStore
+from convergent.train.taskapi import MicroBatch
 
 STAT_KEYS = ["e_sq", "f_sq", "e_abs", "e_abs_pa", "f_abs", "molecules", "atoms"]
 
@@ -36,15 +42,11 @@ class MoleculeSource:
     """
 
     def __init__(self, path: str | Path, data_cfg: Any = None) -> None:
-        from convergent.data.reader import open_dataset
-
         self.path = Path(path)
         if not self.path.exists():
             raise DataError(f"dataset not found: {self.path}", hint="set train.dataset")
         self.cache = None
         if data_cfg is not None and data_cfg.cache_dir:
-            from convergent.data.cache import ShardCache
-
             self.cache = ShardCache(
                 Path(data_cfg.cache_dir).expanduser(), budget_bytes=data_cfg.cache_bytes
             )
@@ -82,16 +84,12 @@ class MoleculeSource:
     def batch(self, idx: list[int]) -> Any:
         """The AtomsBatch of records ``idx`` (columnar gather, :mod:`.molcolumns`)."""
         if self._columns is None:
-            from convergent.train.molcolumns import ColumnStore
-
             self._columns = ColumnStore(self)
         return self._columns.batch(idx)
 
 
 def build(cfg: Any, source: MoleculeSource) -> nn.Module:
     """The molecular model with element reference energies fitted on the training set."""
-    from convergent.models.molecular import build_model, fit_reference_energies
-
     model = build_model(cfg.model)
     n = min(len(source), 5000)
     ref = fit_reference_energies(source.record(i) for i in range(n))
@@ -104,8 +102,6 @@ def plan_epoch(
 ) -> list[list[int]]:
     """Global batches of one epoch by atom budget (seeded shuffle); each has >= ``parts``
     molecules (a short tail batch is dropped)."""
-    from convergent.models.batching import batches_by_atom_budget
-
     batches = batches_by_atom_budget(atom_counts, budget, shuffle_seed=seed)
     return [b for b in batches if len(b) >= parts]
 
@@ -119,8 +115,6 @@ def loss(
     model: nn.Module, mb: MicroBatch, dp_world: int, force_weight: float, training: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scaled loss, sum statistics) of one micro-batch (see the module doc)."""
-    from convergent.models.molecular import energy_and_forces
-
     energy, forces = energy_and_forces(model, mb.data, training=training)
     return loss_from_predictions(energy, forces, mb.data, mb.norm, dp_world, force_weight)
 
@@ -174,8 +168,6 @@ def finalize(sums: dict[str, float], force_weight: float) -> dict[str, float]:
 
 
 def export(model: nn.Module, cfg: Any, directory: Path) -> None:
-    from convergent.models.io import save_model
-
     save_model(
         model,
         cfg.model,

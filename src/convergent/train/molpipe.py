@@ -42,7 +42,8 @@ from torch import nn
 from convergent.errors import ConfigError
 from convergent.models.batching import AtomsBatch, batches_by_atom_budget
 from convergent.models.molecular import EdgeGeometry, MolecularTransformer, RadialBasis
-from convergent.train.tasks import split_evenly
+from convergent.train.moldata import loss_from_predictions
+from convergent.train.taskapi import split_evenly
 
 
 @dataclass(frozen=True)
@@ -249,8 +250,6 @@ def padded_loss(
     force_weight: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(loss, sum statistics) of one padded micro-batch, padding cut off."""
-    from convergent.train.moldata import loss_from_predictions
-
     energy, forces = output
     if item.batch is None:  # an all-padding micro-batch: contributes nothing
         return (energy.sum() * 0.0).float(), {}

@@ -36,9 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from convergent.errors import ConfigError
-from convergent.train import precision
+from convergent.train import hierarchy, precision
 from convergent.train.compression import CommStats, register_compression
-from convergent.train.tasks import Task, check_pipeline, find_blocks
+from convergent.train.taskapi import Task, find_blocks
+from convergent.train.tasks import check_pipeline
+from convergent.train.topology import gather_hostnames, group_ranks, read_topology_file
 
 
 @dataclass
@@ -189,8 +191,6 @@ def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
     """2-D (replicate, shard) DeviceMesh following the topology."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from convergent.train.topology import gather_hostnames, group_ranks, read_topology_file
-
     topo = read_topology_file(pcfg.topology_file) if pcfg.topology_file else None
     hosts = gather_hostnames()
     layout = group_ranks(world, hosts, pcfg.shard_size, topo, pcfg.topology_level)
@@ -201,8 +201,6 @@ def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
 
 def register_ddp_hook(ddp: Any, pcfg: Any, par: Parallelized) -> None:
     """Flat (compressed) or hierarchical gradient all-reduce, per ``parallel.allreduce``."""
-    from convergent.train import hierarchy
-
     tiers = hierarchy.discover_tiers(pcfg, par.dp_world)
     algo = hierarchy.choose_algorithm(pcfg.allreduce, tiers)
     if algo == "hierarchical":

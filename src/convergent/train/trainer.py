@@ -48,7 +48,8 @@ from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
 from convergent.train.preempt import Preempted, Preemption
 from convergent.train.prefetch import Prefetcher
-from convergent.train.tasks import MicroBatch, Task, make_task
+from convergent.train.taskapi import MicroBatch, Task
+from convergent.train.tasks import make_task
 
 log = logging.getLogger("convergent.train")
 
@@ -337,13 +338,7 @@ class Trainer:
                 continue  # padding forward, not counted
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        if self.task.kind == "lm":
-            keys = ["ce_sum", "tokens"]
-        else:
-            from convergent.train.moldata import STAT_KEYS
-
-            keys = STAT_KEYS
-        sums = _reduce_sums(sums, keys)
+        sums = _reduce_sums(sums, list(self.task.stat_keys))
         rec = {"kind": "val", "step": step, "attempt": self.attempt,
                **self.task.finalize_stats(sums)}
         return rec
