@@ -68,7 +68,8 @@ class _Record(TaskMetrics):
         kw["step"] = int(row.get("step") or 0)
         kw["attempt"] = int(row.get("attempt") or 0)
         extra = {k: v for k, v in row.items() if k not in known and k != "kind"}
-        return cls(**kw, extra=cls._take_extra(kw, extra))
+        extra = cls._take_extra(kw, extra)  # may move keys into ``kw``
+        return cls(**kw, extra=extra)
 
     @classmethod
     def _take_extra(cls, kw: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from convergent.fsutil import atomic_write_text
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.runs import RunDir
 from convergent.runsdb.records import latest
+from convergent.trainrecords import TIME_PARTS, TrainStep, ValRecord
 
 PREDICTIONS = Path("screen") / "predictions.json"
 DATASET_STATS = Path("dataset") / "stats.json"  # under report/, written by `data stats --run`
@@ -41,23 +42,24 @@ def _save(fig: Any, path: Path) -> str:
     return path.name
 
 
-def plot_losses(steps: list[dict], vals: list[dict], out: Path) -> str | None:
+def plot_losses(steps: list[TrainStep], vals: list[ValRecord], out: Path) -> str | None:
     """Training loss and validation energy/force MAE against step."""
     if not steps:
         return None
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1, label="train loss")
+    ax1.plot([r.step for r in steps], [r.loss for r in steps], lw=1, label="train loss")
     ax1.set_yscale("log")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.legend()
     for key, label in (("energy_mae", "energy MAE (eV)"), ("force_mae", "force MAE (eV/Å)")):
-        if steps and key in steps[0]:
-            ax2.plot([r["step"] for r in steps], [r[key] for r in steps], lw=0.8, alpha=0.6,
-                     label=f"train {label}")
-        if vals and key in vals[0]:
-            ax2.plot([r["step"] for r in vals], [r[key] for r in vals], "o-", label=f"val {label}")
+        if steps and getattr(steps[0], key) is not None:
+            ax2.plot([r.step for r in steps], [getattr(r, key) for r in steps], lw=0.8,
+                     alpha=0.6, label=f"train {label}")
+        if vals and getattr(vals[0], key) is not None:
+            ax2.plot([r.step for r in vals], [getattr(r, key) for r in vals], "o-",
+                     label=f"val {label}")
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.legend(fontsize=8)
@@ -99,15 +101,15 @@ def plot_stage_times(stages: dict[str, Any], out: Path) -> str | None:
     return _save(fig, out)
 
 
-def plot_breakdown(steps: list[dict], out: Path) -> str | None:
+def plot_breakdown(steps: list[TrainStep], out: Path) -> str | None:
     """Stacked per-step time: data wait / compute / communication / optimizer."""
-    parts = [k for k in ("data_wait_s", "compute_s", "comm_s", "optimizer_s") if steps and k in steps[0]]
+    parts = [k for k in TIME_PARTS if steps and getattr(steps[0], k) is not None]
     if not parts:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    x = [r["step"] for r in steps]
-    ax.stackplot(x, *[[r.get(k, 0.0) * 1e3 for r in steps] for k in parts],
+    x = [r.step for r in steps]
+    ax.stackplot(x, *[[(getattr(r, k) or 0.0) * 1e3 for r in steps] for k in parts],
                  labels=[k.removesuffix("_s").replace("_", " ") for k in parts])
     ax.set_xlabel("step")
     ax.set_ylabel("ms per step")
@@ -165,8 +167,8 @@ def build_report(run_dir: str | Path) -> Path:
     run.report.mkdir(parents=True, exist_ok=True)
     stages = run.stages()
     # a resumed job replays steps: keep the last attempt of each (runsdb.records)
-    steps = [{"step": r.step, **r.values} for r in latest(run.metrics, "train_step")]
-    vals = [{"step": r.step, **r.values} for r in latest(run.metrics, "val")]
+    steps = [TrainStep.from_metric(r) for r in latest(run.metrics, "train_step")]
+    vals = [ValRecord.from_metric(r) for r in latest(run.metrics, "val")]
     pred = _load_predictions(run)
 
     figs = {
@@ -192,12 +194,12 @@ def build_report(run_dir: str | Path) -> Path:
     if steps:
         last = steps[-1]
         md += ["## Training", _table([
-            ("steps", str(last["step"])),
-            ("final train loss", _fmt(last.get("loss"))),
-            ("final val energy MAE (eV)", _fmt(vals[-1].get("energy_mae")) if vals else "n/a"),
-            ("final val force MAE (eV/Å)", _fmt(vals[-1].get("force_mae")) if vals else "n/a"),
-            ("median samples/s", _fmt(float(np.median([r.get("samples_per_s", 0) for r in steps])), ".1f")),
-            ("median MFU", _fmt(float(np.median([r.get("mfu", 0) or 0 for r in steps])), ".2%")),
+            ("steps", str(last.step)),
+            ("final train loss", _fmt(last.loss)),
+            ("final val energy MAE (eV)", _fmt(vals[-1].energy_mae) if vals else "n/a"),
+            ("final val force MAE (eV/Å)", _fmt(vals[-1].force_mae) if vals else "n/a"),
+            ("median samples/s", _fmt(float(np.median([r.samples_per_s or 0 for r in steps])), ".1f")),
+            ("median MFU", _fmt(float(np.median([r.mfu or 0 for r in steps])), ".2%")),
         ]), ""]
     if pred:
         sps = pred.get("seconds_per_structure")
