@@ -3,12 +3,9 @@
 Kept apart from :mod:`convergent.train.tasks` so the LM path never imports the
 molecular model or the dataset store.
 
-Loss (mirrors :func:`convergent.models.losses.energy_force_loss`)::
-
-    loss = mean_molecules((ΔE / n_atoms)^2) + force_weight * mean_components(ΔF^2)
-
-computed from sums over a rank's micro-batch divided by the *global* molecule and
-atom counts of the step, so the rank shares add up to the global-batch loss exactly.
+Loss: :mod:`convergent.models.losses` (``error_sums`` / ``loss_from_sums``), its sums
+over a rank's micro-batch divided by the *global* molecule and atom counts of the step,
+so the rank shares add up to the global-batch loss exactly.
 """
 
 from __future__ import annotations
@@ -25,11 +22,10 @@ from convergent.data.reader import open_dataset
 from convergent.errors import DataError
 from convergent.models.batching import batches_by_atom_budget
 from convergent.models.io import save_model
+from convergent.models.losses import error_sums, loss_from_sums
 from convergent.models.molecular import build_model, energy_and_forces, fit_reference_energies
 from convergent.train.molcolumns import ColumnStore
 from convergent.train.taskapi import MicroBatch
-
-STAT_KEYS = ["e_sq", "f_sq", "e_abs", "e_abs_pa", "f_abs", "molecules", "atoms"]
 
 
 class MoleculeSource:
@@ -129,42 +125,11 @@ def loss_from_predictions(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scaled loss, sum statistics) of predicted ``energy`` [B] eV and ``forces``
     [N, 3] eV/Å against the labels of ``batch``, over the global counts ``norm``."""
-    de = energy.to(torch.float64) - batch.energy.to(torch.float64)
-    n = batch.n_atoms.to(torch.float64)
-    de_pa = de / n
-    e_sq = (de_pa * de_pa).sum()
-    stats = {
-        "e_abs": de.detach().abs().sum(),
-        "e_abs_pa": de_pa.detach().abs().sum(),
-        "molecules": torch.tensor(float(batch.n_molecules)),
-        "atoms": torch.tensor(float(batch.num_atoms)),
-    }
-    loss_t = e_sq / norm["molecules"]
-    stats["e_sq"] = e_sq.detach()
-    if batch.forces is not None:
-        df = forces.float() - batch.forces.float()
-        f_sq = (df * df).sum()
-        stats["f_sq"] = f_sq.detach().double()
-        stats["f_abs"] = df.detach().abs().sum().double()
-        if force_weight > 0:
-            loss_t = loss_t + force_weight * f_sq.double() / (3.0 * norm["atoms"])
-    else:
-        stats["f_sq"] = torch.zeros((), dtype=torch.float64)
-        stats["f_abs"] = torch.zeros((), dtype=torch.float64)
-    return (loss_t * dp_world).to(torch.float32), stats
-
-
-def finalize(sums: dict[str, float], force_weight: float) -> dict[str, float]:
-    mol = max(sums.get("molecules", 0.0), 1.0)
-    comps = max(3.0 * sums.get("atoms", 0.0), 1.0)
-    e_term = sums.get("e_sq", 0.0) / mol
-    f_term = sums.get("f_sq", 0.0) / comps
-    return {
-        "loss": e_term + force_weight * f_term,
-        "energy_mae": sums.get("e_abs", 0.0) / mol,
-        "energy_mae_per_atom": sums.get("e_abs_pa", 0.0) / mol,
-        "force_mae": sums.get("f_abs", 0.0) / comps,
-    }
+    sums = error_sums(energy, forces, batch)
+    loss = loss_from_sums(sums, norm["molecules"], norm["atoms"], force_weight, dp_world)
+    stats = {k: v.detach() for k, v in sums.items()}
+    stats["f_sq"] = stats["f_sq"].double()
+    return loss, stats
 
 
 def export(model: nn.Module, cfg: Any, directory: Path) -> None:

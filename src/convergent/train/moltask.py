@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from convergent.errors import ConfigError
+from convergent.models.losses import SUM_KEYS, metrics_from_sums
 from convergent.train import moldata, molpipe
 from convergent.train.taskapi import MicroBatch, Task, split_evenly
 
@@ -20,14 +21,13 @@ from convergent.train.taskapi import MicroBatch, Task, split_evenly
 class MolecularTask(Task):
     """Energies (eV) and forces (eV/Å) of molecules with :mod:`convergent.models`.
 
-    Loss of a global batch: ``mean_molecules((E - E_ref)^2 / n_atoms^2)``... see
-    :meth:`loss` — the exact form mirrors ``energy_force_loss`` of the models package
-    but is computed from sums so that ranks' shares add up to the global-batch loss.
+    Loss of a global batch: :mod:`convergent.models.losses`, computed from sums so that
+    ranks' shares add up to the global-batch loss.
     """
 
     kind = "molecular"
     unit = "atoms"
-    stat_keys = tuple(moldata.STAT_KEYS)
+    stat_keys = SUM_KEYS
 
     @property
     def pipeline_capable(self) -> bool:  # type: ignore[override]
@@ -111,7 +111,7 @@ class MolecularTask(Task):
         return moldata.loss(model, mb, dp_world, self.cfg.train.force_weight, True)
 
     def finalize_stats(self, sums: dict[str, float]) -> dict[str, float]:
-        return moldata.finalize(sums, self.cfg.train.force_weight)
+        return metrics_from_sums(sums, self.cfg.train.force_weight)
 
     def val_batches(self, dp_rank: int, dp_world: int) -> list[MicroBatch]:
         if self.val is None:
@@ -176,5 +176,5 @@ class MolecularTask(Task):
         self, state: dict[str, Any], mb: MicroBatch, last: bool, losses: list[torch.Tensor]
     ) -> dict[str, float]:
         done = float(last)
-        sums = {k: sum(s.get(k, 0.0) for s in state["stats"].values()) * done for k in moldata.STAT_KEYS}
+        sums = {k: sum(s.get(k, 0.0) for s in state["stats"].values()) * done for k in SUM_KEYS}
         return {**sums, "samples": mb.samples * done, "units": mb.units * done}
