@@ -275,7 +275,6 @@ def register_hierarchical(ddp_model: Any, pcfg: Any, stats: Any, tiers: Tiers) -
     def run(s, bucket):  # noqa: ANN001 - DDP checks annotations, keep none
         fut = hierarchical_hook(s, bucket)
         stats.bytes += s.slow_bytes
-        stats.total_bytes += s.slow_bytes
         return fut
 
     ddp_model.register_comm_hook(st, instrument(run, stats, lambda *_: 0, before))

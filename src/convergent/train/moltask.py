@@ -52,7 +52,6 @@ class MolecularTask(Task):
         # step finds its epoch from the counts without re-planning the earlier epochs
         self._epoch_cache: dict[tuple[int, int, int], list[list[int]]] = {}
         self._epoch_lens: dict[tuple[int, int, int], int] = {}
-        self.refs: Any = None
         self._feed: Any = None  # molpipe.Feed of the pipeline strategy
 
     # delegated to moldata to keep this file readable

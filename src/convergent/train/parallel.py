@@ -27,7 +27,7 @@ pick its share of the global batch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,10 +112,6 @@ def apply_compile(model: nn.Module) -> int:
     for _, blk in blocks:
         blk.compile()
     return len(blocks)
-
-
-def _device_type(device: torch.device) -> str:
-    return device.type
 
 
 def apply_fsdp(
@@ -355,5 +351,3 @@ def clip_grad_norm(par: Parallelized, max_norm: float | None) -> float | torch.T
         norm = norm.full_tensor()
     return norm.detach()
 
-
-Loss = Callable[..., Any]
