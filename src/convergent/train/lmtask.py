@@ -10,7 +10,14 @@ from torch import nn
 
 from convergent.errors import ConfigError
 from convergent.models.llama import LlamaConfig, LlamaForCausalLM, save_pretrained
-from convergent.train.taskapi import MicroBatch, Task
+from convergent.train.taskapi import MicroBatch, Task, stage_layers
+
+
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32) of ``logits`` [..., V] against ``targets``."""
+    return torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
 
 
 class LMTask(Task):
@@ -98,17 +105,11 @@ class LMTask(Task):
         return MicroBatch((x.to(device), y.to(device)), mb.samples, mb.units, mb.norm)
 
     def loss_from_logits(self, logits: torch.Tensor, y: torch.Tensor, norm: float) -> torch.Tensor:
-        ce = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-        )
-        return ce / norm
+        return ce_sum(logits, y) / norm
 
     def loss(self, model: nn.Module, mb: MicroBatch, dp_world: int) -> tuple[torch.Tensor, dict]:
         x, y = mb.data
-        logits = model(x)
-        ce = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-        )
+        ce = ce_sum(model(x), y)
         loss = ce / mb.norm["tokens"] * dp_world
         return loss, {"ce_sum": ce.detach(), "tokens": torch.tensor(float(mb.units))}
 
@@ -135,10 +136,7 @@ class LMTask(Task):
     def val_stats(self, model: nn.Module, mb: MicroBatch) -> dict[str, torch.Tensor]:
         x, y = mb.data
         with torch.no_grad():
-            logits = model(x)
-            ce = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-            )
+            ce = ce_sum(model(x), y)
         return {"ce_sum": ce, "tokens": torch.tensor(float(mb.units))}
 
     def export(self, model: nn.Module, directory: Any) -> None:
@@ -146,14 +144,7 @@ class LMTask(Task):
 
     # pipeline support: a stage is a LlamaForCausalLM holding a slice of layers
     def stage_module(self, full: nn.Module, stage: int, n_stages: int) -> nn.Module:
-        L = self.cfg.model.layers
-        if n_stages > L:
-            raise ConfigError(
-                f"pipeline needs at least one layer per stage: {n_stages} stages > "
-                f"model.layers={L}"
-            )
-        bounds = [round(i * L / n_stages) for i in range(n_stages + 1)]
-        layers = range(bounds[stage], bounds[stage + 1])
+        layers = stage_layers(self.cfg.model.layers, stage, n_stages)
         mod = self.build_model(layers=layers, embed=stage == 0, head=stage == n_stages - 1)
         own = mod.state_dict()
         src = full.state_dict()
