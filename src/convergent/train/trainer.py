@@ -343,6 +343,7 @@ class Trainer:
             blocked = self._comm_clock()
             grad_norm = self._optimizer_step()
             self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
+            timing = self.timer.snapshot()  # resolved when the record is written
             done = step + 1
             rec = TrainStep(
                 step=done, attempt=self.attempt, lr=lr,
@@ -354,8 +355,7 @@ class Trainer:
                 strategy=par.strategy, world=self.world,
                 loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
             )
-            # the timing is resolved when the record is written
-            self.steps.add(sums, rec, self.timer.snapshot())
+            self.steps.add(sums, rec, timing)
             val_every = cfg.train.val_every
             is_val = done == steps or (val_every and done % val_every == 0)
             is_ckpt = done == steps or (
