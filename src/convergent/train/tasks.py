@@ -548,6 +548,10 @@ class MolecularTask(Task):
 
 def make_task(cfg: Any) -> Task:
     """The task for ``cfg.model.kind``: ``molecular`` or ``llama``."""
+    if cfg.model.kind == "llama" and cfg.text.source:  # a real text corpus
+        from convergent.train.texttask import TextLMTask
+
+        return TextLMTask(cfg)
     return LMTask(cfg) if cfg.model.kind == "llama" else MolecularTask(cfg)
 
 
