@@ -24,6 +24,9 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path | None = typer.Option(None, "--out", "-o", help="Output directory."),
         select: int | None = typer.Option(None, "--select", "-k", min=0, help="How many to pick."),
+        quantize: str | None = typer.Option(
+            None, "--quantize", help="int8 (weight-only) or int8-dynamic; sets screen.quantize."
+        ),
     ) -> None:
         """Predict energies/forces with a surrogate ensemble; select uncertain candidates."""
         from rich.console import Console
@@ -32,7 +35,7 @@ def register(app: typer.Typer) -> None:
         from convergent.resources import set_torch_threads, usable_cpus
         from convergent.screen.predict import predict_dataset
 
-        cfg = config_from_cli(config, sets)
+        cfg = config_from_cli(config, [*(sets or []), f"screen.quantize={quantize}"] if quantize else sets)
         sc = cfg.screen
         models = list(model or sc.models)
         dataset = data or sc.dataset
@@ -45,7 +48,7 @@ def register(app: typer.Typer) -> None:
         set_torch_threads(usable_cpus())
         console = Console(stderr=True)
         with console.status(f"predicting {dataset} with {len(models)} model(s)"):
-            result = predict_dataset(models, dataset, sc.batch_atoms, sc.device)
+            result = predict_dataset(models, dataset, sc.batch_atoms, sc.device, quantize=sc.quantize)
         created = not out_dir.exists()
         try:
             _write(result, models, dataset, out_dir, k, sc, console)
