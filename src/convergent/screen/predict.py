@@ -124,7 +124,6 @@ def predict_records(
     batch_atoms: int = 2048,
     device: str = "cpu",
     indices: Sequence[int] | None = None,
-    quantize: str = "none",
 ) -> PredictionResult:
     """Predict energies/forces of in-memory ``records`` with every model (atom-budget batches)."""
     n_atoms = [len(r["numbers"]) for r in records]
@@ -234,6 +233,7 @@ def predict_dataset(
     batch_atoms: int = 2048,
     device: str = "cpu",
     indices: Sequence[int] | None = None,
+    quantize: str = "none",
 ) -> PredictionResult:
     """Predict every structure of a dataset directory or structure file.
 
