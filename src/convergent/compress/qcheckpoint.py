@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from convergent.compress.quant import METHODS, Int8Embedding, QuantInfo, quantize, quantize_weight_only
+from convergent.compress.quant import (
+    METHODS,
+    Int8Embedding,
+    QuantInfo,
+    quantize,
+    quantize_weight_only,
+)
 from convergent.errors import ConfigError, InputError
 from convergent.fsutil import atomic_write_bytes, atomic_write_text
 

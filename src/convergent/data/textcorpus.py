@@ -55,6 +55,8 @@ class TextConfig(Section):
     max_files: int | None = Field(None, ge=2, le=1_000_000)  # a deterministic subset (tests)
     include_tests: bool = False  # stdlib: also the test/tests packages
     cache_dir: PathStr | None = None
+    # start from this HF Llama checkpoint (e.g. a pruned model: recovery fine-tuning)
+    init_from: PathStr | None = None
 
 
 @dataclass

@@ -65,9 +65,29 @@ class TextLMTask(LMTask):
             )
 
     def llama_config(self) -> Any:
-        cfg = super().llama_config()
+        init = self.cfg.text.init_from
+        if init:  # the architecture of the starting checkpoint (e.g. a pruned model)
+            from convergent.models.llama import read_config
+
+            cfg = read_config(init)
+            if cfg.vocab_size != self.V:
+                from convergent.errors import ConfigError
+
+                raise ConfigError(f"text.init_from: {init} has vocab_size={cfg.vocab_size}, "
+                                  f"the corpus tokenizer {self.V}")
+        else:
+            cfg = super().llama_config()
         cfg.eos_token_id = int(self.corpus.eot_id)
         return cfg
+
+    def build_model(self, layers: Any = None, embed: bool = True, head: bool = True) -> nn.Module:
+        model = super().build_model(layers, embed, head)
+        if self.cfg.text.init_from:
+            from convergent.models.llama import load_pretrained
+
+            full = load_pretrained(self.cfg.text.init_from, layers, embed, head).state_dict()
+            model.load_state_dict({k: full[k] for k in model.state_dict()})
+        return model
 
     def _windows(self, ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         offs = torch.arange(self.S + 1)
@@ -105,3 +125,14 @@ class TextLMTask(LMTask):
         super().export(model, directory)
         for f in self.corpus.tokenizer_files:
             atomic_write_bytes(Path(directory) / f.name, f.read_bytes())
+        if self.cfg.text.init_from:  # keep the record of how the start was made (pruning)
+            import json
+
+            from convergent.fsutil import atomic_write_text
+
+            start = json.loads((Path(self.cfg.text.init_from) / "config.json").read_text())
+            out = json.loads((Path(directory) / "config.json").read_text())
+            out["convergent_init_from"] = {"path": str(self.cfg.text.init_from),
+                                           **{k: v for k, v in start.items()
+                                              if k.startswith("convergent_pruning")}}
+            atomic_write_text(Path(directory) / "config.json", json.dumps(out, indent=2))
