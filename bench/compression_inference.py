@@ -145,8 +145,8 @@ def llama_table(final: Path, extra: dict[str, Path], rounds: int) -> tuple[dict,
         quality[name] = qd
     # decode through the serving engine, interleaved
     served = {n: v for n, v in sides.items() if not n.endswith("-before-recovery")}
-    prompts = [wins[i, :16].tolist() for i in range(0, 256, 32)]  # 8 prompts of 16 tokens
-    new = 32
+    prompts = [wins[i, :16].tolist() for i in range(0, 256, 16)]  # 16 prompts of 16 tokens
+    new = 64
     engines = {n: Engine(d, ServeConfig(scheduler="sequential", stages=1, quantize=qm, dtype=dt,
                                         profile_costs=False, max_model_len=128), ignore_eos=True)
                for n, (d, qm, dt) in served.items()}
