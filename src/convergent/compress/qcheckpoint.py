@@ -49,8 +49,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def quant_info(model_dir: str | Path) -> QuantInfo | None:
     """The quantisation recorded in a Llama checkpoint's ``config.json`` (None: plain)."""
-    d = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    q = d.get(QUANT_KEY)
+    try:
+        d = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # the plain loader names the problem
+        return None
+    q = d.get(QUANT_KEY) if isinstance(d, dict) else None
     return QuantInfo.from_dict(q) if isinstance(q, dict) else None
 
 
