@@ -17,8 +17,7 @@ from pydantic import ValidationError
 from convergent.analytics.config import AnalyticsConfig
 from convergent.clusterconfig import ClusterConfig
 from convergent.configbase import Name, PathStr, Section
-from convergent.data.config import DataConfig
-from convergent.data.textcorpus import TextConfig
+from convergent.data.config import DataConfig, TextConfig
 from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text
 from convergent.learn.config import LearnConfig

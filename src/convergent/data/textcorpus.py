@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import Field
 
-from convergent.configbase import PathStr, Section
+from convergent.data.config import TextConfig
 from convergent.errors import ConfigError, InputError
 from convergent.fsutil import atomic_write_text
 
@@ -38,25 +37,6 @@ __all__ = ["EOT", "TextConfig", "TextCorpus", "corpus_files", "prepare_corpus", 
 EOT = "<|endoftext|>"
 SUFFIXES = (".py", ".txt", ".md", ".rst")
 FORMAT = 1
-
-
-class TextConfig(Section):
-    """The text corpus of the language-model task (``model.kind: llama``).
-
-    ``source``: empty = the synthetic token stream of ``train.vocab_size`` tokens;
-    ``stdlib`` = the Python standard library sources on this machine; or a directory of
-    text files. ``cache_dir``: where the tokenizer and token streams are kept (default
-    ``<run.root>/text-cache``).
-    """
-
-    source: str = ""
-    vocab_size: int = Field(4096, ge=260, le=65535)  # BPE vocabulary incl. 256 bytes + EOT
-    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, allow_inf_nan=False)
-    max_files: int | None = Field(None, ge=2, le=1_000_000)  # a deterministic subset (tests)
-    include_tests: bool = False  # stdlib: also the test/tests packages
-    cache_dir: PathStr | None = None
-    # start from this HF Llama checkpoint (e.g. a pruned model: recovery fine-tuning)
-    init_from: PathStr | None = None
 
 
 @dataclass
