@@ -13,6 +13,11 @@ model, so its speed needs no sparse kernel. ``llama_pruned_ppl_ratio`` compares 
 dense model trained for the same extra steps (``fp32-continued``), not with the shorter-
 trained original.
 
+Distilled Llama: a smaller Llama (``LLAMA_STUDENT``) trained by ``convergent train`` with
+the trained one as teacher (``text.teacher``: CE mixed with the softened teacher
+distribution), against the same architecture trained on the labels alone for the same
+steps (``student-scratch``, quality only).
+
 Surrogate: the molecular surrogate trained by ``convergent train`` on an EMT-labelled
 set of small molecules (ASE's EMT: fast and deterministic; the reference labels of
 this bench), fp32 vs weight-only INT8 on held-out molecules: energy/force MAE,
@@ -112,7 +117,7 @@ def lm_quality(model: torch.nn.Module, ref_argmax: torch.Tensor | None, wins: to
 
 def llama_table(final: Path, extra: dict[str, Path], rounds: int) -> tuple[dict, dict]:
     """Quality and decode speed of every side; ``extra``: name -> another checkpoint
-    (pruned ones), served plain in fp32 (names ending in ``-before-recovery``: quality only)."""
+    (pruned, distilled), served plain in fp32 (those in ``QUALITY_ONLY`` are not served)."""
     from convergent.compress.qcheckpoint import load_llama, save_quantized_llama
     from convergent.compress.quant import quantize_weight_only, weight_bytes
     from convergent.serve.config import ServeConfig
@@ -146,7 +151,7 @@ def llama_table(final: Path, extra: dict[str, Path], rounds: int) -> tuple[dict,
                           "dtype": sides[name][2]}
         quality[name] = qd
     # decode through the serving engine, interleaved
-    served = {n: v for n, v in sides.items() if not n.endswith("-before-recovery")}
+    served = {n: v for n, v in sides.items() if n not in QUALITY_ONLY}
     prompts = [wins[i, :16].tolist() for i in range(0, 256, 16)]  # 16 prompts of 16 tokens
     new = 64
     engines = {n: Engine(d, ServeConfig(scheduler="sequential", stages=1, quantize=qm, dtype=dt,
@@ -192,6 +197,18 @@ def pruned_llama(final: Path, steps: int) -> dict[str, Path]:
     # the fair reference: the dense model trained for the same extra steps
     dense, _ = train("llama-continued", [*LLAMA, f"text.init_from={final}"], steps)
     return {"pruned50-before-recovery": pruned, "pruned50": recovered, "fp32-continued": dense}
+
+
+QUALITY_ONLY = ("pruned50-before-recovery", "student-scratch")
+LLAMA_STUDENT = ["model.hidden=96", "model.layers=2", "model.heads=4"]
+
+
+def student_llama(final: Path, steps: int) -> dict[str, Path]:
+    """A smaller Llama distilled from the trained one (``text.teacher``), and the same
+    architecture trained from the labels alone for the same steps (the control)."""
+    kd, _ = train("llama-student", [*LLAMA, *LLAMA_STUDENT, f"text.teacher={final}"], steps)
+    plain, _ = train("llama-student-scratch", [*LLAMA, *LLAMA_STUDENT], steps)
+    return {"student-kd": kd, "student-scratch": plain}
 
 
 # ----------------------------------------------------------------------------- surrogate
@@ -359,8 +376,9 @@ def main() -> None:
     out: dict[str, Any] = {"benchmark": "compression_inference"}
     prov = provenance()
     final, vals = train("llama", LLAMA, args.steps)
-    pruned = pruned_llama(final, args.recovery_steps)
-    llama, llama_rounds = llama_table(final, pruned, args.rounds)
+    extra = pruned_llama(final, args.recovery_steps)
+    extra.update(student_llama(final, args.steps))
+    llama, llama_rounds = llama_table(final, extra, args.rounds)
     fp, i8 = llama["fp32"], llama["int8"]
     out.update(
         commit=prov["commit"], dirty=prov["dirty"],
@@ -373,6 +391,10 @@ def main() -> None:
         llama_pruned_ppl_ratio=llama["pruned50"]["ppl"] / llama["fp32-continued"]["ppl"],
         llama_pruned_ppl_ratio_before_recovery=llama["pruned50-before-recovery"]["ppl"] / fp["ppl"],
         llama_pruned_decode_speed_ratio=llama["pruned50"]["decode_tokens_per_s"] / fp["decode_tokens_per_s"],
+        llama_student_ppl_ratio=llama["student-kd"]["ppl"] / fp["ppl"],
+        llama_student_kd_vs_scratch_ppl_ratio=(
+            llama["student-kd"]["ppl"] / llama["student-scratch"]["ppl"]),
+        llama_student_decode_speed_ratio=llama["student-kd"]["decode_tokens_per_s"] / fp["decode_tokens_per_s"],
     )
     table: dict[str, Any] = {"llama": llama}
     rounds: dict[str, Any] = {"llama": llama_rounds}
@@ -380,7 +402,7 @@ def main() -> None:
         surrogates(args, out, table, rounds)
     out["table"] = table
     out["provenance"] = prov
-    out["settings"] = {"llama": LLAMA, "common": COMMON, "steps": args.steps,
+    out["settings"] = {"llama": LLAMA, "llama_student": LLAMA_STUDENT, "common": COMMON, "steps": args.steps,
                        "surrogate": SURROGATE, "student": STUDENT, "committee": args.committee,
                        "student_steps": args.student_steps, "augment": args.augment,
                        "recovery_steps": args.recovery_steps,

@@ -42,3 +42,8 @@ class TextConfig(Section):
     cache_dir: PathStr | None = None
     # start from this HF Llama checkpoint (e.g. a pruned model: recovery fine-tuning)
     init_from: PathStr | None = None
+    # knowledge distillation: this HF Llama (same tokenizer) is the teacher; the loss is
+    # (1 - kd_alpha) * CE(labels) + kd_alpha * T^2 * KL(teacher_T || student_T)
+    teacher: PathStr | None = None
+    kd_alpha: float = Field(0.9, ge=0.0, le=1.0, allow_inf_nan=False)
+    kd_temperature: float = Field(2.0, ge=0.5, le=20.0, allow_inf_nan=False)

@@ -64,6 +64,46 @@ class TextLMTask(LMTask):
                 hint="lower train.seq_len or use more files (text.max_files)",
             )
 
+    def _teacher_model(self) -> nn.Module | None:
+        """The distillation teacher (loaded once per rank, frozen), or None."""
+        t = self.cfg.text.teacher
+        if not t:
+            return None
+        if getattr(self, "_teacher", None) is None:
+            from convergent.errors import ConfigError
+            from convergent.models.llama import load_pretrained
+
+            if self.cfg.parallel.strategy == "pipeline":
+                raise ConfigError("text.teacher (distillation) runs with ddp/fsdp/single, not pipeline")
+            model = load_pretrained(t).eval().requires_grad_(False)
+            if model.config.vocab_size != self.V:
+                raise ConfigError(f"text.teacher: {t} has vocab_size={model.config.vocab_size}, "
+                                  f"the corpus tokenizer {self.V}")
+            self._teacher = model
+        return self._teacher
+
+    def loss(self, model: nn.Module, mb: MicroBatch, dp_world: int) -> tuple[torch.Tensor, dict]:
+        """CE to the next tokens, mixed with the teacher's softened distribution when
+        ``text.teacher`` is set (reported statistics stay the CE, so ``perplexity`` is
+        the student's own)."""
+        teacher = self._teacher_model()
+        if teacher is None:
+            return super().loss(model, mb, dp_world)
+        x, y = mb.data
+        logits = model(x).float()
+        flat = logits.reshape(-1, logits.shape[-1])
+        ce = torch.nn.functional.cross_entropy(flat, y.reshape(-1), reduction="sum")
+        teacher.to(x.device)
+        with torch.no_grad():
+            t_logits = teacher(x).float().reshape(-1, flat.shape[-1])
+        T, a = self.cfg.text.kd_temperature, self.cfg.text.kd_alpha
+        kl = torch.nn.functional.kl_div(
+            torch.log_softmax(flat / T, -1), torch.log_softmax(t_logits / T, -1),
+            log_target=True, reduction="sum",
+        )
+        loss = ((1 - a) * ce + a * T * T * kl) / mb.norm["tokens"] * dp_world
+        return loss, {"ce_sum": ce.detach(), "tokens": torch.tensor(float(mb.units))}
+
     def llama_config(self) -> Any:
         init = self.cfg.text.init_from
         if init:  # the architecture of the starting checkpoint (e.g. a pruned model)
