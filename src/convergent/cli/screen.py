@@ -24,6 +24,9 @@ def register(app: typer.Typer) -> None:
         ),
         out: Path | None = typer.Option(None, "--out", "-o", help="Output directory."),
         select: int | None = typer.Option(None, "--select", "-k", min=0, help="How many to pick."),
+        quantize: str | None = typer.Option(
+            None, "--quantize", help="int8 (weight-only) or int8-dynamic; sets screen.quantize."
+        ),
     ) -> None:
         """Predict energies/forces with a surrogate ensemble; select uncertain candidates."""
         from rich.console import Console
@@ -32,7 +35,7 @@ def register(app: typer.Typer) -> None:
 
         console = Console(stderr=True)
         screen_command(
-            config_from_cli(config, sets), typer.echo,
+            config_from_cli(config, [*(sets or []), f"screen.quantize={quantize}"] if quantize else sets), typer.echo,
             lambda text: console.print(f"[yellow]{text}[/yellow]"),
             models=model, data=data, out=out, select=select, status=console.status,
         )

@@ -42,9 +42,9 @@ def screen_command(
     set_torch_threads(usable_cpus())
     if status is not None:
         with status(f"predicting {dataset} with {len(models)} model(s)"):
-            result = predict_dataset(models, dataset, sc.batch_atoms, sc.device)
+            result = predict_dataset(models, dataset, sc.batch_atoms, sc.device, quantize=sc.quantize)
     else:
-        result = predict_dataset(models, dataset, sc.batch_atoms, sc.device)
+        result = predict_dataset(models, dataset, sc.batch_atoms, sc.device, quantize=sc.quantize)
     created = not out_dir.exists()
     try:
         summary = write_screen(result, models, dataset, out_dir, k, sc, warn)

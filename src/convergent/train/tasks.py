@@ -16,6 +16,7 @@ from convergent.tracking.store import import_mlflow
 from convergent.train.lmtask import LMTask
 from convergent.train.moltask import MolecularTask
 from convergent.train.taskapi import MicroBatch, Task, find_blocks, split_evenly
+from convergent.train.texttask import TextLMTask
 
 __all__ = [
     "LMTask", "MicroBatch", "MolecularTask", "Task", "check_before_launch", "check_pipeline",
@@ -58,7 +59,8 @@ def check_before_launch(cfg: Any, data: bool = True) -> None:
             check_dataset(path, f"train.{key}")
 
 
-
 def make_task(cfg: Any) -> Task:
     """The task for ``cfg.model.kind``: ``molecular`` or ``llama``."""
+    if cfg.model.kind == "llama" and cfg.text.source:  # a real text corpus
+        return TextLMTask(cfg)
     return LMTask(cfg) if cfg.model.kind == "llama" else MolecularTask(cfg)
