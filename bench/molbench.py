@@ -366,32 +366,30 @@ def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
     import torch
 
     from convergent.models.batching import batches_by_atom_budget, collate_records
+    from convergent.models.losses import error_sums, metrics_from_sums
 
     pot.train(False)
-    de, ds, mol, de_atom, df_sum, n_f = [], [], [], [], 0.0, 0
+    ds, mol, sums = [], [], {}
     t = time.perf_counter()
     for idx in batches_by_atom_budget([len(r["numbers"]) for r in records], batch_atoms):
         b = collate_records([records[i] for i in idx])
         ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with ctx:
             e, f = pot.predict(b, training=False)
-        signed = e.double() - b.energy
-        err = signed.abs()
-        de += err.tolist()
-        ds += signed.tolist()
+        for k, v in error_sums(e, f, b).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        ds += (e.double() - b.energy).tolist()
         mol += [records[i].get("molecule_id", i) for i in idx]
-        de_atom += (err / b.n_atoms.double()).tolist()
-        df_sum += float((f.float() - b.forces).abs().sum())
-        n_f += b.forces.numel()
     ds_arr, mol_arr = np.asarray(ds), np.asarray(mol, dtype=object)
     offset = np.zeros_like(ds_arr)
     for m in set(mol):
         sel = mol_arr == m
         offset[sel] = ds_arr[sel].mean()
-    return {"energy_mae": float(np.mean(de)), "energy_mae_per_atom": float(np.mean(de_atom)),
+    m = metrics_from_sums(sums, 0.0)
+    return {"energy_mae": m["energy_mae"], "energy_mae_per_atom": m["energy_mae_per_atom"],
             "energy_mae_molecule_offset": float(np.abs(offset).mean()),
             "energy_mae_within_molecule": float(np.abs(ds_arr - offset).mean()),
-            "force_mae": df_sum / n_f, "seconds_per_structure": (time.perf_counter() - t) / len(records)}
+            "force_mae": m["force_mae"], "seconds_per_structure": (time.perf_counter() - t) / len(records)}
 
 
 def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: float = 1e-3,
