@@ -1,14 +1,13 @@
 """Shared helpers of the molecular benchmarks: xTB/DFT datasets, split, a small trainer.
 
-Used by bench/model_accuracy.py, bench/model_cost.py and bench/transfer.py. Datasets are
-cached as extxyz under bench/data/ (git-ignored). Energies eV, forces eV/Å.
+Used by bench/model_accuracy.py, bench/model_cost.py and bench/transfer.py (results are
+written with bench/_harness.py). Datasets are cached as extxyz under bench/data/
+(git-ignored). Energies eV, forces eV/Å.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -16,12 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from convergent.provenance import code_version
-from convergent.resources import cpu_name
-
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"
-RESULTS = ROOT / "results"
 
 
 def closed_shell_g2(max_atoms: int = 12, min_atoms: int = 3) -> list[str]:
@@ -216,48 +211,6 @@ def molecule_folds(records: list[dict[str, Any]], n_folds: int, fold: int, seed:
     tr = [i for i, r in enumerate(records) if r["molecule_id"] not in test]
     te = [i for i, r in enumerate(records) if r["molecule_id"] in test]
     return tr, te
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_at_end": os.getloadavg(),
-        "note": "2 shared cores, several other engineers running jobs: timings are noisy",
-    }
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
-        info["amx"] = "amx_bf16" in flags
-        info["avx512_bf16"] = "avx512_bf16" in flags
-    except (OSError, IndexError):
-        pass
-    return info
-
-
-def write_result(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
-    """Write ``payload`` (plus machine info) atomically to ``path`` (default results/<name>.json)."""
-    payload = {"benchmark": name, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), "code": code_version().to_dict(), **payload}
-    path = Path(path) if path is not None else RESULTS / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=_json_default))
-    os.replace(tmp, path)
-    return path
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(type(x))
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "label-dft":
