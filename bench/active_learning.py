@@ -73,21 +73,6 @@ def overrides(strategy: str, seed: int, pipelined: bool = True) -> list[str]:
     return [f"{k}={v}" for k, v in s.items()]
 
 
-def commit_info() -> dict[str, Any]:
-    try:
-        from convergent.provenance import code_version
-
-        return code_version().to_dict()
-    except ImportError:  # an older checkout without convergent.provenance
-        repo = ROOT.parent
-
-        def git(*args: str) -> str:
-            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
-
-        status = git("status", "--porcelain", "--untracked-files=no")
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status), "dirty_files": status.splitlines()}
-
-
 def versions() -> dict[str, str]:
     from importlib import metadata
 
