@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_projection:
         proj = make_latent_trace(1000, seed=args.seed, family="A")
         projection = project_gpu([(r.input_len, r.output_len, r.output_len) for r in proj])
-    png = plot_kv_timeline(timelines, Path(args.out).with_name("serve_kv_usage.png"))
+    png = Path(args.out).with_name("serve_kv_usage.png")
     res.extra = {
         "workload": "latent_workload family A (hidden output-length drivers), scaled: prompts "
                     f"x{ins}, outputs x{outs}",
@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_usage_plot": f"{png.name} (the last round of each side)",
         "target": "tdpipe >= 1.3x interleaved output tok/s",
     }
-    write_result(res, args)
+    write_result(res, args)  # first: it refuses a dirty tree, and the PNG is tracked too
+    plot_kv_timeline(timelines, png)
     for s in sides:
         print(f"  {s:22s} {res.median(s, 'output_tok_s'):7.1f} out tok/s (median of "
               f"{args.rounds})")
