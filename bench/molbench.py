@@ -146,7 +146,7 @@ def nci_small(max_atoms: int = 20, min_atoms: int = 3) -> list[str]:
     RDKit that are neutral, one fragment, H/C/N/O/F only, with min..max atoms incl. H."""
     from rdkit import Chem, RDLogger
 
-    from convergent.sim.sources import nci_smiles_path, read_smiles_file
+    from convergent.sim.smiles import nci_smiles_path, read_smiles_file
 
     RDLogger.DisableLog("rdApp.*")
     out = set()
@@ -166,7 +166,7 @@ def smiles_conformers(smiles: str, n: int, seed: int) -> list[Any]:
     torsions differ) relaxed with MMFF94, then rattled (Gaussian, sigma 0.02-0.08 Å)."""
     from ase import Atoms
 
-    from convergent.sim.sources import embed_smiles
+    from convergent.sim.smiles import embed_smiles
 
     rng = np.random.default_rng(seed)
     out = []

@@ -72,18 +72,6 @@ def read_usage(run_dir: str | Path) -> list[Usage]:
     return out
 
 
-def _seconds(text: str) -> float:
-    """Slurm elapsed ``[D-]HH:MM:SS`` -> seconds."""
-    days = 0
-    if "-" in text:
-        d, text = text.split("-", 1)
-        days = int(d)
-    parts = [float(p) for p in text.split(":")]
-    while len(parts) < 3:
-        parts.insert(0, 0.0)
-    return days * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
-
-
 def _gpus(tres: str) -> int:
     m = re.search(r"gres/gpu(?::[^=,]*)?=(\d+)", tres or "")
     return int(m.group(1)) if m else 0

@@ -22,9 +22,9 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from convergent.clusterconfig import ClusterConfig
 from convergent.errors import ConfigError, NotAvailableError
 from convergent.resources import usable_cpus
-from convergent.sim.config import ClusterConfig
 
 #: Environment of every local worker process: one BLAS/OpenMP/torch thread.
 WORKER_ENV = {

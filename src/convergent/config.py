@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from convergent.analytics.config import AnalyticsConfig
+from convergent.clusterconfig import ClusterConfig
 from convergent.configbase import Name, PathStr, Section
 from convergent.data.config import DataConfig
 from convergent.errors import ConfigError, parse_error_text
@@ -24,7 +25,7 @@ from convergent.models.config import ModelConfig
 from convergent.monitor.config import MetricsConfig
 from convergent.screen.config import ScreenConfig
 from convergent.serve.config import ServeConfig
-from convergent.sim.config import ClusterConfig, SimulateConfig
+from convergent.sim.config import SimulateConfig
 from convergent.tracking.config import TrackingConfig
 from convergent.train.config import CheckpointConfig, ParallelConfig, PrecisionConfig, TrainConfig
 

@@ -47,7 +47,8 @@ def simulate_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
 
 def split_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
     """Split the labelled set by molecule (no molecule on both sides) into train/ and val/."""
-    from convergent.data.reader import open_dataset, split_by_molecule, write_subset
+    from convergent.data.reader import open_dataset, split_by_molecule
+    from convergent.data.writer import write_subset
 
     ds = open_dataset(run.data / "labels")
     train_idx, val_idx = split_by_molecule(ds, cfg.data.val_fraction, cfg.data.seed)

@@ -143,7 +143,7 @@ def test_cli_verify_exit_2_names_the_shard(tmp_path):
 def test_streaming_fast_path_detects_every_flipped_byte(tmp_path):
     """Uncompressed bytes shards are decoded in batches (format.decode_plain_bytes_frames);
     that path returns the same records and misses no damage."""
-    from convergent.data import format as fmt
+    from convergent.data.records import decode_plain_bytes_frames
     from convergent.data.stream import StreamingDataset
 
     src = tmp_path / "good"
@@ -153,7 +153,7 @@ def test_streaming_fast_path_detects_every_flipped_byte(tmp_path):
     ds = open_dataset(src)
     sh = ds.shards[0]
     sh.records([0])  # maps the shard
-    fast = fmt.decode_plain_bytes_frames(sh._view, sh._offsets_np, list(range(len(recs))))
+    fast = decode_plain_bytes_frames(sh._view, sh._offsets_np, list(range(len(recs))))
     framed = [i for i, r in enumerate(recs) if len(r["payload"]) > 64]
     assert framed and all(fast[i] == recs[i] for i in framed)  # the fast path did the work
     assert all(fast[i] is None for i in range(len(recs)) if i not in framed)  # inlined ones

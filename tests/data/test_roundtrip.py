@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from convergent.data.manifest import read_manifest
-from convergent.data.reader import open_dataset, split_by_molecule, write_subset
-from convergent.data.writer import DatasetWriter
+from convergent.data.reader import open_dataset, split_by_molecule
+from convergent.data.writer import DatasetWriter, write_subset
 from convergent.errors import DataError
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)

@@ -10,7 +10,7 @@ import pytest
 # Spinning OpenMP teams on a shared 2-core machine are many times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from convergent.sim.config import ClusterConfig
+from convergent.clusterconfig import ClusterConfig
 
 
 @pytest.fixture(scope="session")

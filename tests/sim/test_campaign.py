@@ -17,15 +17,17 @@ import numpy as np
 import psutil
 import pytest
 
+from convergent.clusterconfig import ClusterConfig
 from convergent.data.reader import open_dataset
-from convergent.errors import ConfigError, InputError
+from convergent.data.writer import DatasetWriter
+from convergent.errors import ConfigError, DataError, InputError
 from convergent.sim.campaign import (
     FramesTask,
     execute_task,
     plan_tasks,
     run_campaign,
 )
-from convergent.sim.config import ClusterConfig, RelabelConfig, SimulateConfig
+from convergent.sim.config import RelabelConfig, SimulateConfig
 from convergent.sim.relabel import relabel, relabel_selection
 from convergent.sim.sources import load_molecules
 
@@ -97,6 +99,40 @@ def test_campaign_streams_records_and_resumes(sim_client, tmp_path):
                         progress=False, client=sim_client)
     assert (more.done, more.skipped) == (30, 120)
     assert len(_records(out)) == 150
+
+
+def test_resume_reads_the_manifest_once(sim_client, tmp_path, monkeypatch):
+    """Resume keys, the writer's append and its uniqueness check share one open dataset."""
+    import convergent.data.reader as reader_mod
+    import convergent.data.writer as writer_mod
+
+    sim = SimulateConfig(frames=20, **SMALL)
+    out = tmp_path / "ds"
+    run_campaign(sim, ClusterConfig(), out, progress=False, client=sim_client)
+    reads: list[Path] = []
+    for mod in (reader_mod, writer_mod):
+        real = mod.read_manifest
+
+        def counted(path, _real=real):
+            reads.append(Path(path))
+            return _real(path)
+
+        monkeypatch.setattr(mod, "read_manifest", counted)
+    more = run_campaign(sim.model_copy(update={"frames": 40}), ClusterConfig(), out,
+                        progress=False, client=sim_client)
+    assert (more.done, more.skipped) == (20, 20)
+    assert reads == [out]
+    monkeypatch.undo()
+    assert len(_records(out)) == 40
+    # the uniqueness check still sees the committed keys through the shared handle
+    ds = open_dataset(out)
+    try:
+        w = DatasetWriter(out, schema="molecular", append=True, existing=ds)
+        with pytest.raises(DataError, match="duplicate"):
+            w.write(next(iter(ds)))
+        w.abort()
+    finally:
+        ds.close()
 
 
 def test_different_campaign_on_same_dataset_is_refused(sim_client, tmp_path):
@@ -193,7 +229,8 @@ _DRIVER = textwrap.dedent(
     import sys
     from pathlib import Path
     from convergent.sim.campaign import run_campaign
-    from convergent.sim.config import ClusterConfig, SimulateConfig
+    from convergent.clusterconfig import ClusterConfig
+    from convergent.sim.config import SimulateConfig
 
     def report(task, result, summary):
         print("TASK", task.task_id, summary.done, flush=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from convergent.cluster import local_workers, make_cluster, make_slurm_cluster
+from convergent.clusterconfig import ClusterConfig, SlurmConfig
 from convergent.errors import ConfigError
 from convergent.resources import usable_cpus
-from convergent.sim.config import ClusterConfig, SlurmConfig
 
 
 def test_local_default_is_one_worker_per_usable_core(monkeypatch):

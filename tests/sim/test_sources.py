@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from convergent.errors import InputError
-from convergent.sim.sources import (
+from convergent.sim.smiles import (
     embed_smiles,
-    load_molecules,
     nci_smiles_path,
     read_smiles_file,
     smiles_molecules,
-    xyz_molecules,
 )
+from convergent.sim.sources import load_molecules, xyz_molecules
 
 
 def test_g2_filtered_by_elements_and_atom_count():

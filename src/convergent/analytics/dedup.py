@@ -244,7 +244,6 @@ def _pick(scanned: list[dict[str, np.ndarray]], p: int) -> dict[str, np.ndarray]
 
 
 def _progress(engine: Engine, futs: list[Any], label: str) -> None:
-    from distributed import wait
     from rich.console import Console
     from rich.progress import Progress
 
@@ -253,16 +252,15 @@ def _progress(engine: Engine, futs: list[Any], label: str) -> None:
         t = bar.add_task(label, total=len(futs))
         from distributed import as_completed
 
-        for f in as_completed(futs):
+        for f in as_completed(futs, loop=engine.client.loop):
             if f.status == "error":
                 f.result()
             bar.advance(t)
-    wait(futs)
 
 
 def _keys(tasks: list[ShardTask], wanted: np.ndarray) -> dict[int, str]:
     """Keys of the records at global indices ``wanted`` (read from the shard indices)."""
-    from convergent.data import format as fmt
+    from convergent.data.index import strings
     from convergent.data.reader import ShardReader
 
     wanted = np.unique(wanted)
@@ -270,7 +268,7 @@ def _keys(tasks: list[ShardTask], wanted: np.ndarray) -> dict[int, str]:
     for t in tasks:
         lo, hi = np.searchsorted(wanted, [t.start, t.start + t.info.records])
         if hi > lo:
-            ks = fmt.strings(ShardReader(Path(t.dataset), t.info).meta.index, "key")
+            ks = strings(ShardReader(Path(t.dataset), t.info).meta.index, "key")
             for g in wanted[lo:hi].tolist():
                 out[g] = ks[g - t.start]
     return out

@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from convergent.data import format as fmt
+from convergent.data.index import strings
 from convergent.data.manifest import (
     Manifest,
     ShardInfo,
@@ -42,6 +43,7 @@ from convergent.data.manifest import (
     write_manifest,
 )
 from convergent.data.reader import ShardReader
+from convergent.data.records import Encoded
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
 
@@ -105,24 +107,24 @@ class ShardView:
         self.schema = fmt.SCHEMA_NAMES[self.reader.meta.schema]
         self.codec = self.reader.meta.codec
         self.n = task.info.records
-        self.keys = fmt.strings(self.cols, "key")
-        self.molecule_ids = (fmt.strings(self.cols, "molecule_id") if self.schema == "molecular"
+        self.keys = strings(self.cols, "key")
+        self.molecule_ids = (strings(self.cols, "molecule_id") if self.schema == "molecular"
                              else self.keys)
 
     def record(self, i: int) -> dict[str, Any]:
         return self.reader.record(i)
 
-    def encoded(self, i: int) -> fmt.Encoded:
+    def encoded(self, i: int) -> Encoded:
         """The index fields of record ``i`` (body empty), for :meth:`DatasetWriter.write_encoded`."""
         c = self.cols
         if self.schema == "molecular":
-            return fmt.Encoded(self.keys[i], b"", self.molecule_ids[i], int(c["n_atoms"][i]),
-                               float(c["energy"][i]), int(c["charge"][i]), int(c["multiplicity"][i]))
+            return Encoded(self.keys[i], b"", self.molecule_ids[i], int(c["n_atoms"][i]),
+                           float(c["energy"][i]), int(c["charge"][i]), int(c["multiplicity"][i]))
         payload = None
         if c["inlined"][i]:
             o = c["inline.off"]
             payload = c["inline.data"][int(o[i]): int(o[i + 1])].tobytes()
-        return fmt.Encoded(self.keys[i], b"", size=int(c["size"][i]), payload=payload)
+        return Encoded(self.keys[i], b"", size=int(c["size"][i]), payload=payload)
 
     def frame(self, i: int) -> bytes:
         """Record ``i``'s stored frame, checksum checked (b"" for an inlined record)."""
@@ -134,10 +136,7 @@ class ShardView:
         if rd._view is None or rd._pid != os.getpid():
             rd._map()
         buf = rd._view[a:b]  # type: ignore[index]
-        stored, raw, codec, p1, p2, digest = fmt.FRAME.unpack_from(buf, 0)
-        if (stored != len(buf) - fmt.FRAME_SIZE or p1 or p2
-                or xxhash.xxh3_64_intdigest(buf[fmt.FRAME_SIZE:], fmt._frame_seed(stored, raw, codec)) != digest):
-            fmt.unpack_frame(buf, rd.name, None, i, a)  # raises the precise DataError
+        fmt.check_frame(buf, rd.name, i, a)
         return bytes(buf)
 
     def copy_to(self, sink: DatasetWriter, i: int) -> None:
@@ -301,7 +300,7 @@ class Engine:
             pos = {f.key: k for k, f in enumerate(futs)}
             out = [None] * len(tasks)
             try:
-                for f in as_completed(futs):
+                for f in as_completed(futs, loop=self.client.loop):
                     out[pos[f.key]] = f.result()
                     bar.advance(t)
             except BaseException:
@@ -396,7 +395,7 @@ def _check_unique(path: str, shards: list[ShardInfo]) -> None:
     seen: dict[str, str] = {}
     for info in shards:
         rd = ShardReader(Path(path), info)
-        for key in fmt.strings(rd.meta.index, "key"):
+        for key in strings(rd.meta.index, "key"):
             if key in seen:
                 raise DataError(f"{path}: duplicate record key {key!r} (from two inputs)",
                                 hint="merge datasets whose keys are distinct, or use --prefix-keys")

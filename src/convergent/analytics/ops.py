@@ -24,7 +24,6 @@ from convergent.analytics.engine import (
     sink,
 )
 from convergent.analytics.where import compile_where
-from convergent.data.manifest import Manifest
 from convergent.data.reader import ShardReader
 from convergent.errors import DataError
 
@@ -131,7 +130,3 @@ def merge_datasets(inputs: Sequence[str | os.PathLike[str]], out: str | os.PathL
     (man,) = commit(engine, run, {OUT: spec}, lin, "merge", check_keys=not prefix_keys and len(inputs) > 1).values()
     return {"inputs": [str(i) for i in inputs], "output": str(out), "records": man.records,
             "shards": len(man.shards), "bytes": man.bytes}
-
-
-def input_records(manifests: Sequence[Manifest]) -> int:
-    return sum(m.records for m in manifests)

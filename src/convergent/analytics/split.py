@@ -32,7 +32,7 @@ from convergent.analytics.engine import (
     prepare_outputs,
     sink,
 )
-from convergent.data import format as fmt
+from convergent.data.index import strings
 from convergent.data.reader import ShardReader
 from convergent.errors import DataError, InputError
 from convergent.fsutil import atomic_write_text
@@ -123,8 +123,8 @@ def _group_task(task: ShardTask, mode: str) -> dict[str, Any]:
     """Group key codes of a shard's records: {"keys": unique keys, "codes": int32[n]}."""
     if mode == "molecule":
         rd = ShardReader(Path(task.dataset), task.info)
-        keys = fmt.strings(rd.meta.index, "molecule_id")
-        keys = [k or f"record:{r}" for k, r in zip(keys, fmt.strings(rd.meta.index, "key"), strict=True)]
+        keys = strings(rd.meta.index, "molecule_id")
+        keys = [k or f"record:{r}" for k, r in zip(keys, strings(rd.meta.index, "key"), strict=True)]
     else:
         v = ShardView(task)
         keys = []

@@ -8,12 +8,13 @@ the inner loop.
 
 Modules (each with one job):
 
-* :mod:`~convergent.data.format`    shard layout, record encoding, CRC-checked frames
+* :mod:`~convergent.data.format`    shard layout: header, checksummed frames, trailer
+* :mod:`~convergent.data.records`   record encoding (molecular, bytes) and their index columns
+* :mod:`~convergent.data.index`     the columnar index (named arrays behind a JSON table)
 * :mod:`~convergent.data.manifest`  ``manifest.json``: the commit point of a dataset
-* :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process)
+* :mod:`~convergent.data.reader`    ``open_dataset`` (map-style), ``split_by_molecule``
+* :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process), ``write_subset``
 * :mod:`~convergent.data.parallel`  ``write_parallel`` on Dask, index merge
-* :mod:`~convergent.data.reader`    ``open_dataset`` (map-style), ``split_by_molecule``,
-  ``write_subset``; re-exports the streaming readers
 * :mod:`~convergent.data.order`     pure functions: block shuffle, rank/worker split
 * :mod:`~convergent.data.stream`    ``StreamingDataset``, ``MixedStreamingDataset``,
   ``StreamingLoader`` (torch)

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import xxhash
@@ -35,11 +35,18 @@ from convergent.errors import DataError
 from convergent.fsutil import file_mode, fsync_dir
 
 if TYPE_CHECKING:
-    from convergent.data.manifest import ShardInfo
-    from convergent.data.reader import Dataset
+    from convergent.data.manifest import Manifest, ShardInfo
 
 MARKER = ".convergent-cache"
 COPY_CHUNK = 8 * 2**20  # bytes per read while copying
+
+
+class ShardSource(Protocol):
+    """What the cache needs of a dataset (a :class:`~convergent.data.reader.Dataset`):
+    its directory and its manifest's shard list."""
+
+    path: Path
+    manifest: Manifest
 
 
 def _is_within(child: Path, parent: Path) -> bool:
@@ -268,7 +275,7 @@ class ShardCache:
                         freed += size
         return freed
 
-    def warm(self, ds: Dataset) -> int:
+    def warm(self, ds: ShardSource) -> int:
         """Copy a dataset's shards in manifest order until the budget is full; returns count."""
         n = 0
         for info in ds.manifest.shards:
@@ -286,7 +293,7 @@ class Prefetcher:
     cache's plan (next use of each shard) up to date for eviction by next use.
     """
 
-    def __init__(self, cache: ShardCache, ds: Dataset, ids: np.ndarray, shard_seq: np.ndarray,
+    def __init__(self, cache: ShardCache, ds: ShardSource, ids: np.ndarray, shard_seq: np.ndarray,
                  ahead: int = 2) -> None:
         self.cache, self.ds, self.ahead = cache, ds, max(0, int(ahead))
         seq = np.asarray(shard_seq, np.int64)

@@ -12,14 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ase.data import chemical_symbols
 
 from convergent.data.reader import open_dataset
-
-SYMBOLS = (
-    "X H He Li Be B C N O F Ne Na Mg Al Si P S Cl Ar K Ca Sc Ti V Cr Mn Fe Co Ni Cu Zn Ga Ge "
-    "As Se Br Kr Rb Sr Y Zr Nb Mo Tc Ru Rh Pd Ag Cd In Sn Sb Te I Xe Cs Ba La Ce Pr Nd Pm Sm "
-    "Eu Gd Tb Dy Ho Er Tm Yb Lu Hf Ta W Re Os Ir Pt Au Hg Tl Pb Bi Po At Rn"
-).split()
 
 
 def _stats(x: np.ndarray) -> dict[str, float]:
@@ -62,7 +57,7 @@ def inspect_dataset(path: str | os.PathLike[str], sample: int | None = None) -> 
         for i in idx:
             hist.update(ds[int(i)]["numbers"].tolist())
         out["elements"] = {
-            (SYMBOLS[z] if z < len(SYMBOLS) else str(z)): int(c) for z, c in sorted(hist.items())
+            (chemical_symbols[z] if z < len(chemical_symbols) else str(z)): int(c) for z, c in sorted(hist.items())
         }
         out["elements_sampled_records"] = len(idx)
     else:

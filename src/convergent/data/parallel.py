@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from convergent.data import format as fmt
+from convergent.data.index import strings
 from convergent.data.manifest import (
     Manifest,
     ShardInfo,
@@ -77,7 +78,7 @@ def merge_parts(path: str | os.PathLike[str], parts: Sequence[Sequence[dict[str,
         seen: dict[str, str] = {}
         for info in [*manifest.shards, *new]:
             rd = ShardReader(root, info)
-            for key in fmt.strings(rd.meta.index, "key"):
+            for key in strings(rd.meta.index, "key"):
                 if key in seen:
                     raise DataError(
                         f"{root}: duplicate record key {key!r} (in shards {seen[key]} and {info.name})"

@@ -1,4 +1,4 @@
-"""Map-style reader of a dataset directory, molecule-wise split, subset writing.
+"""Map-style reader of a dataset directory and the molecule-wise split.
 
 >>> ds = open_dataset("data/train")
 >>> len(ds), ds[0]["energy"], ds.keys()[:3], ds.manifest.records
@@ -8,8 +8,8 @@ it is read and every shard's header/index/trailer CRC when it is opened, so corr
 raises :class:`~convergent.errors.DataError` naming the shard and offset. With a
 :class:`~convergent.data.cache.ShardCache`, shard data is read from node-local copies.
 
-The streaming (torch) readers live in :mod:`convergent.data.stream` and are re-exported
-here: ``from convergent.data.reader import StreamingDataset``.
+The streaming (torch) readers live in :mod:`convergent.data.stream`; subsets of a dataset
+are written by :func:`convergent.data.writer.write_subset`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from convergent.data import format as fmt
+from convergent.data.index import strings
 from convergent.data.manifest import Manifest, ShardInfo, read_manifest
+from convergent.data.records import decode_bytes, decode_molecular, decode_plain_bytes_frames
 from convergent.errors import DataError
 
 if TYPE_CHECKING:
@@ -162,7 +164,7 @@ class ShardReader:
             return [self.record(i) for i in local]
         if self._pid != _PID[0] or self._view is None:
             self._map()
-        fast = fmt.decode_plain_bytes_frames(self._view, self._offsets_np, local)  # type: ignore[arg-type]
+        fast = decode_plain_bytes_frames(self._view, self._offsets_np, local)  # type: ignore[arg-type]
         return [r if r is not None else self.record(i) for r, i in zip(fast, local, strict=True)]
 
     def record(self, i: int) -> dict[str, Any]:
@@ -172,7 +174,7 @@ class ShardReader:
         assert meta is not None
         try:
             if meta.schema == 1:
-                return fmt.decode_molecular(body)
+                return decode_molecular(body)
             if len(body) == 0:
                 cols = meta.index
                 if not cols["inlined"][i]:
@@ -180,7 +182,7 @@ class ShardReader:
                 o = cols["inline.off"]
                 key = _string_at(cols, "key", i)
                 return {"key": key, "payload": cols["inline.data"][int(o[i]) : int(o[i + 1])].tobytes()}
-            return fmt.decode_bytes(body)
+            return decode_bytes(body)
         except DataError:
             raise
         except Exception as exc:  # any decode failure of a checksum-valid frame
@@ -250,7 +252,7 @@ class Dataset:
         """All record keys, in index order (read from the shard indices only)."""
         out: list[str] = []
         for sh in self.shards:
-            out.extend(fmt.strings(sh.meta.index, "key"))
+            out.extend(strings(sh.meta.index, "key"))
         return out
 
     def molecule_ids(self) -> list[str]:
@@ -259,7 +261,7 @@ class Dataset:
             return self.keys()
         out: list[str] = []
         for sh in self.shards:
-            out.extend(fmt.strings(sh.meta.index, "molecule_id"))
+            out.extend(strings(sh.meta.index, "molecule_id"))
         return out
 
     def column(self, name: str) -> np.ndarray:
@@ -318,29 +320,3 @@ def split_by_molecule(
     is_val = is_val_mol[inverse] if n_mol else np.zeros(0, bool)
     idx = np.arange(len(mol), dtype=np.int64)
     return idx[~is_val], idx[is_val]
-
-
-def write_subset(ds: Dataset, indices: Sequence[int] | np.ndarray, path: str | os.PathLike[str],
-                 **writer_kwargs: Any) -> Manifest:
-    """Copy the records at ``indices`` (in that order) into a new dataset at ``path``.
-
-    ``writer_kwargs`` go to :class:`~convergent.data.writer.DatasetWriter` (schema and
-    compression default to the source's).
-    """
-    from convergent.data.writer import DatasetWriter
-
-    writer_kwargs.setdefault("schema", ds.schema)
-    writer_kwargs.setdefault("compression", ds.manifest.compression)
-    with DatasetWriter(path, **writer_kwargs) as w:
-        for i in indices:
-            w.write(ds[int(i)])
-    return w.manifest
-
-
-def __getattr__(name: str) -> Any:
-    # torch-based streaming readers are imported lazily so map-style users skip torch.
-    if name in ("StreamingDataset", "MixedStreamingDataset", "StreamingLoader"):
-        from convergent.data import stream
-
-        return getattr(stream, name)
-    raise AttributeError(name)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -466,8 +465,3 @@ class StreamingLoader:
 
 def _list_collate(batch: list) -> list:
     return batch
-
-
-def stream_path(path: str | Path, **kwargs: Any) -> StreamingDataset:
-    """Shorthand for ``StreamingDataset(path, **kwargs)``."""
-    return StreamingDataset(path, **kwargs)

@@ -19,6 +19,7 @@ from pathlib import Path
 import xxhash
 
 from convergent.data import format as fmt
+from convergent.data.index import strings
 from convergent.data.manifest import ShardInfo, read_manifest
 from convergent.data.reader import ShardReader
 from convergent.errors import DataError
@@ -68,7 +69,7 @@ def verify_shard(root: Path, info: ShardInfo, deep: bool = True) -> list[str]:
     except DataError as exc:
         return [exc.message] + problems
     if deep:
-        keys = fmt.strings(meta.index, "key")
+        keys = strings(meta.index, "key")
         for i in range(meta.count):
             try:
                 rec = rd.record(i)
@@ -106,7 +107,7 @@ def verify_dataset(path: str | os.PathLike[str], deep: bool = True,
         rep.records += info.records
         rep.bytes += info.bytes
         if not probs:
-            for key in fmt.strings(ShardReader(root, info).meta.index, "key"):
+            for key in strings(ShardReader(root, info).meta.index, "key"):
                 if key in seen:
                     rep.problems.append(f"duplicate key {key!r} in shards {seen[key]} and {info.name}")
                     break

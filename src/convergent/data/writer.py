@@ -12,16 +12,20 @@ intact; shard files it does not list are ignored by readers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import secrets
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from convergent.data import format as fmt
+from convergent.data.index import pack_index
 from convergent.data.manifest import (
     Manifest,
     ShardInfo,
@@ -29,6 +33,8 @@ from convergent.data.manifest import (
     read_manifest,
     write_manifest,
 )
+from convergent.data.reader import Dataset, open_dataset
+from convergent.data.records import Encoded, build_index, encode_bytes, encode_molecular
 from convergent.errors import DataError
 from convergent.fsutil import file_mode, fsync_dir
 
@@ -48,7 +54,7 @@ class _OpenShard:
         self.hash = xxhash.xxh3_64()
         self.header = fmt.pack_header(schema, codec)
         self.pos = 0
-        self.encoded: list[fmt.Encoded] = []
+        self.encoded: list[Encoded] = []
         self.offsets: list[int] = []
         self.inline_bytes = 0  # inlined payload bytes (they go into the index)
         self._write(self.header)
@@ -58,7 +64,7 @@ class _OpenShard:
         self.hash.update(data)
         self.pos += len(data)
 
-    def add(self, enc: fmt.Encoded, frame: bytes) -> None:
+    def add(self, enc: Encoded, frame: bytes) -> None:
         self.offsets.append(self.pos)
         self.encoded.append(enc)
         self.inline_bytes += len(enc.payload or b"")
@@ -68,8 +74,8 @@ class _OpenShard:
     def seal(self, schema: str) -> ShardInfo:
         """Write index + trailer, fsync, rename to the final name; return its manifest entry."""
         index_offset = self.pos
-        cols = fmt.build_index(schema, self.encoded, self.offsets + [index_offset])
-        index = fmt.pack_index(cols)
+        cols = build_index(schema, self.encoded, self.offsets + [index_offset])
+        index = pack_index(cols)
         self._write(index)
         self._write(fmt.pack_trailer(self.header, index, index_offset, len(self.encoded)))
         self.fh.flush()
@@ -109,6 +115,9 @@ class DatasetWriter:
         commit_on_error: when the ``with`` block raises, still seal and commit the
             records accepted so far (default; right for long campaigns that resume).
             ``False`` rolls back to the last committed manifest instead (``pack``).
+        existing: ``path`` already opened with :func:`~convergent.data.reader.open_dataset`
+            by the caller (``append`` only): its manifest and keys are used instead of
+            reading them again, so a resuming campaign reads the dataset once.
     """
 
     def __init__(
@@ -126,8 +135,11 @@ class DatasetWriter:
         tag: str | None = None,
         zstd_level: int = 3,
         commit_on_error: bool = True,
+        existing: Dataset | None = None,
     ) -> None:
         self.path = Path(path)
+        if existing is not None and not (append and commit and existing.path.resolve() == self.path.resolve()):
+            raise DataError(f"{self.path}: existing= must be this dataset, opened to append to it")
         self._schema_id = fmt.schema_id(schema)
         self._codec = fmt.codec_id(compression)
         if shard_bytes < 4096:
@@ -146,20 +158,12 @@ class DatasetWriter:
         self._keys: set[str] = set()
         self._old_shards: list[str] = []
         self.path.mkdir(parents=True, exist_ok=True)
-        exists = manifest_path(self.path).is_file()
+        exists = existing is not None or manifest_path(self.path).is_file()
         if not commit:
             # a part of a parallel write: the driver merges and commits the manifest
             self.manifest = Manifest(schema=schema, compression=compression)
         elif exists and append:
-            self.manifest = read_manifest(self.path)
-            if self.manifest.schema != schema:
-                raise DataError(
-                    f"{self.path}: cannot append {schema!r} records to a {self.manifest.schema!r} dataset"
-                )
-            if check_unique:
-                from convergent.data.reader import open_dataset
-
-                self._keys.update(open_dataset(self.path).keys())
+            self._open_for_append(existing)
         elif exists and not overwrite:
             raise DataError(
                 f"dataset already exists: {self.path}",
@@ -182,16 +186,16 @@ class DatasetWriter:
         if self._closed:
             raise DataError(f"{self.path}: writer is closed")
         enc = (
-            fmt.encode_molecular(record) if self._schema_id == 1
-            else fmt.encode_bytes(record, self.inline_bytes)
+            encode_molecular(record) if self._schema_id == 1
+            else encode_bytes(record, self.inline_bytes)
         )
         frame = fmt.pack_frame(enc.body, self._codec, compressor=self._zstd) if enc.body else b""
         self.write_encoded(enc, frame)
 
-    def write_encoded(self, enc: fmt.Encoded, frame: bytes) -> None:
+    def write_encoded(self, enc: Encoded, frame: bytes) -> None:
         """Append one record encoded and framed elsewhere (e.g. on a Dask worker).
 
-        ``enc`` is the record's :class:`~convergent.data.format.Encoded` (its ``body`` may
+        ``enc`` is the record's :class:`~convergent.data.records.Encoded` (its ``body`` may
         be empty) and ``frame`` is ``format.pack_frame(body, codec)`` of this dataset's
         schema and codec. DataError on a duplicate key.
         """
@@ -269,6 +273,26 @@ class DatasetWriter:
 
     # ------------------------------------------------------------------ internals
 
+    def _open_for_append(self, existing: Dataset | None) -> None:
+        """Take the committed manifest (and, with ``check_unique``, the keys) of the dataset,
+        from ``existing`` or from one opening of it."""
+        ds = existing
+        if ds is None and self.check_unique:
+            ds = open_dataset(self.path)
+        try:
+            # a copy: this writer adds shards to it, the reader's view stays as opened
+            self.manifest = copy.deepcopy(ds.manifest) if ds is not None else read_manifest(self.path)
+            if self.manifest.schema != self.schema:
+                raise DataError(
+                    f"{self.path}: cannot append {self.schema!r} records to a "
+                    f"{self.manifest.schema!r} dataset"
+                )
+            if self.check_unique:
+                self._keys.update(ds.keys())
+        finally:
+            if ds is not None and existing is None:
+                ds.close()
+
     def _seal(self) -> None:
         if self._open is None:
             return
@@ -295,4 +319,19 @@ def write_records(path: str | os.PathLike[str], records: Any, **kwargs: Any) -> 
     """Write an iterable of records to a new dataset; returns its manifest."""
     with DatasetWriter(path, **kwargs) as w:
         w.write_many(records)
+    return w.manifest
+
+
+def write_subset(ds: Dataset, indices: Sequence[int] | np.ndarray, path: str | os.PathLike[str],
+                 **writer_kwargs: Any) -> Manifest:
+    """Copy the records at ``indices`` (in that order) into a new dataset at ``path``.
+
+    ``writer_kwargs`` go to :class:`~convergent.data.writer.DatasetWriter` (schema and
+    compression default to the source's).
+    """
+    writer_kwargs.setdefault("schema", ds.schema)
+    writer_kwargs.setdefault("compression", ds.manifest.compression)
+    with DatasetWriter(path, **writer_kwargs) as w:
+        for i in indices:
+            w.write(ds[int(i)])
     return w.manifest

@@ -108,7 +108,7 @@ def label_batch(
     from distributed import as_completed
 
     pending = {}
-    ac = as_completed()
+    ac = as_completed(loop=pool.client.loop)
     for i in range(0, len(todo), chunk):
         f, cs, a = submit(todo[i:i + chunk], 0)
         pending[f.key] = (cs, a)

@@ -38,7 +38,7 @@ from convergent.learn.label import LABEL_LOG, committed_keys, label_batch, quara
 from convergent.learn.pool import Candidate, build_pool, load_candidates, save_candidates
 from convergent.learn.select import combined_score, select_batch
 from convergent.runs import RunDir
-from convergent.sim.sources import stable_int
+from convergent.sim.molecules import stable_int
 
 console = Console(stderr=True)
 

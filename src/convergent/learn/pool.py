@@ -21,7 +21,8 @@ import numpy as np
 
 from convergent.fsutil import atomic_write_bytes
 from convergent.learn.config import LearnConfig
-from convergent.sim.sources import Molecule, load_molecules, stable_int
+from convergent.sim.molecules import Molecule, stable_int
+from convergent.sim.sources import load_molecules
 
 
 def content_key(numbers: np.ndarray, positions: np.ndarray, charge: int = 0, multiplicity: int = 1) -> str:

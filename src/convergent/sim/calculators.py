@@ -8,7 +8,6 @@ settings} to which the campaign adds wall_s and host.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from functools import cache
@@ -186,18 +185,6 @@ def _pyscf_calculator_class():
             self.results["forces"] = -np.asarray(grad) * Hartree / Bohr
 
     return PySCFCalculator
-
-
-def limit_threads(n: int = 1) -> None:
-    """Pin BLAS/OpenMP (and PySCF) threads of this process to ``n`` (workers: 1)."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(n)
-    try:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(n)
-    except ImportError:
-        pass
 
 
 def make_calculator(spec: CalcSpec, charge: int = 0, multiplicity: int = 1):

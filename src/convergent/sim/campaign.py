@@ -46,8 +46,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from convergent.clusterconfig import ClusterConfig
 from convergent.sim.calculators import CalcSpec
-from convergent.sim.config import ClusterConfig, SimulateConfig
+from convergent.sim.config import SimulateConfig
 from convergent.sim.farm import run_nonce
 from convergent.sim.guards import TIMEOUT_TOPIC, Backstop
 from convergent.sim.plan import frame_key, plan_tasks
@@ -114,12 +115,3 @@ def run_campaign(
               description=f"{sim.sampler} x {CalcSpec.from_simulate(sim).level}",
               backstop_s=2 * sim.timeout_s + 30 if sim.timeout_s > 0 else None)
     return finish(summary, t0)
-
-
-def __getattr__(name: str):
-    """``relabel`` and ``relabel_selection`` live in :mod:`convergent.sim.relabel`."""
-    if name in ("relabel", "relabel_selection"):
-        from convergent.sim import relabel as _rel
-
-        return getattr(_rel, name)
-    raise AttributeError(name)

@@ -79,7 +79,7 @@ class Farm:
 
         self.queue: deque[tuple[Task, int]] = deque((t, 0) for t in tasks)
         self.inflight = {}  # future -> (task, attempt, key)
-        self.ac = as_completed(with_results=True, raise_errors=False)
+        self.ac = as_completed(with_results=True, raise_errors=False, loop=self.client.loop)
         self.limit = self._limit()
         t_start = time.perf_counter()
         self._submit()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
-from convergent.sim.sources import Molecule
+from convergent.sim.molecules import Molecule
 from convergent.sim.tasks import FrameItem, FramesTask, MDTask, Task
 
 

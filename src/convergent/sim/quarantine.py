@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from convergent.sim.sources import InputRejection
+from convergent.sim.molecules import InputRejection
 
 QUARANTINE_NAME = "quarantine.jsonl"
 

@@ -1,8 +1,8 @@
 """Records of a campaign: built from a labelled frame, then encoded and framed on the worker.
 
 A worker hands the driver :class:`PackedRecord` objects: the record already encoded in the
-dataset's shard format (:mod:`convergent.data.format`) and compressed, plus the few
-fields of the shard index. The driver only checks the key and appends the bytes
+dataset's shard format (:mod:`convergent.data.records`, :mod:`convergent.data.format`) and
+compressed, plus the few fields of the shard index. The driver only checks the key and appends the bytes
 (:meth:`~convergent.data.writer.DatasetWriter.write_encoded`), so encoding and compression
 run in parallel on the workers instead of competing with them for the driver's core.
 Units: positions Å, energy eV, forces eV/Å.
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from convergent.data import format as fmt
+from convergent.data.records import Encoded, encode_molecular
 from convergent.errors import DataError
 from convergent.sim.quarantine import quarantine_entry
 
@@ -43,7 +44,7 @@ def make_record(key: str, molecule_id: str, numbers, positions, charge, multipli
 class PackedRecord:
     """A record ready for the shard: its index fields (``index.body`` empty) and its frame."""
 
-    index: fmt.Encoded
+    index: Encoded
     frame: bytes  # format.pack_frame of the encoded body, with the dataset's codec
 
     @property
@@ -69,7 +70,7 @@ def pack_record(record: dict[str, Any], compression: str = "zstd",
                 zstd_level: int = 3) -> PackedRecord:
     """Encode and frame one molecular record (DataError if the store would refuse it)."""
     codec = fmt.codec_id(compression)
-    enc = fmt.encode_molecular(record)
+    enc = encode_molecular(record)
     frame = fmt.pack_frame(enc.body, codec, compressor=_compressor(codec, zstd_level))
     enc.body = b""
     return PackedRecord(enc, frame)

@@ -16,13 +16,14 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from convergent.clusterconfig import ClusterConfig
 from convergent.errors import ConfigError
 from convergent.sim.calculators import CalcSpec
-from convergent.sim.config import ClusterConfig, RelabelConfig
+from convergent.sim.config import RelabelConfig
 from convergent.sim.farm import run_nonce
+from convergent.sim.molecules import stable_int
 from convergent.sim.resume import check_fingerprint
 from convergent.sim.runner import run_tasks
-from convergent.sim.sources import stable_int
 from convergent.sim.summary import CampaignSummary, finish
 from convergent.sim.tasks import FrameItem, FramesTask, Task
 

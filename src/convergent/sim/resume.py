@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from convergent.data.manifest import manifest_path
+from convergent.data.reader import Dataset, open_dataset
 from convergent.errors import ConfigError, DataError
 from convergent.fsutil import atomic_write_text
 from convergent.sim.calculators import CalcSpec
@@ -50,16 +52,19 @@ def campaign_fingerprint(sim: SimulateConfig) -> dict[str, Any]:
     return out
 
 
+def open_existing(dataset: Path) -> Dataset | None:
+    """The committed dataset at ``dataset``, opened once for a resume (None without a
+    manifest yet): its keys say what is done, and the writer appends to the same handle."""
+    if not manifest_path(dataset).is_file():
+        return None
+    return open_dataset(dataset)
+
 
 def existing_keys(dataset: Path) -> set[str]:
     """Keys of the records committed to ``dataset`` (empty if it has no manifest yet)."""
-    from convergent.data.format import MANIFEST_NAME
-
-    if not (dataset / MANIFEST_NAME).is_file():
+    ds = open_existing(dataset)
+    if ds is None:
         return set()
-    from convergent.data.reader import open_dataset
-
-    ds = open_dataset(dataset)
     try:
         return set(ds.keys())
     finally:
@@ -68,8 +73,6 @@ def existing_keys(dataset: Path) -> set[str]:
 
 def check_fingerprint(dataset: Path, fingerprint: dict[str, Any], what: str) -> None:
     """Write ``campaign.json`` on first use; refuse a dataset made by different settings."""
-    from convergent.data.format import MANIFEST_NAME
-
     meta_path = dataset / CAMPAIGN_NAME
     if meta_path.is_file():
         try:
@@ -86,7 +89,7 @@ def check_fingerprint(dataset: Path, fingerprint: dict[str, Any], what: str) -> 
                 hint="use the same settings to resume it, or write to another dataset path",
             )
         return
-    if (dataset / MANIFEST_NAME).is_file():
+    if manifest_path(dataset).is_file():
         raise DataError(
             f"{dataset} is an existing dataset not written by a {what}",
             hint="choose another output path",

@@ -9,12 +9,12 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from convergent.sim.config import ClusterConfig
+from convergent.clusterconfig import ClusterConfig
 from convergent.sim.farm import Farm, n_workers
 from convergent.sim.guards import Backstop
 from convergent.sim.progress import make_progress
 from convergent.sim.quarantine import QUARANTINE_NAME, QuarantineLog
-from convergent.sim.resume import existing_keys
+from convergent.sim.resume import open_existing
 from convergent.sim.summary import CampaignSummary
 from convergent.sim.tasks import Task
 
@@ -57,60 +57,64 @@ def run_tasks(
     from convergent.cluster import dashboard_link, dask_client, describe_dashboard
     from convergent.data.writer import DatasetWriter
 
-    qlog = QuarantineLog(dataset / QUARANTINE_NAME)
-    committed = existing_keys(dataset)
-    quarantined = set() if retry_quarantined else qlog.keys()
-    skip = committed | quarantined
-    all_keys = [k for t in tasks for k in t.keys]
-    summary.total_frames = len(all_keys)
-    summary.tasks = len(tasks)
-    summary.skipped = sum(1 for k in all_keys if k in skip)
-    todo = [t for t in tasks if any(k not in skip for k in t.keys)]
-    summary.dataset = str(dataset)
-    summary.quarantine_file = str(qlog.path)
-    if console is None:
-        from rich.console import Console
+    # the dataset is opened once: its keys decide what to skip, the writer appends to it
+    existing = open_existing(dataset)
+    with contextlib.closing(existing) if existing is not None else contextlib.nullcontext():
+        qlog = QuarantineLog(dataset / QUARANTINE_NAME)
+        committed = set(existing.keys()) if existing is not None else set()
+        quarantined = set() if retry_quarantined else qlog.keys()
+        skip = committed | quarantined
+        all_keys = [k for t in tasks for k in t.keys]
+        summary.total_frames = len(all_keys)
+        summary.tasks = len(tasks)
+        summary.skipped = sum(1 for k in all_keys if k in skip)
+        todo = [t for t in tasks if any(k not in skip for k in t.keys)]
+        summary.dataset = str(dataset)
+        summary.quarantine_file = str(qlog.path)
+        if console is None:
+            from rich.console import Console
 
-        console = Console(stderr=True)
-    echo = console.print if progress else None
+            console = Console(stderr=True)
+        echo = console.print if progress else None
 
-    @contextlib.contextmanager
-    def _client():
-        if client is not None:
-            yield client
-        else:
-            with dask_client(cluster, echo=echo) as c:
-                yield c
+        @contextlib.contextmanager
+        def _client():
+            if client is not None:
+                yield client
+            else:
+                with dask_client(cluster, echo=echo) as c:
+                    yield c
 
-    if not todo:
-        if progress:
-            console.print(f"{description}: all {summary.total_frames} frames already done "
-                          f"({summary.skipped} skipped)")
+        if not todo:
+            if progress:
+                console.print(f"{description}: all {summary.total_frames} frames already done "
+                              f"({summary.skipped} skipped)")
+            return summary
+        bar_ctx = make_progress(progress, console)
+        with _client() as c, bar_ctx as prog:
+            summary.n_workers = n_workers(c)
+            summary.dashboard = dashboard_link(c)
+            if progress and client is not None:
+                console.print(f"dask: {summary.n_workers} workers; dashboard: "
+                              f"{describe_dashboard(summary.dashboard)}")
+            bar = prog.add_task(description, total=summary.total_frames,
+                                completed=summary.skipped, status="")
+            with DatasetWriter(dataset, schema="molecular", append=True,
+                               existing=existing) as writer:
+                farm = Farm(c, writer, qlog, skip, retries, tag, max_in_flight, flush_every_s,
+                             summary, prog, bar, on_task)
+                watch = None
+                if client is None and cluster.kind == "slurm":
+                    farm.min_in_flight = 3 * cluster.slurm.adapt_max
+                    watch = slurm_watch(c, cluster, farm)
+                if backstop_s:
+                    farm.backstop = Backstop(c, tag, backstop_s)
+                try:
+                    farm.run(todo)
+                finally:
+                    if watch is not None:
+                        watch.stop()
+                        summary.slurm_jobs_replaced = len(watch.replaced_ids)
+                        summary.slurm_job_ids = sorted(watch.seen_ids, key=int)
+                        summary.n_workers = max(summary.n_workers, watch.max_workers)
         return summary
-    bar_ctx = make_progress(progress, console)
-    with _client() as c, bar_ctx as prog:
-        summary.n_workers = n_workers(c)
-        summary.dashboard = dashboard_link(c)
-        if progress and client is not None:
-            console.print(f"dask: {summary.n_workers} workers; dashboard: "
-                          f"{describe_dashboard(summary.dashboard)}")
-        bar = prog.add_task(description, total=summary.total_frames,
-                            completed=summary.skipped, status="")
-        with DatasetWriter(dataset, schema="molecular", append=True) as writer:
-            farm = Farm(c, writer, qlog, skip, retries, tag, max_in_flight, flush_every_s,
-                         summary, prog, bar, on_task)
-            watch = None
-            if client is None and cluster.kind == "slurm":
-                farm.min_in_flight = 3 * cluster.slurm.adapt_max
-                watch = slurm_watch(c, cluster, farm)
-            if backstop_s:
-                farm.backstop = Backstop(c, tag, backstop_s)
-            try:
-                farm.run(todo)
-            finally:
-                if watch is not None:
-                    watch.stop()
-                    summary.slurm_jobs_replaced = len(watch.replaced_ids)
-                    summary.slurm_job_ids = sorted(watch.seen_ids, key=int)
-                    summary.n_workers = max(summary.n_workers, watch.max_workers)
-    return summary

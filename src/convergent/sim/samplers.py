@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from convergent.sim.sources import Molecule, stable_int
+from convergent.sim.molecules import Molecule, stable_int
 
 
 def rattle_positions(

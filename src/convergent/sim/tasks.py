@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from convergent.sim.calculators import CalcSpec
+from convergent.sim.molecules import Molecule
 from convergent.sim.samplers import rattle_positions
-from convergent.sim.sources import Molecule
 
 
 @dataclass

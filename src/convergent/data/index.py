@@ -1,0 +1,73 @@
+"""The columnar index of a shard: named numpy arrays behind a JSON column table.
+
+``pack_index`` writes u32 JSON length | JSON table | 8-byte aligned arrays; ``unpack_index``
+returns read-only views. Strings and byte strings are two columns each (``<name>.off``
+offsets and the concatenated ``<name>.utf8`` / ``<name>.data``). Which columns a shard
+carries is decided by its record schema (:func:`convergent.data.records.build_index`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+from convergent.errors import DataError
+
+
+def string_column(values: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    enc = [v.encode() for v in values]
+    off = np.zeros(len(enc) + 1, np.uint64)
+    np.cumsum([len(b) for b in enc], out=off[1:]) if enc else None
+    return off, np.frombuffer(b"".join(enc), np.uint8)
+
+
+def bytes_column(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    off = np.zeros(len(values) + 1, np.uint64)
+    if values:
+        np.cumsum([len(b) for b in values], out=off[1:])
+    return off, np.frombuffer(b"".join(values), np.uint8)
+
+
+def pack_index(columns: dict[str, np.ndarray]) -> bytes:
+    """Serialise named numpy arrays: u32 JSON length, JSON table, 8-byte aligned data."""
+    table, blobs, pos = [], [], 0
+    for name, arr in columns.items():
+        arr = np.ascontiguousarray(arr)
+        data = arr.tobytes()
+        table.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape),
+                      "offset": pos, "nbytes": len(data)})
+        pad = (-len(data)) % 8
+        blobs.append(data + b"\0" * pad)
+        pos += len(data) + pad
+    head = json.dumps(table, separators=(",", ":")).encode()
+    head += b" " * ((-(4 + len(head))) % 8)
+    return struct.pack("<I", len(head)) + head + b"".join(blobs)
+
+
+def unpack_index(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_index` (arrays are read-only views of ``buf``)."""
+    try:
+        (hl,) = struct.unpack_from("<I", buf, 0)
+        table = json.loads(bytes(buf[4 : 4 + hl]))
+        base = 4 + hl
+        out = {}
+        for col in table:
+            dt = np.dtype(col["dtype"])
+            count = int(np.prod(col["shape"])) if col["shape"] else 1
+            if col["offset"] + col["nbytes"] + base > len(buf) or count * dt.itemsize != col["nbytes"]:
+                raise ValueError(f"column {col['name']!r} out of bounds")
+            arr = np.frombuffer(buf, dt, count, base + col["offset"]).reshape(col["shape"])
+            out[col["name"]] = arr
+        return out
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise DataError(f"{where}: malformed shard index: {exc}") from None
+
+
+def strings(cols: dict[str, np.ndarray], name: str) -> list[str]:
+    """Decode a string column of an index into a list of str."""
+    off = cols[f"{name}.off"]
+    raw = cols[f"{name}.utf8"].tobytes()
+    o = off.tolist()
+    return [raw[o[i] : o[i + 1]].decode() for i in range(len(o) - 1)]
