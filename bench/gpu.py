@@ -4,9 +4,11 @@ Needs one CUDA GPU (and the project installed: ``pip install -e '.[dev]'`` for
 transformers). On a machine without CUDA it prints one line and exits with code 2.
 Runs in under 10 minutes on one H100; writes ``bench/results/gpu.json``.
 
-Measured side by side, every side once per round, rounds interleaved (``--rounds``,
-default 3); each number is the median over rounds of the per-round median over the
-timed steps, with the spread (min, max) over rounds:
+Measured side by side with bench/_harness.py: every side once per round, rounds
+interleaved (``--rounds``, default 3); each number is the median over rounds of the
+per-round median over the timed steps, with the spread (min, max, IQR) over rounds; the
+JSON carries the commit (a dirty tree is refused unless ``--allow-dirty``), versions, the
+machine, the load before/after, each side's settings and the differences between sides:
 
 * **molecular** (the surrogate, hidden 256, 6 layers, batches of ``--mol-atoms`` atoms,
   default 16,384 <= 32,768, autograd forces): our trainer (``convergent.train``, one
@@ -14,55 +16,56 @@ timed steps, with the spread (min, max) over rounds:
   PyTorch loop on the same model with every batch prebuilt on the GPU (the model's
   ceiling, no input pipeline) in bf16. Atoms/s, ``data_wait_s / step_s``.
 * **LM** (a Llama of hidden 768, 12 layers, 12 heads, seq 1024, 16 sequences, vocab
-  32,000): our trainer in bf16 (eager, and with ``train.compile=true``; the faster one is
-  reported as ``lm_ours_side``) and fp32, and transformers' ``LlamaForCausalLM`` of the
-  same shape (SDPA attention, bf16 autocast, AdamW) eager and under ``torch.compile``.
+  32,000): our trainer in bf16 (eager, and with ``train.compile=true``) and fp32, and
+  transformers' ``LlamaForCausalLM`` of the same shape (SDPA attention, bf16 autocast,
+  AdamW at the trainer's LR, the same clipping) eager and under ``torch.compile``:
+  eager is compared with eager and compiled with compiled (no best-of-two side).
   Tokens/s; MFU = counted FLOPs x tokens/s / the GPU's dense bf16 peak.
 * **serving** (a random 1.1B Llama: 22 layers, hidden 2048, GQA 32/4, vocab 32,000; the
   ``bench-serve -r 256 --scale 0.5 --seed 0`` trace): our engine, one stage on the GPU,
-  bf16 and fp32, and transformers' ``generate`` in bf16 on the same prompts in static
-  batches of 64 (each batch runs to its longest output; only requested tokens count).
+  bf16 and fp32 with at most 64 sequences at a time, and transformers' ``generate`` in
+  bf16 on the same prompts in static batches of 64 (each batch runs to its longest
+  output; only requested tokens count).
 
-Top-level keys of the JSON: ``device``, ``molecular_atoms_per_s_bf16`` (with
-``molecular_batch_atoms``), ``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``,
-``lm_mfu_bf16``, ``lm_vs_hf_train``, ``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``,
-``commit``, ``torch``, ``cuda``; the per-side details under ``molecular``, ``lm``, ``serve``.
+Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
+``molecular_atoms_per_s_bf16`` (with ``molecular_batch_atoms``),
+``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``, ``lm_mfu_bf16``,
+``lm_vs_hf_train`` (eager vs eager), ``lm_vs_hf_train_compiled``,
+``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``, ``torch``, ``cuda``,
+``provenance``, ``differences``; the harness result of each part under ``molecular``,
+``lm``, ``serve`` (settings, per_round, summary).
 
 Usage: ``python bench/gpu.py [--rounds 3] [--steps 30] [--lm-steps 20]
-[--only molecular,lm,serve]`` (serving runs ``rounds - 1`` rounds, at least one).
+[--only molecular,lm,serve]`` (every part runs ``--rounds`` rounds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _harness import Side, check_clean, interleave, provenance, write_result  # noqa: E402
+
 NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
          "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
 DEVICE = "cuda"  # the trainer sides run here
+HF_BATCH = 64  # sequences at once, for both serving sides
 LM_SHAPE = dict(hidden=768, layers=12, heads=12, seq=1024, batch=16, vocab=32000, mlp_ratio=4)
 
 
-def _commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "rounds": values}
+LR = 1e-3  # our trainer's default train.lr; the plain and transformers loops use it too
 
 
 # ----------------------------------------------------------------------------- molecular
@@ -128,7 +131,7 @@ def _plain_molecular(data: Path, atoms: int, steps: int, warmup: int) -> Callabl
     def run() -> dict:
         torch.manual_seed(0)
         model = task.build_model().to(dev)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         times = []
         for i in range(steps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -161,7 +164,17 @@ def bench_molecular(tmp: Path, rounds: int, steps: int, atoms: int) -> dict[str,
         "ours_bf16": lambda: _trainer_run(tmp, [*base, "precision.dtype=bf16"], "mol16", warmup),
         "plain_bf16_prebuilt": _plain_molecular(data, atoms, steps, warmup),
     }
-    return _rounds(sides, rounds) | {"batch_atoms": atoms}
+    common = {"model": "molecular, hidden 256, 6 layers", "batch_atoms": atoms, "steps": steps,
+              "timed_steps": f"{warmup}..{steps}", "optimizer": f"AdamW lr {LR}", "grad_clip": 10.0,
+              "data": f"{n_mol} rattled G2 molecules, random labels"}
+    settings = {"ours_fp32": {**common, "side": "convergent trainer, fp32 (TF32)"},
+                "ours_bf16": {**common, "side": "convergent trainer, bf16 autocast"},
+                "plain_bf16_prebuilt": {**common, "side": "plain PyTorch loop, bf16 autocast, "
+                                                          "every batch prebuilt on the GPU"}}
+    diffs = ["plain_bf16_prebuilt has no input pipeline (4 batches prebuilt on the GPU, reused): "
+             "it is the model's ceiling, ours reads, collates and copies every batch",
+             "ours_fp32 runs fp32 with TF32 matmuls, the others bf16 autocast"]
+    return _rounds("gpu.molecular", sides, settings, rounds, diffs)
 
 
 # ----------------------------------------------------------------------------- LM
@@ -181,7 +194,7 @@ def _hf_lm(steps: int, warmup: int, compiled: bool) -> Callable[[], dict]:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).cuda()
     fwd = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), device="cuda", generator=g)
 
@@ -223,7 +236,21 @@ def bench_lm(tmp: Path, rounds: int, steps: int) -> dict[str, Any]:
         "hf_sdpa_eager_bf16": _hf_lm(steps, warmup, compiled=False),
         "hf_sdpa_compile_bf16": _hf_lm(steps, warmup, compiled=True),
     }
-    return _rounds(sides, rounds) | {"shape": s}
+    common = {"shape": s, "steps": steps, "timed_steps": f"{warmup}..{steps}",
+              "optimizer": f"AdamW lr {LR}", "grad_clip": 10.0, "data": "random token ids"}
+    settings = {
+        "ours_bf16": {**common, "side": "convergent trainer, bf16 autocast, eager"},
+        "ours_bf16_compile": {**common, "side": "convergent trainer, bf16, train.compile=true"},
+        "ours_fp32": {**common, "side": "convergent trainer, fp32 (TF32)"},
+        "hf_sdpa_eager_bf16": {**common, "side": "transformers LlamaForCausalLM, SDPA, bf16 "
+                                                 "autocast, eager"},
+        "hf_sdpa_compile_bf16": {**common, "side": "the same under torch.compile (whole model)"},
+    }
+    diffs = ["ours compiles each block (train.compile), the transformers side the whole model",
+             "ours draws a new synthetic batch each step through its input pipeline; the "
+             "transformers side reuses one batch already on the GPU",
+             "ours_fp32 runs fp32 with TF32 matmuls, the others bf16 autocast"]
+    return _rounds("gpu.lm", sides, settings, rounds, diffs)
 
 
 # ----------------------------------------------------------------------------- serving
@@ -258,7 +285,7 @@ def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
 
     def ours(dtype: str) -> Callable[[], dict]:
         cfg = ServeConfig(scheduler="interleaved", stages=1, device="cuda", dtype=dtype,
-                          kv_budget_bytes=16 * 2**30, max_num_seqs=256,
+                          kv_budget_bytes=16 * 2**30, max_num_seqs=HF_BATCH,
                           max_batched_tokens=8192, profile_costs=False)
 
         def run() -> dict:
@@ -274,8 +301,8 @@ def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
     def hf_generate() -> dict:
         t0 = time.monotonic()
         useful = 0
-        for i in range(0, len(trace), 64):
-            chunk = list(range(i, min(i + 64, len(trace))))
+        for i in range(0, len(trace), HF_BATCH):
+            chunk = list(range(i, min(i + HF_BATCH, len(trace))))
             width = max(len(prompts[j]) for j in chunk)
             ids = torch.zeros(len(chunk), width, dtype=torch.int64)
             mask = torch.zeros_like(ids)
@@ -294,43 +321,60 @@ def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
 
     sides = {"ours_bf16": ours("bfloat16"), "ours_fp32": ours("float32"),
              "hf_generate_bf16_batch64": hf_generate}
-    return _rounds(sides, rounds) | {"requests": len(trace),
-                                     "output_tokens": sum(r.output_len for r in trace)}
+    common = {"model": "random Llama 1.1B (22 layers, hidden 2048, GQA 32/4, vocab 32000)",
+              "trace": "make_trace(256, seed=0) scaled 0.5", "requests": len(trace),
+              "output_tokens": sum(r.output_len for r in trace), "max_sequences_at_once": HF_BATCH,
+              "sampling": "greedy, every request runs to its requested output length"}
+    settings = {"ours_bf16": {**common, "side": "convergent engine, interleaved scheduler, 1 stage, "
+                                                "bf16, 16 GiB KV budget, 8192 batched tokens"},
+                "ours_fp32": {**common, "side": "the same in fp32"},
+                "hf_generate_bf16_batch64": {**common, "side": "transformers generate, bf16, static "
+                                                               f"batches of {HF_BATCH}, left padding"}}
+    diffs = [f"ours batches continuously (up to {HF_BATCH} sequences, a finished one is replaced "
+             f"at once); transformers' generate runs static batches of {HF_BATCH}, each to its "
+             "longest output (only requested tokens count): that scheduling is the comparison",
+             "ours_fp32 runs fp32, the others bf16"]
+    return _rounds("gpu.serve", sides, settings, rounds, diffs)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _rounds(sides: dict[str, Callable[[], dict]], rounds: int) -> dict[str, Any]:
-    """Run every side once per round (interleaved); medians with the spread."""
-    got: dict[str, list[dict]] = {k: [] for k in sides}
+def _rounds(name: str, sides: dict[str, Callable[[], dict]], settings: dict[str, dict],
+            rounds: int, differences: list[str]) -> dict[str, Any]:
+    """Run every side once per round (interleaved, bench/_harness.py); medians with spread.
+
+    A side that raises is recorded with its error and skipped in later rounds (one failing
+    side must not end the run)."""
     failed: dict[str, str] = {}
-    for r in range(rounds):
-        for name, fn in sides.items():
-            if name in failed:
-                continue
-            t = time.monotonic()
+
+    def guard(side: str, fn: Callable[[], dict]) -> Callable[[int], dict]:
+        def run(r: int) -> dict:
+            if side in failed:
+                return {"error": failed[side]}
             try:
-                got[name].append(fn())
+                return fn()
             except Exception as exc:  # noqa: BLE001 - one failing side must not end the run
-                failed[name] = f"{type(exc).__name__}: {exc}"[:500]
-                print(f"  round {r + 1}/{rounds} {name}: FAILED {failed[name]}", flush=True)
-                continue
-            print(f"  round {r + 1}/{rounds} {name}: {got[name][-1]['per_s']:.0f}/s "
-                  f"({time.monotonic() - t:.0f} s)", flush=True)
-    out: dict[str, Any] = {}
-    for name, rows in got.items():
-        if name in failed:
-            out[name] = {"error": failed[name]}
-            continue
-        out[name] = {k: _stats([row[k] for row in rows]) for k in rows[0]
-                     if all(isinstance(row[k], int | float) for row in rows)}
+                failed[side] = f"{type(exc).__name__}: {exc}"[:500]
+                print(f"  round {r + 1}/{rounds} {side}: FAILED {failed[side]}", flush=True)
+                return {"error": failed[side]}
+
+        return run
+
+    res = interleave(name, [Side(k, guard(k, fn), settings.get(k, {})) for k, fn in sides.items()],
+                     rounds=rounds, differences=differences)
+    out = res.to_dict()
+    out["failed"] = failed
+    for k in ("benchmark", "commit", "dirty"):
+        out.pop(k, None)
     return out
 
 
 def _med(d: dict, side: str, key: str = "per_s") -> float | None:
+    if side in d.get("failed", {}):
+        return None
     try:
-        return d[side][key]["median"]
+        return d["summary"][side][key]["median"]
     except (KeyError, TypeError):
         return None
 
@@ -347,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mol-atoms", type=int, default=16384, help="atoms per batch (<= 32768)")
     ap.add_argument("--only", default="molecular,lm,serve")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="write a result from a tree with uncommitted changes (it says dirty: true)")
     args = ap.parse_args(argv)
     import torch
 
@@ -357,8 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.mol_atoms <= 32768:
         print("--mol-atoms must be between 1 and 32768", file=sys.stderr)
         return 2
+    check_clean(args)
     only = set(args.only.split(","))
     t0 = time.monotonic()
+    prov = provenance()
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="convergent-gpu-bench-") as d:
         tmp = Path(d)
@@ -370,35 +418,40 @@ def main(argv: list[str] | None = None) -> int:
             res["lm"] = bench_lm(tmp, args.rounds, args.lm_steps)
         if "serve" in only:
             print("serve", flush=True)
-            res["serve"] = bench_serve(tmp, max(1, args.rounds - 1))
+            res["serve"] = bench_serve(tmp, args.rounds)
+    prov["load_avg_after"] = list(os.getloadavg())
+    prov["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
     mol, lm, srv = res.get("molecular", {}), res.get("lm", {}), res.get("serve", {})
-    # our LM side: the faster of eager and train.compile=true (named in lm_ours_side)
-    lm_side = max(("ours_bf16", "ours_bf16_compile"), key=lambda k: _med(lm, k) or 0.0)
     out = {
+        "benchmark": "gpu",
+        "commit": prov["commit"],
+        "dirty": prov["dirty"],
         "device": torch.cuda.get_device_name(0),
         "molecular_atoms_per_s_bf16": _med(mol, "ours_bf16"),
         "molecular_batch_atoms": args.mol_atoms,
         "molecular_bf16_speedup_vs_fp32": _ratio(_med(mol, "ours_bf16"), _med(mol, "ours_fp32")),
         "data_wait_fraction": _med(mol, "ours_bf16", "data_wait_fraction"),
-        "lm_mfu_bf16": _med(lm, lm_side, "mfu"),
-        "lm_ours_side": lm_side if lm else None,
-        "lm_vs_hf_train": _ratio(_med(lm, lm_side), _med(lm, "hf_sdpa_compile_bf16")),
+        "lm_mfu_bf16": _med(lm, "ours_bf16", "mfu"),
+        "lm_mfu_bf16_compile": _med(lm, "ours_bf16_compile", "mfu"),
+        "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_eager_bf16")),
+        "lm_vs_hf_train_compiled": _ratio(_med(lm, "ours_bf16_compile"),
+                                          _med(lm, "hf_sdpa_compile_bf16")),
         "serve_output_tok_s_bf16": _med(srv, "ours_bf16"),
         "serve_vs_hf_generate": _ratio(_med(srv, "ours_bf16"),
                                        _med(srv, "hf_generate_bf16_batch64")),
-        "commit": _commit(),
+        "statistic": "median over rounds of each side's per-round median (spread in summary)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "rounds": args.rounds,
         "steps": args.steps,
         "wall_s": time.monotonic() - t0,
+        "provenance": prov,
+        "differences": {k: v.get("differences", []) for k, v in res.items()},
         **res,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".json.partial")
-    tmp_out.write_text(json.dumps(out, indent=2))
-    tmp_out.replace(args.out)
-    print(json.dumps({k: v for k, v in out.items() if k not in res}, indent=2))
+    write_result(out, args)
+    print(json.dumps({k: v for k, v in out.items() if k not in res and k != "provenance"},
+                     indent=2))
     return 0
 
 

@@ -1,28 +1,26 @@
 """Forward+backward (energy + forces) time and peak memory vs atom count N.
 
-Periodic fcc Cu supercells built with ASE, N = 128 ... 131,072 (exact doublings, 18
-neighbours per atom within the 4 Å cutoff at every N), for ``attention = neighbor | topk |
-dense``. Each (mode, N) call runs in a fresh subprocess with an address-space limit
-(``--mem-gb``) and a time limit (``--time-limit``), so "out of memory" is a clean failure
-of that point instead of the machine's OOM killer. A mode stops at its first failed N.
-"forward+backward" = neighbour list + energy + forces (-dE/dpositions, one backward), what
-an MD step or a screening call costs.
+Periodic fcc Cu supercells built with ASE, N = ``--min-n`` ... ``--max-n`` (exact
+doublings, 18 neighbours per atom within the 4 Å cutoff at every N). The sides are the
+attention modes ``neighbor`` (ours: attention over the neighbour list) and the
+``topk`` / ``dense`` baselines, with the same model size, the same N grid, the same
+address-space limit (``--mem-gb``), time limit, warm-up and sampling rules. Each
+(mode, N) call runs in a fresh subprocess with those limits, so "out of memory" is a
+clean failure of that point; a mode stops at its first failed N in round 0 and later
+rounds run only the N it completed. Sides are interleaved (neighbor, topk, dense,
+neighbor, ...) for ``--rounds`` rounds, N ascending in even rounds and descending in odd
+ones (load drift does not line up with N).
 
-Noise on a shared CPU: the machine runs other jobs, which slow a run (time slicing, cache
-and memory-bandwidth contention) but never speed it up. So every point is measured in
-``--rounds`` rounds, interleaved across N (ascending in even rounds, descending in odd
-ones, so load drift does not line up with N). Each call first warms up (until a run has no
-page fault: at large N glibc's heap takes a few calls to settle, and each new page is a
-costly fault on this VM; warm-up runs are reported too), then takes ``--repeats`` timed
-samples, each repeating the call until it lasts ``--min-sample-seconds`` (short and long
-calls are then equally exposed to other jobs; times are per call). The statistic of the
-criterion is the **minimum thread-CPU seconds per call over all timed samples** of a point
-(the least-disturbed sample; CPU time also ignores time slicing). Every raw sample (wall,
-CPU, calls, page faults, load average) is kept in the JSON, with medians, wall-clock
-minima and the per-round paired ratios for comparison.
+Each call warms up (until a run has no page fault, at most ``--max-warm-up`` runs: glibc's
+heap takes a few calls to settle at large N), then takes ``--repeats`` timed samples,
+each repeating the call until it lasts ``--min-sample-seconds``. A round's value of a
+point is the median thread-CPU seconds per call over its samples; the result is the
+**median over rounds** with min/max/IQR (never the minimum). "forward+backward" =
+neighbour list + energy + forces (-dE/dpositions, one backward), what an MD step or a
+screening call costs.
 
 Writes bench/results/model_scaling.json. Usage:
-    .venv/bin/python bench/model_scaling.py [--max-n 131072] [--modes neighbor,topk,dense]
+    .venv/bin/python bench/model_scaling.py [--rounds 3] [--max-n 4096] [--mem-gb 3]
 """
 
 from __future__ import annotations
@@ -31,12 +29,16 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
 
 # glibc returns every allocation above 32 MB to the OS (mmap) and page-faults it back
 # on the next use, which makes large-N runs superlinear for reasons unrelated to the
@@ -129,7 +131,7 @@ def run_point(args: argparse.Namespace, mode: str, n: int) -> dict:
     def preexec() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    repeats = args.repeats if mode == "neighbor" else args.baseline_repeats
+    repeats = args.repeats  # the same for every mode
     cmd = [sys.executable, __file__, "--child", mode, str(n), "--hidden", str(args.hidden),
            "--layers", str(args.layers), "--cutoff", str(args.cutoff), "--topk", str(args.topk),
            "--repeats", str(repeats), "--max-warm-up", str(args.max_warm_up),
@@ -149,161 +151,124 @@ def run_point(args: argparse.Namespace, mode: str, n: int) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def measure(args: argparse.Namespace, mode: str, rounds: int) -> list[dict]:
-    """All points of one mode: ``rounds`` interleaved passes over N, merged per N."""
+
+
+class ModeSide:
+    """One attention mode over the N grid; remembers where round 0 stopped."""
+
+    def __init__(self, args: argparse.Namespace, mode: str, ns: list[int]) -> None:
+        self.args, self.mode, self.ns = args, mode, ns
+        self.completed: list[int] | None = None  # N completed in round 0
+        self.failure: dict[str, Any] | None = None
+
+    def __call__(self, r: int) -> dict[str, Any]:
+        todo = self.ns if self.completed is None else self.completed
+        todo = todo if r % 2 == 0 else todo[::-1]
+        row: dict[str, Any] = {}
+        done = []
+        for n in todo:
+            out = run_point(self.args, self.mode, n)
+            if "failed" in out:
+                if self.completed is None:  # round 0: the mode stops at its first failure
+                    self.failure = {"n_atoms": n, **out}
+                    break
+                row[f"failed_{n}"] = out["failed"]
+                continue
+            cpu = [x["cpu"] for x in out["runs"]]
+            wall = [x["wall"] for x in out["runs"]]
+            row[f"cpu_s_{n}"] = float(statistics.median(cpu))
+            row[f"wall_s_{n}"] = float(statistics.median(wall))
+            row[f"peak_rss_mb_{n}"] = out["peak_rss_mb"]
+            row[f"raw_{n}"] = {"runs": out["runs"], "warm_up_runs": out["warm_up_runs"],
+                               "edges": out["edges"], "energy_finite": out["energy_finite"],
+                               **({"neighbor_list_cpu_seconds": out["neighbor_list_cpu_seconds"]}
+                                  if "neighbor_list_cpu_seconds" in out else {})}
+            done.append(n)
+            print(json.dumps({"mode": self.mode, "n_atoms": n, "round": r, "cpu": cpu}), flush=True)
+        if self.completed is None:
+            self.completed = sorted(done)
+        row["largest_n"] = float(max(done, default=0))
+        return row
+
+
+def ratios(res: Any, mode: str, ns: list[int]) -> dict[str, Any]:
+    """Per-doubling ratios of the medians, paired per-round ratios, log-log slope."""
+    import numpy as np
+
+    med = {n: res.median(mode, f"cpu_s_{n}") for n in ns}
+    ok = [n for n in ns if med[n] is not None]
+    per_doubling = {str(b): med[b] / med[a] for a, b in zip(ok, ok[1:], strict=False)}
+    paired = {}
+    for a, b in zip(ok, ok[1:], strict=False):
+        vals = [row[f"cpu_s_{b}"] / row[f"cpu_s_{a}"] for row in res.per_round[mode]
+                if f"cpu_s_{a}" in row and f"cpu_s_{b}" in row]
+        paired[str(b)] = {"median": float(np.median(vals)), "min": min(vals), "max": max(vals)}
+    pts = [(math.log(n), math.log(med[n])) for n in ok if n >= 1024]
+    slope = float(np.polyfit(*zip(*pts, strict=True), 1)[0]) if len(pts) >= 2 else None
+    big = [v for n, v in per_doubling.items() if int(n) >= 2048]
+    return {"cpu_s_median": {str(n): med[n] for n in ok}, "ratio_per_doubling_of_medians": per_doubling,
+            "paired_ratio_per_doubling": paired, "loglog_slope_n_ge_1024": slope,
+            "max_ratio_per_doubling_n_ge_1024": max(big) if big else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(ap, default_out="bench/results/model_scaling.json", rounds=3)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="neighbor,topk,dense")
+    ap.add_argument("--min-n", type=int, default=512)
+    ap.add_argument("--max-n", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--cutoff", type=float, default=4.0)
+    ap.add_argument("--topk", type=int, default=32)
+    ap.add_argument("--mem-gb", type=float, default=3.0, help="address-space limit per call")
+    ap.add_argument("--time-limit", type=float, default=300.0, help="seconds per call")
+    ap.add_argument("--repeats", type=int, default=2, help="timed samples per call")
+    ap.add_argument("--max-warm-up", type=int, default=2,
+                    help="warm-up runs per call: until one has no page fault, at most this many")
+    ap.add_argument("--min-sample-seconds", type=float, default=0.3,
+                    help="a timed sample repeats the call until it lasts this long")
+    ap.add_argument("--no-alloc-env", dest="alloc_env", action="store_false")
+    args = ap.parse_args()
+    if args.child:
+        mode, n = args.child[0], int(args.child[1])
+        print(json.dumps(child(mode, n, args.hidden, args.layers, args.cutoff, args.topk,
+                               args.repeats, args.max_warm_up, args.min_sample_seconds)))
+        return
+    check_clean(args)
     ns = []
     n = args.min_n
     while n <= args.max_n:
         ns.append(n)
         n *= 2
-    calls: dict[int, list[dict]] = {n: [] for n in ns}
-    for r in range(rounds):
-        todo = ns if r % 2 == 0 else ns[::-1]
-        for n in todo:
-            if r > 0 and (not calls[n] or "failed" in calls[n][0]):
-                continue  # failed (or never reached) in the first round
-            out = run_point(args, mode, n)
-            out["round"] = r
-            calls[n].append(out)
-            print(json.dumps({"mode": mode, "n_atoms": n, "round": r,
-                              **{k: v for k, v in out.items() if k not in ("runs", "warm_up_runs")},
-                              "cpu": [x["cpu"] for x in out.get("runs", [])],
-                              "warm_up_faults": [x["page_faults"] for x in out.get("warm_up_runs", [])]}),
-                  flush=True)
-            if r == 0 and "failed" in out:
-                break
-    return [merge_point(mode, n, cs) for n, cs in calls.items() if cs]
-
-
-def merge_point(mode: str, n: int, calls: list[dict]) -> dict:
-    """One result row per (mode, N) from its child calls: minima, medians, every raw run."""
-    import numpy as np
-
-    ok = [c for c in calls if "failed" not in c]
-    if not ok:
-        return {"mode": mode, "n_atoms": n, "failed": calls[0]["failed"]}
-    runs = [dict(x, round=c["round"]) for c in ok for x in c["runs"]]
-    cpu = [x["cpu"] for x in runs]
-    wall = [x["wall"] for x in runs]
-    row = {
-        "mode": mode, "n_atoms": n,
-        "cpu_seconds": float(np.min(cpu)), "cpu_seconds_median": float(np.median(cpu)),
-        "seconds": float(np.min(wall)), "seconds_median": float(np.median(wall)),
-        "cpu_seconds_all": cpu, "seconds_all": wall, "runs": runs,
-        "warm_up_runs": [dict(x, round=c["round"]) for c in ok for x in c["warm_up_runs"]],
-        "cpu_seconds_min_per_round": {str(c["round"]): min(x["cpu"] for x in c["runs"]) for c in ok},
-        "peak_rss_mb": max(c["peak_rss_mb"] for c in ok),
-        "peak_rss_above_setup_mb": max(c["peak_rss_above_setup_mb"] for c in ok),
-        "energy_finite": all(c["energy_finite"] for c in ok),
-        "force_norm_mean": ok[0]["force_norm_mean"], "edges": ok[0]["edges"],
-        "load_avg": [x["load1"] for x in runs],
-    }
-    if "neighbor_list_cpu_seconds" in ok[0]:
-        row["neighbor_list_cpu_seconds"] = min(c["neighbor_list_cpu_seconds"] for c in ok)
-        row["neighbors_per_atom"] = ok[0]["edges"] / n
-    failed = [c["failed"] for c in calls if "failed" in c]
-    if failed:
-        row["failed_calls"] = failed
-    return row
-
-
-def scaling_summary(rows: list[dict]) -> dict:
-    """Per-doubling ratios and log-log slopes of the neighbor rows (criterion on N >= 1024)."""
-    import numpy as np
-
-    ok = [r for r in rows if "failed" not in r]
-    pairs = list(zip(ok, ok[1:], strict=False))
-    out: dict = {"statistic": "cpu_seconds = min thread-CPU seconds per call over all timed samples "
-                              "of a point (rounds x repeats); criterion: max per-doubling ratio for N >= 1024 <= 2.2"}
-    for key in ("cpu_seconds", "seconds", "cpu_seconds_median"):
-        pd = {b["n_atoms"]: b[key] / a[key] for a, b in pairs}
-        big = [v for n, v in pd.items() if n >= 2048]
-        pts = [(math.log(r["n_atoms"]), math.log(r[key])) for r in ok if r["n_atoms"] >= 1024]
-        slope = float(np.polyfit(*zip(*pts, strict=True), 1)[0]) if len(pts) >= 2 else None
-        out[f"neighbor_{key}_ratio_per_doubling"] = {str(n): v for n, v in pd.items()}
-        out[f"neighbor_{key}_max_ratio_per_doubling_n_ge_1024"] = max(big) if big else None
-        out[f"neighbor_{key}_loglog_slope_n_ge_1024"] = slope
-        out[f"criterion_ratio_le_2.2_{key}"] = bool(big) and max(big) <= 2.2
-    # Paired ratios: the two N of a doubling measured in the same round (minutes apart at
-    # most); their median over rounds is a second, drift-robust view of the same ratio.
-    paired = {}
-    for a, b in pairs:
-        ra, rb = a["cpu_seconds_min_per_round"], b["cpu_seconds_min_per_round"]
-        both = [rb[k] / ra[k] for k in ra if k in rb]
-        if both:
-            paired[str(b["n_atoms"])] = {"median": float(np.median(both)), "all": both}
-    out["neighbor_cpu_seconds_paired_ratio_per_doubling"] = paired
-    big = [v["median"] for n, v in paired.items() if int(n) >= 2048]
-    out["neighbor_cpu_seconds_paired_median_max_ratio_n_ge_1024"] = max(big) if big else None
-    out["criterion"] = out["criterion_ratio_le_2.2_cpu_seconds"]
-    return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child", nargs=2)
-    ap.add_argument("--modes", default="neighbor,topk,dense")
-    ap.add_argument("--min-n", type=int, default=128)
-    ap.add_argument("--max-n", type=int, default=131072)
-    ap.add_argument("--hidden", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--cutoff", type=float, default=4.0)
-    ap.add_argument("--topk", type=int, default=32)
-    ap.add_argument("--mem-gb", type=float, default=10.0)
-    ap.add_argument("--time-limit", type=float, default=600.0)
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved passes over N (neighbor)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per call after a warm-up (neighbor)")
-    ap.add_argument("--baseline-rounds", type=int, default=1, help="passes for topk/dense")
-    ap.add_argument("--baseline-repeats", type=int, default=3, help="timed runs per call (topk/dense)")
-    ap.add_argument("--max-warm-up", type=int, default=3,
-                    help="warm-up runs per call: until one has no page fault, at most this many")
-    ap.add_argument("--min-sample-seconds", type=float, default=0.5,
-                    help="a timed sample repeats the call until it lasts this long (per-call time reported)")
-    ap.add_argument("--no-alloc-env", dest="alloc_env", action="store_false")
-    ap.add_argument("--keep-other-modes", action="store_true",
-                    help="keep results of modes not run now from the previous JSON")
-    args = ap.parse_args()
-    if args.child:
-        mode, n = args.child[0], int(args.child[1])
-        print(json.dumps(child(mode, n, args.hidden, args.layers, args.cutoff, args.topk, args.repeats,
-                               args.max_warm_up, args.min_sample_seconds)))
-        return
-
-    from molbench import RESULTS, write_result
-
-    results: dict[str, list[dict]] = {}
-    prev = RESULTS / "model_scaling.json"
-    if args.keep_other_modes and prev.exists():
-        results = {m: rs for m, rs in json.loads(prev.read_text())["results"].items()
-                   if m not in args.modes.split(",")}
-    load_start = list(os.getloadavg())
-    for mode in args.modes.split(","):
-        results[mode] = measure(args, mode, args.rounds if mode == "neighbor" else args.baseline_rounds)
-    largest = {m: max((r["n_atoms"] for r in rs if "failed" not in r), default=0) for m, rs in results.items()}
-    summary: dict = {"largest_n_completed": largest,
-                     "criterion_neighbor_runs_100k": largest.get("neighbor", 0) >= 100_000,
-                     **scaling_summary(results.get("neighbor", []))}
-    path = write_result("model_scaling", {
-        "system": "periodic fcc Cu (a=3.61 Å) supercell, rattled 0.05 Å",
-        "model": {"hidden": args.hidden, "layers": args.layers, "heads": 4, "cutoff_A": args.cutoff,
-                  "topk": args.topk},
-        "what": "neighbour list + energy + forces (one backward), fp32, 1 torch thread. "
-                "cpu_seconds = min over timed samples of thread-CPU time per call (the criterion's statistic), "
-                "seconds = min wall, *_median = medians; every run in runs[] with its load average "
-                "and minor page faults",
-        "protocol": {"rounds_neighbor": args.rounds, "repeats_per_call_neighbor": args.repeats,
-                     "rounds_baselines": args.baseline_rounds, "repeats_per_call_baselines": args.baseline_repeats,
-                     "warm_up_runs_per_call": f"1..{args.max_warm_up}, until one without page faults",
-                     "min_sample_seconds": args.min_sample_seconds,
-                     "order": "ascending N in even rounds, descending in odd"},
-        "command": " ".join([".venv/bin/python", "bench/model_scaling.py", *sys.argv[1:]]),
-        "load_avg_start": load_start, "load_avg_end": list(os.getloadavg()),
-        "allocator_env": ALLOC_ENV if args.alloc_env else None,
-        "limits": {"address_space_gb": args.mem_gb, "seconds": args.time_limit},
-        "results": results, "summary": summary,
-    })
-    print(json.dumps(summary, indent=2))
-    print("wrote", path)
+    modes = args.modes.split(",")
+    common = {"system": "periodic fcc Cu (a=3.61 Å) supercell, rattled 0.05 Å", "n_grid": ns,
+              "hidden": args.hidden, "layers": args.layers, "heads": 4, "cutoff_A": args.cutoff,
+              "dtype": "fp32", "torch_threads": 1, "address_space_gb": args.mem_gb,
+              "time_limit_s": args.time_limit, "repeats": args.repeats,
+              "max_warm_up": args.max_warm_up, "min_sample_seconds": args.min_sample_seconds,
+              "allocator_env": ALLOC_ENV if args.alloc_env else None,
+              "statistic": "per round: median thread-CPU s per call over the samples"}
+    runners = {m: ModeSide(args, m, ns) for m in modes}
+    sides = [Side(m, runners[m], {**common, "attention": m,
+                                  **({"topk": args.topk} if m == "topk" else {})}) for m in modes]
+    differences = [
+        "none in settings; topk/dense hold all N x N (or N x k from N x N) scores, so the same "
+        "memory limit stops them at smaller N (their failure is recorded, later rounds skip it)",
+        f"N is capped at {args.max_n} on this shared 2-core machine (the model runs further: "
+        "raise --max-n and --mem-gb on a quiet machine)",
+    ]
+    res = interleave("model_scaling", sides, rounds=args.rounds, differences=differences)
+    res.extra["failures"] = {m: runners[m].failure for m in modes}
+    res.extra["command"] = " ".join(["python", "bench/model_scaling.py", *sys.argv[1:]])
+    res.headline["largest_n_completed"] = {m: max(runners[m].completed or [0]) for m in modes}
+    res.headline["scaling"] = {m: ratios(res, m, ns) for m in modes}
+    nb = res.headline["scaling"].get("neighbor", {})
+    res.headline["criterion_neighbor_ratio_per_doubling_le_2.2_n_ge_2048"] = (
+        nb.get("max_ratio_per_doubling_n_ge_1024") is not None
+        and nb["max_ratio_per_doubling_n_ge_1024"] <= 2.2)
+    write_result(res, args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """Shared helpers of the molecular benchmarks: xTB/DFT datasets, split, a small trainer.
 
-Used by bench/model_accuracy.py, bench/model_cost.py and bench/transfer.py. Datasets are
-cached as extxyz under bench/data/ (git-ignored). Energies eV, forces eV/Å.
+Used by bench/model_accuracy.py, bench/model_cost.py and bench/transfer.py (results are
+written with bench/_harness.py). Datasets are cached as extxyz under bench/data/
+(git-ignored). Energies eV, forces eV/Å.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -16,12 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from convergent.provenance import code_version
-from convergent.resources import cpu_name
-
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "data"
-RESULTS = ROOT / "results"
 
 
 def closed_shell_g2(max_atoms: int = 12, min_atoms: int = 3) -> list[str]:
@@ -218,48 +213,6 @@ def molecule_folds(records: list[dict[str, Any]], n_folds: int, fold: int, seed:
     return tr, te
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "cpu": cpu_name(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(),
-        "load_avg_at_end": os.getloadavg(),
-        "note": "2 shared cores, several other engineers running jobs: timings are noisy",
-    }
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0]
-        info["amx"] = "amx_bf16" in flags
-        info["avx512_bf16"] = "avx512_bf16" in flags
-    except (OSError, IndexError):
-        pass
-    return info
-
-
-def write_result(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
-    """Write ``payload`` (plus machine info) atomically to ``path`` (default results/<name>.json)."""
-    payload = {"benchmark": name, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": machine(), "code": code_version().to_dict(), **payload}
-    path = Path(path) if path is not None else RESULTS / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=_json_default))
-    os.replace(tmp, path)
-    return path
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    raise TypeError(type(x))
-
-
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "label-dft":
     import ase.io
 
@@ -413,32 +366,30 @@ def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
     import torch
 
     from convergent.models.batching import batches_by_atom_budget, collate_records
+    from convergent.models.losses import error_sums, metrics_from_sums
 
     pot.train(False)
-    de, ds, mol, de_atom, df_sum, n_f = [], [], [], [], 0.0, 0
+    ds, mol, sums = [], [], {}
     t = time.perf_counter()
     for idx in batches_by_atom_budget([len(r["numbers"]) for r in records], batch_atoms):
         b = collate_records([records[i] for i in idx])
         ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
         with ctx:
             e, f = pot.predict(b, training=False)
-        signed = e.double() - b.energy
-        err = signed.abs()
-        de += err.tolist()
-        ds += signed.tolist()
+        for k, v in error_sums(e, f, b).items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        ds += (e.double() - b.energy).tolist()
         mol += [records[i].get("molecule_id", i) for i in idx]
-        de_atom += (err / b.n_atoms.double()).tolist()
-        df_sum += float((f.float() - b.forces).abs().sum())
-        n_f += b.forces.numel()
     ds_arr, mol_arr = np.asarray(ds), np.asarray(mol, dtype=object)
     offset = np.zeros_like(ds_arr)
     for m in set(mol):
         sel = mol_arr == m
         offset[sel] = ds_arr[sel].mean()
-    return {"energy_mae": float(np.mean(de)), "energy_mae_per_atom": float(np.mean(de_atom)),
+    m = metrics_from_sums(sums, 0.0)
+    return {"energy_mae": m["energy_mae"], "energy_mae_per_atom": m["energy_mae_per_atom"],
             "energy_mae_molecule_offset": float(np.abs(offset).mean()),
             "energy_mae_within_molecule": float(np.abs(ds_arr - offset).mean()),
-            "force_mae": df_sum / n_f, "seconds_per_structure": (time.perf_counter() - t) / len(records)}
+            "force_mae": m["force_mae"], "seconds_per_structure": (time.perf_counter() - t) / len(records)}
 
 
 def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: float = 1e-3,

@@ -11,12 +11,13 @@ from convergent.errors import RunDirError
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.monitor.report import PREDICTIONS, build_report
 from convergent.runs import open_run
+from convergent.trainrecords import TrainStep, ValRecord
 
 
 def _steps(n=20, data=0.001, compute=0.01, comm=0.02, opt=0.001):
-    return [{"kind": "train_step", "step": i + 1, "loss": 1.0 / (i + 1), "energy_mae": 0.5,
-             "force_mae": 0.3, "data_wait_s": data, "compute_s": compute, "comm_s": comm,
-             "optimizer_s": opt, "samples_per_s": 100.0, "mfu": 0.05} for i in range(n)]
+    return [TrainStep(step=i + 1, loss=1.0 / (i + 1), energy_mae=0.5, force_mae=0.3,
+                      data_wait_s=data, compute_s=compute, comm_s=comm, optimizer_s=opt,
+                      samples_per_s=100.0, mfu=0.05) for i in range(n)]
 
 
 def test_breakdown_shares_sum_to_one_and_name_comm_bound():
@@ -41,8 +42,8 @@ def test_report_has_numbers_and_pngs(tmp_path):
     run.mark_done("simulate", {"done": 40, "wall_s": 12.0, "frames_per_s": 3.3, "mean_calc_s": 0.25})
     run.mark_done("train", {"wall_s": 5.0})
     for row in _steps():
-        run.log_metrics(row)
-    run.log_metrics({"kind": "val", "step": 20, "energy_mae": 0.123, "force_mae": 0.456})
+        run.log_metrics(row.to_dict())
+    run.log_metrics(ValRecord(step=20, energy_mae=0.123, force_mae=0.456).to_dict())
     (run.path / PREDICTIONS).parent.mkdir(parents=True)
     (run.path / PREDICTIONS).write_text(json.dumps({
         "energy_true": [-10.0, -20.0, -30.0], "energy_pred": [-10.1, -19.8, -30.2],

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from convergent.analytics.config import AnalyticsConfig
 from convergent.clusterconfig import ClusterConfig
 from convergent.configbase import Name, PathStr, Section
-from convergent.data.config import DataConfig
+from convergent.data.config import DataConfig, TextConfig
 from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text
 from convergent.learn.config import LearnConfig
@@ -55,6 +55,7 @@ class ConvergentConfig(Section):
     screen: ScreenConfig = ScreenConfig()
     serve: ServeConfig = ServeConfig()
     learn: LearnConfig = LearnConfig()
+    text: TextConfig = TextConfig()  # the LM task's text corpus (convergent.data.textcorpus)
 
 
 def _parse_value(text: str) -> Any:

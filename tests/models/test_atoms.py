@@ -10,7 +10,15 @@ import torch
 from ase.build import bulk, molecule
 from ase.neighborlist import neighbor_list as ase_neighbor_list
 
-from convergent.models.atoms import NeighborOverflowError, all_pairs, neighbor_list
+from convergent.models.atoms import (
+    NeighborOverflowError,
+    all_pairs,
+    neighbor_list,
+    vesin_available,
+)
+
+BACKENDS = ["torch", pytest.param("vesin", marks=pytest.mark.skipif(
+    not vesin_available(), reason="vesin not installed (the 'vesin' extra)"))]
 
 
 def _pairs_ours(atoms, cutoff, **kw):
@@ -44,10 +52,11 @@ def _cases():
     return [(benz, 3.0), (cu, 4.0), (prim, 6.0), (slab, 4.0)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", range(4))
-def test_matches_ase_including_periodic_images(case):
+def test_matches_ase_including_periodic_images(case, backend):
     atoms, cutoff = _cases()[case]
-    nl, ours = _pairs_ours(atoms, cutoff)
+    nl, ours = _pairs_ours(atoms, cutoff, backend=backend)
     ref = _pairs_ase(atoms, cutoff)
     assert ours == ref
     # Distances and shift vectors agree with the positions.
@@ -121,7 +130,8 @@ def test_small_molecule_path_equals_cell_list_path():
     assert _pairs_ours(cluster, 4.0)[1] == _pairs_ase(cluster, 4.0)
 
 
-def test_batch_of_periodic_cells_uses_each_molecules_cell():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_of_periodic_cells_uses_each_molecules_cell(backend):
     """Two crystals with different cells in one batch: pairs as ASE, shifts from the right cell."""
     cases = _cases()
     (cu, _), (prim, _) = cases[1], cases[2]
@@ -129,7 +139,8 @@ def test_batch_of_periodic_cells_uses_each_molecules_cell():
     pos = torch.tensor(np.concatenate([cu.positions, prim.positions]))
     batch = torch.tensor([0] * len(cu) + [1] * len(prim))
     cell = torch.tensor(np.stack([cu.cell.array, prim.cell.array]))
-    nl = neighbor_list(pos, cutoff, batch=batch, cell=cell, pbc=torch.ones(2, 3, dtype=torch.bool))
+    nl = neighbor_list(pos, cutoff, batch=batch, cell=cell, pbc=torch.ones(2, 3, dtype=torch.bool),
+                       backend=backend)
     i, j = nl.edge_index
     d = (pos[j] - pos[i] + nl.shifts).norm(dim=1)
     assert torch.allclose(d, nl.distances, atol=1e-9)
@@ -139,3 +150,62 @@ def test_batch_of_periodic_cells_uses_each_molecules_cell():
         ours = set(zip((i[m] - off).tolist(), (j[m] - off).tolist(),
                        map(tuple, nl.cell_shifts[m].tolist()), strict=True))
         assert ours == _pairs_ase(atoms, cutoff)
+
+
+def _edges(nl):
+    return sorted(zip(nl.edge_index[0].tolist(), nl.edge_index[1].tolist(),
+                      map(tuple, nl.cell_shifts.tolist()), nl.distances.tolist(), strict=True))
+
+
+@pytest.mark.skipif(not vesin_available(), reason="vesin not installed (the 'vesin' extra)")
+@pytest.mark.parametrize("seed", range(6))
+def test_vesin_and_torch_give_the_same_pairs_on_random_periodic_cells(seed):
+    """Random triclinic cells (some smaller than the cutoff, some with mixed periodicity),
+    atoms outside their cell, batched with interleaved molecule indices: the same
+    (centre, neighbour, lattice shift) edges and distances from both backends."""
+    rng = np.random.default_rng(seed)
+    pos, batch, cells, pbcs = [], [], [], []
+    n_mol = 3
+    for b in range(n_mol):
+        cell = np.diag(rng.uniform(2.5, 9.0, 3)) + rng.uniform(-1.0, 1.0, (3, 3)) * (1 - np.eye(3))
+        n = int(rng.integers(1, 40))
+        frac = rng.uniform(-0.5, 1.5, (n, 3))  # also outside the cell
+        pos.append(frac @ cell)
+        batch += [b] * n
+        cells.append(cell)
+        pbcs.append(rng.random(3) < 0.8)
+    pos_t = torch.tensor(np.concatenate(pos))
+    perm = torch.from_numpy(rng.permutation(len(batch)))  # molecules not contiguous
+    pos_t, batch_t = pos_t[perm], torch.tensor(batch)[perm]
+    kw = dict(batch=batch_t, n_molecules=n_mol, cell=torch.tensor(np.stack(cells)),
+              pbc=torch.tensor(np.stack(pbcs)))
+    cutoff = float(rng.uniform(2.0, 5.0))
+    ours = neighbor_list(pos_t, cutoff, backend="torch", **kw)
+    theirs = neighbor_list(pos_t, cutoff, backend="vesin", **kw)
+    a, b = _edges(ours), _edges(theirs)
+    assert [e[:3] for e in a] == [e[:3] for e in b] and len(a) > 0
+    assert np.allclose([e[3] for e in a], [e[3] for e in b], atol=1e-9)
+    assert theirs.max_count == ours.max_count
+    # the Cartesian shifts come from each molecule's own cell
+    i, j = theirs.edge_index
+    d = (pos_t[j] - pos_t[i] + theirs.shifts).norm(dim=1)
+    assert torch.allclose(d, theirs.distances, atol=1e-9)
+    # with a neighbour cap both keep the nearest ones
+    cap = max(1, ours.max_count // 2)
+    kept_t = neighbor_list(pos_t, cutoff, backend="torch", max_neighbors=cap, overflow="drop", **kw)
+    kept_v = neighbor_list(pos_t, cutoff, backend="vesin", max_neighbors=cap, overflow="drop", **kw)
+    assert kept_t.n_dropped == kept_v.n_dropped > 0
+    assert np.allclose(sorted(kept_t.distances.tolist()), sorted(kept_v.distances.tolist()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_surface_slab_with_vacuum_matches_ase(backend):
+    """A slab periodic in x and y with its atoms 6 Å and more up the non-periodic z axis:
+    every atom has its in-plane images (the torch cell list once gave atoms outside the
+    first Å along a non-periodic direction none)."""
+    from ase.build import fcc111
+
+    slab = fcc111("Cu", size=(2, 2, 3), vacuum=6.0)
+    slab.pbc = [True, True, False]
+    slab.rattle(0.05, seed=4)
+    assert _pairs_ours(slab, 3.0, backend=backend)[1] == _pairs_ase(slab, 3.0)

@@ -19,12 +19,3 @@ RESUME_OPT = typer.Option(False, "--resume", help="Continue an existing run dire
 def config_from_cli(config: Path | None, sets: list[str] | None) -> ConvergentConfig:
     """Load the config named on the command line with its ``--set`` overrides."""
     return load_config(config, sets)
-
-
-def not_landed(stage: str, issue: str) -> None:
-    """Say plainly that a stage's command is not built yet (exit 2)."""
-    from convergent.errors import NotAvailableError
-
-    raise NotAvailableError(
-        f"'convergent {stage}' is not available yet", hint=f"it lands with the {issue} issue"
-    )

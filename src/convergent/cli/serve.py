@@ -17,6 +17,17 @@ MODEL_OPT = typer.Option(
     help="Hugging Face Llama checkpoint dir (config.json + safetensors). "
     "Default: serve.model, else a tiny random Llama created under the run directory.",
 )
+QUANT_OPT = typer.Option(
+    None,
+    "--quantize",
+    help="INT8 inference: int8 (weight-only, per-channel) or int8-dynamic (torch, CPU fp32); "
+    "sets serve.quantize.",
+)
+
+
+def _with_quant(sets: list[str] | None, quantize: str | None) -> list[str] | None:
+    """``--quantize X`` as ``--set serve.quantize=X`` (so dispatched instances get it too)."""
+    return [*(sets or []), f"serve.quantize={quantize}"] if quantize else sets
 
 
 def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
@@ -50,6 +61,7 @@ def register(app: typer.Typer) -> None:
         config: Path | None = CONFIG_ARG,
         sets: list[str] | None = SET_OPT,
         model: Path | None = MODEL_OPT,
+        quantize: str | None = QUANT_OPT,
         host: str | None = typer.Option(None, help="Bind address (default serve.host, 127.0.0.1)."),
         port: int | None = typer.Option(None, min=1, max=65535, help="Port (default serve.port)."),
         api_key: str | None = typer.Option(
@@ -66,6 +78,7 @@ def register(app: typer.Typer) -> None:
         """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
         /health, /metrics); with serve.instances > 1 (or --instances), N instances behind
         a load-aware dispatcher."""
+        sets = _with_quant(sets, quantize)
         cfg = config_from_cli(config, sets)
         from convergent.resources import check_port_free
 
@@ -91,11 +104,13 @@ def register(app: typer.Typer) -> None:
         config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
         sets: list[str] | None = SET_OPT,
         model: Path | None = MODEL_OPT,
+        quantize: str | None = QUANT_OPT,
         max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1, help="Tokens to generate."),
         temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
         ids: bool = typer.Option(False, "--ids", help="Print token ids instead of text."),
     ) -> None:
         """Generate a completion for one prompt through the pipeline."""
+        sets = _with_quant(sets, quantize)
         cfg = config_from_cli(config, sets)
         from convergent.errors import InputError
         from convergent.models.llama import read_config
@@ -126,6 +141,7 @@ def register(app: typer.Typer) -> None:
         config: Path | None = CONFIG_ARG,
         sets: list[str] | None = SET_OPT,
         model: Path | None = MODEL_OPT,
+        quantize: str | None = QUANT_OPT,
         requests: int = typer.Option(64, "--requests", "-r", min=1, help="Trace requests."),
         scale: float = typer.Option(
             0.125, help="Scale trace lengths (1.0 = ShareGPT-like; smaller for laptops)."
@@ -134,6 +150,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(Path("bench-serve"), "--out", help="Output dir (JSON + PNG)."),
     ) -> None:
         """Offline throughput on a seeded ShareGPT-like trace: req/s, tok/s, bubbles, KV plot."""
+        sets = _with_quant(sets, quantize)
         cfg = config_from_cli(config, sets)
         from convergent.errors import InputError
         from convergent.fsutil import atomic_write_text

@@ -78,43 +78,17 @@ def register(app: typer.Typer) -> None:
         """Label molecules with a fault-tolerant Dask task farm into a dataset."""
         from rich.console import Console
 
-        from convergent.accounting import append_usage
-        from convergent.sim.campaign import run_campaign
+        from convergent.sim.command import simulate_command
 
         overrides = list(sets or []) + _shortcuts(
             source=source, sampler=sampler, temperatures=temperatures, frames=frames,
             calculator=calculator, method=method, chunk_size=chunk_size, seed=seed,
             **{"cluster.kind": cluster, "cluster.address": address, "cluster.n_workers": workers},
         )
-        cfg = config_from_cli(config, overrides)
         console = Console(stderr=True)
-        run = None
-        if out is None:
-            from convergent.runs import open_run
-            from convergent.sim.sources import check_source
-
-            run = open_run(cfg, run_dir, resume=resume, command="simulate",
-                           check=lambda: check_source(cfg.simulate.source, cfg.simulate.on_bad_input))
-            out = run.data / "sim"
-        on_task = None
-        if run is not None:
-            def on_task(task, result, summ) -> None:  # per-task metrics for the report
-                run.log_metrics({
-                    "kind": "simulate.task", "task": task.task_id,
-                    "frames": len(result.records), "quarantined": len(result.quarantined),
-                    "calc_s": result.calc_s, "task_s": result.wall_s, "host": result.host,
-                    "pid": result.pid, "cpus": result.cpus,
-                    "slurm_job_id": result.slurm_job_id, "done_total": summ.done,
-                })
-        summary = run_campaign(cfg.simulate, cfg.cluster, out, progress=progress,
-                               console=console, on_task=on_task)
+        summary = simulate_command(config_from_cli(config, overrides), out, run_dir, resume,
+                                   progress, console)
         _print_summary(console, "simulate", summary)
-        if run is not None:
-            run.log_metrics({"kind": "simulate", **summary.to_dict()})
-            from convergent.runsdb.usage import held
-
-            run.mark_done("simulate", {**summary.to_dict(), **held(cfg, "simulate")})
-            append_usage(run.path, [summary.usage()])
 
     @app.command("relabel")
     def _relabel(

@@ -23,3 +23,27 @@ class DataConfig(Section):
     cache_dir: PathStr | None = None  # node-local cache directory (None: read shards in place)
     cache_bytes: int = Field(10 * 2**30, gt=0)  # cache byte budget
     prefetch_shards: int = Field(2, ge=0)  # shards copied into the cache ahead of the reader
+
+
+class TextConfig(Section):
+    """The text corpus of the language-model task (``model.kind: llama``).
+
+    ``source``: empty = the synthetic token stream of ``train.vocab_size`` tokens;
+    ``stdlib`` = the Python standard library sources on this machine; or a directory of
+    text files. ``cache_dir``: where the tokenizer and token streams are kept (default
+    ``<run.root>/text-cache``).
+    """
+
+    source: str = ""
+    vocab_size: int = Field(4096, ge=260, le=65535)  # BPE vocabulary incl. 256 bytes + EOT
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, allow_inf_nan=False)
+    max_files: int | None = Field(None, ge=2, le=1_000_000)  # a deterministic subset (tests)
+    include_tests: bool = False  # stdlib: also the test/tests packages
+    cache_dir: PathStr | None = None
+    # start from this HF Llama checkpoint (e.g. a pruned model: recovery fine-tuning)
+    init_from: PathStr | None = None
+    # knowledge distillation: this HF Llama (same tokenizer) is the teacher; the loss is
+    # (1 - kd_alpha) * CE(labels) + kd_alpha * T^2 * KL(teacher_T || student_T)
+    teacher: PathStr | None = None
+    kd_alpha: float = Field(0.9, ge=0.0, le=1.0, allow_inf_nan=False)
+    kd_temperature: float = Field(2.0, ge=0.5, le=20.0, allow_inf_nan=False)

@@ -22,6 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from convergent.cluster import WORKER_ENV
+from convergent.errors import ConfigError
 from convergent.learn.tasks import Span, Timed, timed
 
 #: Dask priorities (higher runs first) per task kind.
@@ -91,8 +93,6 @@ def gpu_wanted(device: str) -> bool:
     except ImportError:
         ok = False
     if device == "cuda" and not ok:
-        from convergent.errors import ConfigError
-
         raise ConfigError("learn.device=cuda but no CUDA device is visible",
                           hint="use learn.device=auto or cpu")
     return ok
@@ -102,8 +102,6 @@ def gpu_wanted(device: str) -> bool:
 def gpu_worker(client) -> Iterator[None]:
     """A worker process with the Dask resource ``GPU=1`` joined to ``client``'s scheduler."""
     from distributed import Nanny
-
-    from convergent.cluster import WORKER_ENV
 
     address = client.scheduler.address
 

@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convergent.data.writer import DatasetWriter
 from convergent.learn.engine import Pool
 from convergent.learn.pool import Candidate
 from convergent.learn.tasks import label_items
 from convergent.sim.quarantine import QUARANTINE_NAME, QuarantineLog, quarantine_entry
+from convergent.sim.resume import existing_keys
 
 LABEL_LOG = "labels.jsonl"
 
@@ -39,8 +41,6 @@ class LabelOutcome:
 
 
 def committed_keys(dataset: Path) -> set[str]:
-    from convergent.sim.resume import existing_keys
-
     return existing_keys(dataset)
 
 
@@ -73,8 +73,6 @@ def label_batch(
     on_chunk: Callable[[int], None] | None = None,
 ) -> LabelOutcome:
     """Label the first ``k`` usable candidates of ``ranked`` (refilling after failures)."""
-    from convergent.data.writer import DatasetWriter
-
     t0 = time.perf_counter()
     out = LabelOutcome()
     qlog = QuarantineLog(dataset / QUARANTINE_NAME)

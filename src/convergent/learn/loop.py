@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,16 +30,24 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
+from convergent.cluster import dask_client
 from convergent.config import ConvergentConfig
+from convergent.data.manifest import check_dataset
+from convergent.data.reader import open_dataset
+from convergent.errors import InputError
 from convergent.fsutil import atomic_write_text
 from convergent.learn import tasks
 from convergent.learn.config import LearnConfig
 from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
 from convergent.learn.label import LABEL_LOG, committed_keys, label_batch, quarantined_keys
 from convergent.learn.pool import Candidate, build_pool, load_candidates, save_candidates
+from convergent.learn.report import build_learn_report
 from convergent.learn.select import combined_score, select_batch
 from convergent.runs import RunDir
+from convergent.sim.calculators import CalcSpec
+from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import stable_int
+from convergent.sim.sources import check_source
 
 console = Console(stderr=True)
 
@@ -127,9 +136,6 @@ class Campaign:
         return pool, held
 
     def calc(self, rnd: int) -> dict[str, Any]:
-        from convergent.sim.calculators import CalcSpec
-        from convergent.sim.config import SimulateConfig
-
         kind = self.L.calculator
         if self.L.dft_from_round and rnd >= self.L.dft_from_round:
             kind = "dft"
@@ -217,8 +223,6 @@ class Campaign:
         models = self.members(rnd - 1) if rnd > 1 else ([L.init_model] if L.init_model else [])
         if not models:
             return
-        from convergent.data.reader import open_dataset
-
         # start from the labels of rounds before rnd - 1: the same set whenever this runs
         source = self.p.labels if committed_keys(self.p.labels) else Path(L.init_dataset or self.p.labels)
         if not committed_keys(source):
@@ -391,31 +395,22 @@ class Campaign:
 
 def _fault_marker() -> str | None:
     """``CONVERGENT_LEARN_FAULT=train``: crash one training worker once (a test hook)."""
-    import os
-
     return "fault-train.marker" if os.environ.get("CONVERGENT_LEARN_FAULT") == "train" else None
 
 
 def check_inputs(cfg: ConvergentConfig) -> None:
     """What can fail before any work: the pool source, the warm-start model and dataset."""
-    from convergent.errors import InputError
-    from convergent.sim.sources import check_source
-
     L: LearnConfig = cfg.learn
     check_source(L.pool, "quarantine")
     if L.init_model and not (Path(L.init_model) / "model_config.json").is_file():
         raise InputError(f"learn.init_model: {L.init_model} is not a saved model directory")
     if L.init_dataset:
-        from convergent.data.manifest import check_dataset
-
         check_dataset(L.init_dataset, "learn.init_dataset")
 
 
 def run_learning(cfg: ConvergentConfig, run: RunDir, client=None, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the campaign of ``cfg.learn`` in ``run``; returns its summary and
     writes the report (``<run>/report/learn.md``)."""
-    from convergent.cluster import dask_client
-
     t0 = time.time()
     campaign = Campaign(cfg, run, None, progress)  # builds the pool before the cluster starts
 
@@ -432,8 +427,6 @@ def run_learning(cfg: ConvergentConfig, run: RunDir, client=None, progress: bool
         with gpu_worker(c) if gpu else contextlib.nullcontext():
             campaign.pool = Pool(c, Paths(run).timeline, gpu)
             summary = campaign.run()
-    from convergent.learn.report import build_learn_report
-
     summary["wall_s"] = time.time() - t0
     summary["report"] = str(build_learn_report(run.path))
     return summary

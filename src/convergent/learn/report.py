@@ -18,7 +18,7 @@ from typing import Any
 
 from convergent.fsutil import atomic_write_text
 from convergent.learn.engine import read_timeline
-from convergent.monitor.report import _fmt, _plt, _save, _table
+from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 
 COLOURS = {"label": "tab:blue", "train": "tab:red", "explore": "tab:green",
            "score": "tab:orange", "eval": "tab:purple"}
@@ -47,7 +47,7 @@ def plot_timeline(spans: list[dict[str, Any]], out: Path, title: str = "") -> st
     """One row per worker (core or GPU), a bar per task coloured by kind."""
     if not spans:
         return None
-    plt = _plt()
+    plt = pyplot()
     t0 = min(s["start"] for s in spans)
     workers = sorted({(s["session"] if "session" in s else "", s["worker"]) for s in spans})
     row = {w: i for i, w in enumerate(workers)}
@@ -68,7 +68,7 @@ def plot_timeline(spans: list[dict[str, Any]], out: Path, title: str = "") -> st
               bbox_to_anchor=(0.5, 1.18))
     if title:
         ax.set_title(title, pad=24, fontsize=9)
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], out: Path) -> str | None:
@@ -78,7 +78,7 @@ def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], out: Path) -> str
         return None
     import numpy as np
 
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for (name, runs), colour in zip(curves.items(), ("tab:red", "tab:blue", "tab:green", "tab:grey"),
                                     strict=False):
@@ -98,7 +98,7 @@ def plot_curves(curves: dict[str, list[list[dict[str, Any]]]], out: Path) -> str
         ax.set_xlabel("labels used")
         ax.set_yscale("log")
         ax.legend(fontsize=8)
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def build_learn_report(run_dir: str | Path) -> Path:
@@ -121,21 +121,21 @@ def build_learn_report(run_dir: str | Path) -> Path:
     u = utilisation(spans) if spans else {}
     md = [f"# Active learning: {run_dir.name}", "",
           f"Strategy **{strategy}**; stopped by: {state.get('stop') or 'not finished'}; "
-          f"wall time {_fmt(state.get('elapsed_s'), '.0f')} s.", ""]
+          f"wall time {fmt(state.get('elapsed_s'), '.0f')} s.", ""]
     if u:
-        md += ["## Pool utilisation", _table([
-            ("utilisation (busy / available core-seconds)", _fmt(u["utilisation"], ".1%")),
-            ("busy core-seconds", _fmt(u["busy_core_s"], ".1f")),
-            ("available core-seconds", _fmt(u["available_core_s"], ".1f")),
+        md += ["## Pool utilisation", md_table([
+            ("utilisation (busy / available core-seconds)", fmt(u["utilisation"], ".1%")),
+            ("busy core-seconds", fmt(u["busy_core_s"], ".1f")),
+            ("available core-seconds", fmt(u["available_core_s"], ".1f")),
             ("tasks", str(u["tasks"])),
-            *[(f"busy in {k} (s)", _fmt(v, ".1f")) for k, v in sorted(u["busy_by_kind_s"].items())],
+            *[(f"busy in {k} (s)", fmt(v, ".1f")) for k, v in sorted(u["busy_by_kind_s"].items())],
         ]), ""]
     if curve:
         md += ["## Learning curve (held-out molecules)",
                "| round | labels | energy MAE (eV/atom) | energy MAE (eV) | force MAE (eV/Å) |",
                "|---|---|---|---|---|"]
-        md += [f"| {p['round']} | {p['labels']} | {_fmt(p['energy_mae_per_atom'])} | "
-               f"{_fmt(p['energy_mae'])} | {_fmt(p['force_mae'])} |" for p in curve]
+        md += [f"| {p['round']} | {p['labels']} | {fmt(p['energy_mae_per_atom'])} | "
+               f"{fmt(p['energy_mae'])} | {fmt(p['force_mae'])} |" for p in curve]
         md.append("")
     rounds = [state["rounds"][k] for k in sorted(state.get("rounds", {}), key=int)]
     if rounds:
@@ -145,8 +145,8 @@ def build_learn_report(run_dir: str | Path) -> Path:
                "|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['round']} | {r['labels_before']} | {r['selected']} | {r['quarantined']} | "
                f"{r['refills']} | {r['candidates']} ({r['from_md']}) | "
-               f"{_fmt(r.get('mean_score_selected'))} / {_fmt(r.get('mean_score_all'))} | "
-               f"{r['train_retries']} | {_fmt(r['wall_s'], '.1f')} |" for r in rounds]
+               f"{fmt(r.get('mean_score_selected'))} / {fmt(r.get('mean_score_all'))} | "
+               f"{r['train_retries']} | {fmt(r['wall_s'], '.1f')} |" for r in rounds]
         md.append("")
     for title, name in figs.items():
         if name:

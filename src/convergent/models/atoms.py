@@ -12,6 +12,11 @@ cells get several image layers). Centres and candidates (atoms + ghosts) are bin
 cubic cells of side ``cutoff`` keyed by (molecule, cell); each centre is compared with the
 candidates of the 27 surrounding cells only. Work and memory are O(N) for a fixed
 density; centres are processed in chunks to bound the temporary pair buffers.
+
+Periodic structures on the CPU go to `vesin <https://github.com/Luthaf/vesin>`_ when it is
+installed (the ``vesin`` extra; ``backend="auto"``): the same pairs and shifts (in
+another order), faster in ``bench/neighbors.py``. The torch cell list above is the
+fallback and the path for GPU tensors.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from convergent.errors import ConvergentError
@@ -146,7 +152,8 @@ def _wrap_and_ghosts(
             continue
         # Image fractional coords frac + s must lie within [-reach, 1 + reach).
         img = frac.unsqueeze(0) + shifts.unsqueeze(1).to(frac.dtype)  # [S, n, 3]
-        ok = ((img >= -reach) & (img < 1.0 + reach)).all(dim=2)  # [S, n]
+        # (non-periodic directions: no limit, an atom anywhere along them has images)
+        ok = (((img >= -reach) & (img < 1.0 + reach)) | ~per).all(dim=2)  # [S, n]
         s_idx, a_idx = torch.nonzero(ok, as_tuple=True)
         if s_idx.numel() == 0:
             continue
@@ -168,6 +175,7 @@ def neighbor_list(
     max_neighbors: int | None = None,
     overflow: str = "error",
     chunk_size: int = 4096,
+    backend: str = "auto",
 ) -> NeighborList:
     """All pairs closer than ``cutoff`` Å within each molecule (cell list, O(N)).
 
@@ -176,10 +184,14 @@ def neighbor_list(
     for periodic structures. ``max_neighbors`` caps neighbours per centre: with
     ``overflow="error"`` an atom above the cap raises :class:`NeighborOverflowError`;
     with ``overflow="drop"`` the nearest ``max_neighbors`` are kept and the number of
-    dropped pairs is logged and returned in ``n_dropped``.
+    dropped pairs is logged and returned in ``n_dropped``. ``backend``: ``"torch"`` (the
+    cell list here), ``"vesin"`` (CPU tensors, needs the package) or ``"auto"`` (vesin
+    for periodic structures on the CPU when installed, else torch).
     """
     if cutoff <= 0:
         raise ValueError("cutoff must be positive")
+    if backend not in ("auto", "torch", "vesin"):
+        raise ValueError("backend must be 'auto', 'torch' or 'vesin'")
     if overflow not in ("error", "drop"):
         raise ValueError("overflow must be 'error' or 'drop'")
     pos = positions.detach()
@@ -205,6 +217,9 @@ def neighbor_list(
         # and still O(N) for bounded molecule size (sum n_b^2 <= 32 N).
         src, dst, dist = _small_molecule_pairs(pos, batch, counts_mol, float(cutoff))
         csh = torch.zeros(src.numel(), 3, dtype=torch.int64, device=dev)
+        return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
+    if _use_vesin(backend, pos, pbcs):
+        src, dst, csh, dist = _vesin_pairs(pos, batch, counts_mol, cells, pbcs, float(cutoff))
         return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
     work_dtype = torch.float64 if pos.dtype == torch.float64 else torch.float32
     posw, wrap_int, cpos, catom, cshift = _wrap_and_ghosts(
@@ -271,6 +286,57 @@ def neighbor_list(
     csh = torch.cat(sh_all)
     dist = torch.cat(d_all)
     return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
+
+
+def vesin_available() -> bool:
+    """Whether the ``vesin`` neighbour-list package can be imported."""
+    try:
+        import vesin  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_vesin(backend: str, pos: torch.Tensor, pbcs: torch.Tensor) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "vesin":
+        if pos.device.type != "cpu" or not vesin_available():
+            raise ValueError("backend='vesin' needs CPU tensors and the vesin package "
+                             "(pip install 'convergent[vesin]')")
+        return True
+    return pos.device.type == "cpu" and bool(pbcs.any()) and vesin_available()
+
+
+def _vesin_pairs(
+    pos: torch.Tensor, batch: torch.Tensor, counts: torch.Tensor, cells: torch.Tensor,
+    pbcs: torch.Tensor, cutoff: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(src, dst, cell_shifts, distances)`` of every molecule from vesin (float64)."""
+    import vesin
+
+    order = torch.argsort(batch, stable=True)  # molecules as contiguous segments
+    p64 = pos[order].to(torch.float64).numpy()
+    cells64, per = cells.to(torch.float64).numpy(), pbcs.numpy()
+    calc = vesin.NeighborList(cutoff=cutoff, full_list=True)
+    src, dst, sh, dist = [], [], [], []
+    start = 0
+    for b, m in enumerate(counts.tolist()):
+        if m > 0:  # (one atom in a periodic cell has its own images as neighbours)
+            periodic = per[b].tolist()
+            box = cells64[b] if any(periodic) else np.zeros((3, 3))
+            i, j, s, d = calc.compute(p64[start:start + m], box, periodic, quantities="ijSd")
+            src.append(i.astype(np.int64) + start)
+            dst.append(j.astype(np.int64) + start)
+            sh.append(s.astype(np.int64))
+            dist.append(d)
+        start += m
+    if not src:  # no atoms
+        src, dst = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        sh, dist = [np.zeros((0, 3), np.int64)], [np.zeros(0)]
+    back = order.numpy()  # segment position -> original atom index
+    return (torch.from_numpy(back[np.concatenate(src)]), torch.from_numpy(back[np.concatenate(dst)]),
+            torch.from_numpy(np.concatenate(sh)), torch.from_numpy(np.concatenate(dist)))
 
 
 def _small_molecule_pairs(

@@ -93,9 +93,3 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
         )
     model.to(device).eval()
     return model, cfg
-
-
-def read_extra(directory: str | Path) -> dict[str, Any]:
-    """The ``extra`` metadata stored with a saved model."""
-    meta = json.loads((Path(directory) / CONFIG).read_text(encoding="utf-8"))
-    return dict(meta.get("extra", {}))

@@ -1,4 +1,15 @@
-"""Energy + force loss for the molecular surrogate (eV, eV/Å)."""
+"""The energy + force loss of the molecular surrogate (eV, eV/Å), written once.
+
+::
+
+    loss = mean_molecules((ΔE / n_atoms)²) + force_weight · mean_components(ΔF²)
+
+Everything is built from *sums* over a batch (:func:`error_sums`): the training loop
+divides them by the global molecule/atom counts of a step so that ranks' shares add up
+to the global-batch loss (:func:`loss_from_sums`), metrics come from sums added over
+batches and ranks (:func:`metrics_from_sums`), and :func:`energy_force_loss` is the
+plain one-batch form used by the active-learning trainer, the tests and the benches.
+"""
 
 from __future__ import annotations
 
@@ -6,38 +17,87 @@ import torch
 
 from convergent.models.batching import AtomsBatch
 
+# the sum statistics of :func:`error_sums`, in a fixed order (for cross-rank reductions)
+SUM_KEYS = ("e_sq", "f_sq", "e_abs", "e_abs_pa", "f_abs", "molecules", "atoms")
+
+
+def error_sums(
+    energy: torch.Tensor, forces: torch.Tensor | None, batch: AtomsBatch
+) -> dict[str, torch.Tensor]:
+    """Sum statistics of predicted ``energy`` float[B] eV and ``forces`` float[N,3] eV/Å
+    against the labels of ``batch`` (0-d tensors; ``e_sq`` and ``f_sq`` keep the graph):
+
+    ``e_sq`` Σ(ΔE/n)², ``e_abs`` Σ|ΔE|, ``e_abs_pa`` Σ|ΔE/n| (float64, over molecules);
+    ``f_sq`` ΣΔF², ``f_abs`` Σ|ΔF| (over force components; 0 when the batch has no force
+    labels); ``molecules`` and ``atoms`` the counts.
+    """
+    if batch.energy is None:
+        raise ValueError("batch has no energy labels")
+    dev = energy.device
+    de = energy.to(torch.float64) - batch.energy.to(device=dev, dtype=torch.float64)
+    de_pa = de / batch.n_atoms.to(device=dev, dtype=torch.float64)
+    sums = {
+        "e_sq": (de_pa * de_pa).sum(),
+        "e_abs": de.detach().abs().sum(),
+        "e_abs_pa": de_pa.detach().abs().sum(),
+        "molecules": torch.tensor(float(batch.n_molecules)),
+        "atoms": torch.tensor(float(batch.num_atoms)),
+    }
+    if forces is not None and batch.forces is not None:
+        df = forces.float() - batch.forces.to(device=forces.device, dtype=torch.float32)
+        sums["f_sq"] = (df * df).sum()
+        sums["f_abs"] = df.detach().abs().sum().double()
+    else:
+        sums["f_sq"] = torch.zeros((), dtype=torch.float64, device=dev)
+        sums["f_abs"] = torch.zeros((), dtype=torch.float64, device=dev)
+    return sums
+
+
+def loss_from_sums(
+    sums: dict[str, torch.Tensor], molecules: float, atoms: float, force_weight: float,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """The loss of :func:`error_sums` over ``molecules`` molecules and ``atoms`` atoms
+    (a step's global counts, or the batch's own), times ``scale``; float32."""
+    loss = sums["e_sq"] / molecules
+    if force_weight > 0:
+        loss = loss + force_weight * sums["f_sq"].double() / (3.0 * atoms)
+    return (loss * scale).to(torch.float32)
+
+
+def metrics_from_sums(sums: dict[str, float], force_weight: float) -> dict[str, float]:
+    """Loss and MAEs from sum statistics added over batches (and ranks): ``loss``,
+    ``energy_mae`` (eV per molecule), ``energy_mae_per_atom`` (eV/atom), ``force_mae``
+    (eV/Å per component)."""
+    mol = max(sums.get("molecules", 0.0), 1.0)
+    comps = max(3.0 * sums.get("atoms", 0.0), 1.0)
+    e_term = sums.get("e_sq", 0.0) / mol
+    f_term = sums.get("f_sq", 0.0) / comps
+    return {
+        "loss": e_term + force_weight * f_term,
+        "energy_mae": sums.get("e_abs", 0.0) / mol,
+        "energy_mae_per_atom": sums.get("e_abs_pa", 0.0) / mol,
+        "force_mae": sums.get("f_abs", 0.0) / comps,
+    }
+
 
 def energy_force_loss(
     energy: torch.Tensor,
     forces: torch.Tensor | None,
     batch: AtomsBatch,
     force_weight: float = 10.0,
-    per_atom_energy: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted MSE loss and MAE metrics.
+    """Weighted MSE loss and MAE metrics of one batch (see the module doc).
 
-    ``loss = mean((ΔE / n_atoms)²) + force_weight · mean(ΔF²)`` (eV²-ish units; with
-    ``per_atom_energy=False`` the energy term is ``mean(ΔE²)``). ``energy`` float[B] eV,
-    ``forces`` float[N,3] eV/Å (None or ``force_weight=0`` trains on energies only).
-    Returns ``(loss fp32 scalar, {"energy_mae": eV per molecule, "force_mae": eV/Å
-    per component, "energy_mae_per_atom": eV/atom})``. ``force_mae`` is NaN when the
-    batch has no force labels.
+    ``forces`` None (or ``force_weight=0``) trains on energies only. Returns ``(loss
+    fp32 scalar, {"energy_mae": eV per molecule, "force_mae": eV/Å per component,
+    "energy_mae_per_atom": eV/atom})``; ``force_mae`` is NaN when the batch has no force
+    labels or no forces are given.
     """
-    if batch.energy is None:
-        raise ValueError("batch has no energy labels")
-    target_e = batch.energy.to(device=energy.device, dtype=torch.float64)
-    de = energy.to(torch.float64) - target_e
-    n_atoms = batch.n_atoms.to(device=energy.device, dtype=torch.float64)
-    de_loss = de / n_atoms if per_atom_energy else de
-    loss = (de_loss * de_loss).mean().to(torch.float32)
-    metrics = {
-        "energy_mae": float(de.detach().abs().mean()),
-        "energy_mae_per_atom": float((de.detach() / n_atoms).abs().mean()),
-        "force_mae": float("nan"),
-    }
-    if forces is not None and batch.forces is not None:
-        df = forces.float() - batch.forces.to(device=forces.device, dtype=torch.float32)
-        if force_weight > 0:
-            loss = loss + force_weight * (df * df).mean()
-        metrics["force_mae"] = float(df.detach().abs().mean())
+    sums = error_sums(energy, forces, batch)
+    loss = loss_from_sums(sums, batch.n_molecules, batch.num_atoms, force_weight)
+    metrics = metrics_from_sums({k: float(v) for k, v in sums.items()}, force_weight)
+    del metrics["loss"]
+    if forces is None or batch.forces is None:
+        metrics["force_mae"] = float("nan")
     return loss, metrics

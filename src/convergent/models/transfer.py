@@ -18,7 +18,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from convergent.configbase import Section
 from convergent.models.molecular import MolecularTransformer, fit_reference_energies
@@ -108,6 +107,3 @@ def prepare_finetune(
     )
     return opt, sched
 
-
-def trainable_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-PARTS = ("data_wait_s", "compute_s", "comm_s", "optimizer_s")
+from convergent.trainrecords import TIME_PARTS, TrainStep
 
 
 @dataclass(frozen=True)
@@ -19,21 +19,21 @@ class Finding:
     action: str
 
 
-def step_breakdown(steps: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
+def step_breakdown(steps: list[TrainStep], skip: int = 2) -> dict[str, float]:
     """Median share of step time spent in each part (data wait, compute, comm, optimizer).
 
     The first ``skip`` steps (warm-up, allocator growth) are ignored when possible.
     """
     rows = steps[skip:] if len(steps) > skip + 2 else steps
-    rows = [r for r in rows if all(k in r for k in PARTS)]
-    if not rows:
+    times = [t for t in (r.times() for r in rows) if t is not None]
+    if not times:
         return {}
-    totals = {k: float(np.median([r[k] for r in rows])) for k in PARTS}
+    totals = {k: float(np.median([t[k] for t in times])) for k in TIME_PARTS}
     whole = sum(totals.values()) or 1.0
     return {k.removesuffix("_s"): v / whole for k, v in totals.items()}
 
 
-def diagnose(stages: dict[str, Any], steps: list[dict[str, Any]]) -> list[Finding]:
+def diagnose(stages: dict[str, Any], steps: list[TrainStep]) -> list[Finding]:
     """Findings, most important first, from stage wall times and per-step metrics."""
     findings: list[Finding] = []
     timed = {k: v["wall_s"] for k, v in stages.items() if "wall_s" in v}
@@ -68,7 +68,7 @@ def diagnose(stages: dict[str, Any], steps: list[dict[str, Any]]) -> list[Findin
                 "enable gradient compression (fp16/PowerSGD/top-k), accumulate gradients over "
                 "more micro-steps, or use HSDP so shard groups stay inside a node.",
             ))
-        mfu = [r["mfu"] for r in steps if r.get("mfu")]
+        mfu = [r.mfu for r in steps if r.mfu]
         if bd["compute"] >= 0.5 and mfu:
             m = float(np.median(mfu))
             if m < 0.2:

@@ -163,11 +163,6 @@ def device_peak(device: Any, dtype: str, override: float | None = None) -> Peak:
     return measured_cpu_peak(dtype)
 
 
-def device_peak_flops(device: Any, dtype: str, override: float | None = None) -> float | None:
-    """Just the FLOP/s of :func:`device_peak`."""
-    return device_peak(device, dtype, override).flops
-
-
 def count_flops(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn()`` under FlopCounterMode; return (its result, total FLOPs counted)."""
     from torch.utils.flop_counter import FlopCounterMode

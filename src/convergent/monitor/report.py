@@ -16,59 +16,44 @@ from convergent.accounting import collect_slurm, usage_table
 from convergent.errors import RunDirError
 from convergent.fsutil import atomic_write_text
 from convergent.monitor.diagnosis import diagnose, step_breakdown
+from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 from convergent.runs import RunDir
 from convergent.runsdb.records import latest
+from convergent.trainrecords import TIME_PARTS, TrainStep, ValRecord
 
 PREDICTIONS = Path("screen") / "predictions.json"
 DATASET_STATS = Path("dataset") / "stats.json"  # under report/, written by `data stats --run`
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> str:
-    """Save a figure atomically as PNG; returns its file name."""
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    tmp.replace(path)
-    _plt().close(fig)
-    return path.name
-
-
-def plot_losses(steps: list[dict], vals: list[dict], out: Path) -> str | None:
+def plot_losses(steps: list[TrainStep], vals: list[ValRecord], out: Path) -> str | None:
     """Training loss and validation energy/force MAE against step."""
     if not steps:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax1.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1, label="train loss")
+    ax1.plot([r.step for r in steps], [r.loss for r in steps], lw=1, label="train loss")
     ax1.set_yscale("log")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.legend()
     for key, label in (("energy_mae", "energy MAE (eV)"), ("force_mae", "force MAE (eV/Å)")):
-        if steps and key in steps[0]:
-            ax2.plot([r["step"] for r in steps], [r[key] for r in steps], lw=0.8, alpha=0.6,
-                     label=f"train {label}")
-        if vals and key in vals[0]:
-            ax2.plot([r["step"] for r in vals], [r[key] for r in vals], "o-", label=f"val {label}")
+        if steps and getattr(steps[0], key) is not None:
+            ax2.plot([r.step for r in steps], [getattr(r, key) for r in steps], lw=0.8,
+                     alpha=0.6, label=f"train {label}")
+        if vals and getattr(vals[0], key) is not None:
+            ax2.plot([r.step for r in vals], [getattr(r, key) for r in vals], "o-",
+                     label=f"val {label}")
     ax2.set_yscale("log")
     ax2.set_xlabel("step")
     ax2.legend(fontsize=8)
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def plot_parity(pred: dict[str, Any], out: Path) -> str | None:
     """Predicted vs reference energy per atom (eV/atom), and the error distribution."""
     if not pred or not pred.get("energy_true"):
         return None
-    plt = _plt()
+    plt = pyplot()
     n = np.asarray(pred["n_atoms"], dtype=float)
     true = np.asarray(pred["energy_true"]) / n
     est = np.asarray(pred["energy_pred"]) / n
@@ -84,7 +69,7 @@ def plot_parity(pred: dict[str, Any], out: Path) -> str | None:
     ax2.set_xlabel(f"surrogate - {ref} (meV/atom)")
     ax2.set_ylabel("structures")
     ax2.set_title("energy error")
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def plot_stage_times(stages: dict[str, Any], out: Path) -> str | None:
@@ -92,42 +77,32 @@ def plot_stage_times(stages: dict[str, Any], out: Path) -> str | None:
     timed = [(k, v["wall_s"]) for k, v in stages.items() if "wall_s" in v]
     if not timed:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.barh([k for k, _ in timed][::-1], [v for _, v in timed][::-1])
     ax.set_xlabel("wall time (s)")
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
-def plot_breakdown(steps: list[dict], out: Path) -> str | None:
+def plot_breakdown(steps: list[TrainStep], out: Path) -> str | None:
     """Stacked per-step time: data wait / compute / communication / optimizer."""
-    parts = [k for k in ("data_wait_s", "compute_s", "comm_s", "optimizer_s") if steps and k in steps[0]]
+    parts = [k for k in TIME_PARTS if steps and getattr(steps[0], k) is not None]
     if not parts:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    x = [r["step"] for r in steps]
-    ax.stackplot(x, *[[r.get(k, 0.0) * 1e3 for r in steps] for k in parts],
+    x = [r.step for r in steps]
+    ax.stackplot(x, *[[(getattr(r, k) or 0.0) * 1e3 for r in steps] for k in parts],
                  labels=[k.removesuffix("_s").replace("_", " ") for k in parts])
     ax.set_xlabel("step")
     ax.set_ylabel("ms per step")
     ax.legend(loc="upper right", fontsize=8)
-    return _save(fig, out)
+    return save_png(fig, out)
 
 
 def _load_predictions(run: RunDir) -> dict[str, Any]:
     path = run.path / PREDICTIONS
     return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _table(rows: list[tuple[str, str]]) -> str:
-    lines = ["| quantity | value |", "| --- | --- |"]
-    lines += [f"| {k} | {v} |" for k, v in rows]
-    return "\n".join(lines)
-
-
-def _fmt(value: Any, spec: str = ".4g") -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
 def _dataset_stats(path: Path) -> list[str]:
@@ -143,14 +118,14 @@ def _dataset_stats(path: Path) -> list[str]:
             ("sampler", ", ".join(f"{k} {v}" for k, v in st["sampler"].items())),
             ("atoms per structure (min / mean / max)", f"{st['atoms_per_structure']['min']} / "
              f"{st['atoms_per_structure']['mean']:.1f} / {st['atoms_per_structure']['max']}"),
-            ("energy per atom p1 / p50 / p99 (eV)", " / ".join(_fmt(e["quantiles"].get(q)) for q in ("p1", "p50", "p99"))),
+            ("energy per atom p1 / p50 / p99 (eV)", " / ".join(fmt(e["quantiles"].get(q)) for q in ("p1", "p50", "p99"))),
             ("force norm p50 / p99 / max (eV/Å)", " / ".join(
-                [_fmt(f["quantiles"].get(q)) for q in ("p50", "p99")] + [_fmt(f.get("max"))])),
+                [fmt(f["quantiles"].get(q)) for q in ("p50", "p99")] + [fmt(f.get("max"))])),
             ("labelled: energy / forces", f"{lab['energy']:.1%} / {lab['forces']:.1%}"),
         ]
     except (KeyError, TypeError, ValueError, AttributeError):
         return ["## Dataset statistics", f"(unreadable {path.name})", ""]
-    md = ["## Dataset statistics", _table(rows), ""]
+    md = ["## Dataset statistics", md_table(rows), ""]
     for title, name in (st.get("plots") or {}).items():
         md += [f"![{title}]({path.parent.name}/{name})", ""]
     return md
@@ -165,8 +140,8 @@ def build_report(run_dir: str | Path) -> Path:
     run.report.mkdir(parents=True, exist_ok=True)
     stages = run.stages()
     # a resumed job replays steps: keep the last attempt of each (runsdb.records)
-    steps = [{"step": r.step, **r.values} for r in latest(run.metrics, "train_step")]
-    vals = [{"step": r.step, **r.values} for r in latest(run.metrics, "val")]
+    steps = [TrainStep.from_metric(r) for r in latest(run.metrics, "train_step")]
+    vals = [ValRecord.from_metric(r) for r in latest(run.metrics, "val")]
     pred = _load_predictions(run)
 
     figs = {
@@ -179,37 +154,37 @@ def build_report(run_dir: str | Path) -> Path:
     md = [f"# convergent run report: {run.path.name}", ""]
     sim = stages.get("simulate", {})
     if sim:
-        md += ["## Simulation", _table([
-            ("frames done", _fmt(sim.get("done"))),
+        md += ["## Simulation", md_table([
+            ("frames done", fmt(sim.get("done"))),
             ("retried / quarantined", f"{sim.get('retried', 0)} / {sim.get('quarantined', 0)}"),
-            ("wall time (s)", _fmt(sim.get("wall_s"), ".1f")),
-            ("throughput (frames/s)", _fmt(sim.get("frames_per_s"), ".2f")),
-            ("mean time per calculation (s)", _fmt(sim.get("mean_calc_s"), ".4f")),
+            ("wall time (s)", fmt(sim.get("wall_s"), ".1f")),
+            ("throughput (frames/s)", fmt(sim.get("frames_per_s"), ".2f")),
+            ("mean time per calculation (s)", fmt(sim.get("mean_calc_s"), ".4f")),
         ]), ""]
     data = stages.get("data", {})
     if data:
-        md += ["## Dataset", _table([(k, _fmt(v)) for k, v in data.items() if k != "finished_at"]), ""]
+        md += ["## Dataset", md_table([(k, fmt(v)) for k, v in data.items() if k != "finished_at"]), ""]
     if steps:
         last = steps[-1]
-        md += ["## Training", _table([
-            ("steps", str(last["step"])),
-            ("final train loss", _fmt(last.get("loss"))),
-            ("final val energy MAE (eV)", _fmt(vals[-1].get("energy_mae")) if vals else "n/a"),
-            ("final val force MAE (eV/Å)", _fmt(vals[-1].get("force_mae")) if vals else "n/a"),
-            ("median samples/s", _fmt(float(np.median([r.get("samples_per_s", 0) for r in steps])), ".1f")),
-            ("median MFU", _fmt(float(np.median([r.get("mfu", 0) or 0 for r in steps])), ".2%")),
+        md += ["## Training", md_table([
+            ("steps", str(last.step)),
+            ("final train loss", fmt(last.loss)),
+            ("final val energy MAE (eV)", fmt(vals[-1].energy_mae) if vals else "n/a"),
+            ("final val force MAE (eV/Å)", fmt(vals[-1].force_mae) if vals else "n/a"),
+            ("median samples/s", fmt(float(np.median([r.samples_per_s or 0 for r in steps])), ".1f")),
+            ("median MFU", fmt(float(np.median([r.mfu or 0 for r in steps])), ".2%")),
         ]), ""]
     if pred:
         sps = pred.get("seconds_per_structure")
         ref_s = sim.get("mean_calc_s")
         speedup = ref_s / sps if sps and ref_s else None
-        md += ["## Screening (held-out molecules)", _table([
+        md += ["## Screening (held-out molecules)", md_table([
             ("structures", str(len(pred.get("energy_true", [])))),
-            ("energy MAE (eV)", _fmt(pred.get("energy_mae"))),
-            ("energy MAE (meV/atom)", _fmt(pred.get("energy_mae_per_atom", 0) * 1e3)),
-            ("force MAE (eV/Å)", _fmt(pred.get("force_mae"))),
-            ("surrogate time per structure (s)", _fmt(sps)),
-            (f"{pred.get('reference', 'reference')} time per structure (s)", _fmt(ref_s)),
+            ("energy MAE (eV)", fmt(pred.get("energy_mae"))),
+            ("energy MAE (meV/atom)", fmt(pred.get("energy_mae_per_atom", 0) * 1e3)),
+            ("force MAE (eV/Å)", fmt(pred.get("force_mae"))),
+            ("surrogate time per structure (s)", fmt(sps)),
+            (f"{pred.get('reference', 'reference')} time per structure (s)", fmt(ref_s)),
             ("speed-up of the surrogate", f"{speedup:.0f}x" if speedup else "n/a"),
         ]), ""]
     collect_slurm(run.path)  # Slurm's record of each job the run's stages name

@@ -12,6 +12,7 @@ from convergent.runs import RunDir
 from convergent.runsdb.cost import run_cost
 from convergent.runsdb.index import key_metrics, load_config_dict, run_code
 from convergent.runsdb.records import latest
+from convergent.trainrecords import TrainStep, ValRecord
 
 MISSING = "<unset>"
 
@@ -62,8 +63,8 @@ def metrics_table(runs: list[RunDir]) -> dict[str, list[float | None]]:
         m["wall_s"], m["core_s"] = total["wall_s"], total["core_s"]
         if total["gpu_s"]:
             m["gpu_s"] = total["gpu_s"]
-        steps = latest(run.metrics, "train_step")
-        sps = sorted(r.number("samples_per_s") or 0.0 for r in steps[2:] or steps)
+        steps = [TrainStep.from_metric(r) for r in latest(run.metrics, "train_step")]
+        sps = sorted(r.samples_per_s or 0.0 for r in steps[2:] or steps)
         if sps:
             m["median_samples_per_s"] = sps[len(sps) // 2]
         per_run.append(m)
@@ -81,21 +82,21 @@ def plot_curves(runs: list[RunDir], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [(r.path.name, latest(r.metrics, "train_step"), latest(r.metrics, "val"))
-              for r in runs]
+    curves = [(r.path.name, [TrainStep.from_metric(m) for m in latest(r.metrics, "train_step")],
+               [ValRecord.from_metric(m) for m in latest(r.metrics, "val")]) for r in runs]
     if not any(steps or vals for _, steps, vals in curves):
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (name, steps, vals) in enumerate(curves):
         color = f"C{i % 10}"
-        pts = [(r.step, r.number("loss")) for r in steps if r.number("loss") is not None]
+        pts = [(r.step, r.loss) for r in steps if r.loss is not None]
         if pts:
             ax1.plot(*zip(*pts, strict=True), lw=1, color=color, label=name)
         keys = (("energy_mae", "o-"), ("force_mae", "s--"))
-        if not any(r.number("energy_mae") is not None for r in vals):
+        if not any(r.energy_mae is not None for r in vals):
             keys = (("loss", "o-"),)  # a language model: its validation loss
         for key, style in keys:
-            pts = [(r.step, r.number(key)) for r in vals if r.number(key) is not None]
+            pts = [(r.step, getattr(r, key)) for r in vals if getattr(r, key) is not None]
             if pts:
                 ax2.plot(*zip(*pts, strict=True), style, color=color, ms=3,
                          label=f"{name} {key.replace('_', ' ')}")

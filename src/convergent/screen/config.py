@@ -28,3 +28,5 @@ class ScreenConfig(Section):
     select_by: Literal["energy_std", "force_std"] = "force_std"
     max_per_molecule: Count0 = 0
     device: str = Field("cpu", pattern=r"^[a-z]+(:[0-9]+)?$")  # cpu, cuda, cuda:1
+    # INT8 inference (convergent.compress): weight-only per-channel, or torch dynamic (CPU)
+    quantize: Literal["none", "int8", "int8-dynamic"] = "none"

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from convergent.data.reader import open_dataset
 from convergent.errors import InputError
 from convergent.fsutil import atomic_write_text
-from convergent.models.batching import batches_by_atom_budget, collate_records
+from convergent.models.batching import atoms_to_record, batches_by_atom_budget, collate_records
 from convergent.xyzfile import is_xyz, read_frames
 
 
@@ -106,14 +107,16 @@ def _num(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-def load_ensemble(model_dirs: str | Path | Sequence[str | Path], device: str = "cpu") -> list[torch.nn.Module]:
-    """Load one or several saved models (see :func:`convergent.models.io.load_model`)."""
-    from convergent.models.io import load_model
+def load_ensemble(model_dirs: str | Path | Sequence[str | Path], device: str = "cpu",
+                  quantize: str = "none") -> list[torch.nn.Module]:
+    """Load one or several saved models (see :func:`convergent.models.io.load_model`), plain
+    or INT8 (``quantize``, :func:`convergent.compress.qcheckpoint.load_surrogate`)."""
+    from convergent.compress.qcheckpoint import load_surrogate
 
     dirs = [model_dirs] if isinstance(model_dirs, str | Path) else list(model_dirs)
     if not dirs:
         raise InputError("no model given", hint="pass --model DIR (repeat it for an ensemble)")
-    return [load_model(d, device)[0] for d in dirs]
+    return [load_surrogate(d, device, quantize) for d in dirs]
 
 
 def predict_records(
@@ -196,12 +199,8 @@ def _predict(
 
 def read_structures(path: str | Path) -> list[dict[str, Any]]:
     """Records from a dataset directory (convergent.data store) or an ASE-readable file."""
-    from convergent.models.batching import atoms_to_record
-
     p = Path(path)
     if p.is_dir():
-        from convergent.data.reader import open_dataset
-
         ds = open_dataset(p)
         return [ds[i] for i in range(len(ds))]
     if not p.is_file():
@@ -231,17 +230,16 @@ def predict_dataset(
     batch_atoms: int = 2048,
     device: str = "cpu",
     indices: Sequence[int] | None = None,
+    quantize: str = "none",
 ) -> PredictionResult:
     """Predict every structure of a dataset directory or structure file.
 
     ``model_dirs``: one saved model or several (ensemble -> uncertainty). ``indices``
     restricts to a subset of the dataset (e.g. the validation split).
     """
-    models = load_ensemble(model_dirs, device)
+    models = load_ensemble(model_dirs, device, quantize)
     p = Path(dataset_path)
     if p.is_dir():  # stream from the dataset store: one batch of records in memory
-        from convergent.data.reader import open_dataset
-
         ds = open_dataset(p)
         idx = np.arange(len(ds)) if indices is None else np.asarray(indices, np.int64)
         counts = np.asarray(ds.column("n_atoms"), np.int64)[idx]

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from convergent.data.reader import open_dataset
 from convergent.fsutil import atomic_write_text
-from convergent.screen.predict import PredictionResult
+from convergent.screen.predict import PredictionResult, read_structures
 
 
 def uncertainty(result: PredictionResult, by: str = "force_std") -> np.ndarray:
@@ -96,12 +97,8 @@ def write_selection(
 
 def fetch_records(dataset: str | Path, indices: Sequence[int]) -> list[dict[str, Any]]:
     """Records at dataset ``indices`` (a dataset directory or an ASE-readable file)."""
-    from convergent.screen.predict import read_structures
-
     p = Path(dataset)
     if p.is_dir():
-        from convergent.data.reader import open_dataset
-
         ds = open_dataset(p)
         return [ds[int(i)] for i in indices]
     recs = read_structures(p)

@@ -33,6 +33,8 @@ class ServeConfig(Section):
     chunked_prefill: bool = False  # interleaved only: split prompts to fit the budget
     max_model_len: Count = 2048  # prompt + output tokens per request
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights, KV, attention
+    # int8: weight-only per-channel INT8; int8-dynamic: torch dynamic INT8 (CPU, fp32); see convergent.compress
+    quantize: Literal["none", "int8", "int8-dynamic"] = "none"
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
     torch_threads: Count = 1  # per stage process
     profile_costs: bool = True  # tdpipe: profile the stage cost table in situ at start-up

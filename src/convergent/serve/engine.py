@@ -114,6 +114,7 @@ class Engine:
                 cfg.dtype,
                 cfg.torch_threads,
                 cfg.device,
+                cfg.quantize,
             )
             for s in range(p)
         ]

@@ -69,6 +69,7 @@ class StageSpec:
     dtype: str = "float32"
     threads: int = 1
     device: str = "cpu"  # "cpu" or "cuda" (stage s uses cuda:s; one GPU per stage)
+    quantize: str = "none"  # serve.quantize (convergent.compress)
 
 
 class StageRunner:
@@ -77,7 +78,7 @@ class StageRunner:
     def __init__(self, spec: StageSpec) -> None:
         import torch
 
-        from convergent.models.llama import load_pretrained, read_config
+        from convergent.models.llama import read_config
         from convergent.serve.kv_cache import KVCache
 
         self.spec = spec
@@ -98,8 +99,10 @@ class StageRunner:
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        self.model = load_pretrained(
-            spec.model_dir, self.layers, embed=self.first, head=self.last, dtype=self.dtype
+        from convergent.compress.qcheckpoint import load_llama
+
+        self.model = load_llama(
+            spec.model_dir, self.layers, self.first, self.last, self.dtype, spec.quantize
         ).to(self.device)
         self.model.model.rotary.to(self.device)
         self.kv = KVCache(

@@ -38,7 +38,6 @@ class CommStats:
     bytes: int = 0
     buckets: int = 0
     last_ready: float | None = None
-    total_bytes: int = 0
 
     def reset(self) -> None:
         self.bytes = 0
@@ -141,7 +140,6 @@ def instrument(hook: Any, stats: CommStats, nbytes: Any, before: Any = None) -> 
             before(state, bucket)
         b = int(nbytes(state, bucket))
         stats.bytes += b
-        stats.total_bytes += b
         stats.buckets += 1
         return hook(state, bucket)
 

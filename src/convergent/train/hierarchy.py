@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 
 from convergent.errors import ConfigError
+from convergent.train.compression import instrument, powersgd_bytes, topk_payload, topk_sum
+from convergent.train.topology import _host_to_rack, node_name, read_topology_file
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,6 @@ class Tiers:
 def node_key() -> str:
     """This process's node identity: :func:`~convergent.train.topology.node_name` (Slurm's
     node name, else the hostname), plus torchrun's node rank when set."""
-    from convergent.train.topology import node_name
-
     host = node_name()
     gr = os.environ.get("GROUP_RANK")
     return f"{host}#{gr}" if gr is not None else host
@@ -121,8 +121,6 @@ def build_tiers(
 
 def discover_tiers(pcfg: Any, world: int) -> Tiers:
     """Tiers for this job (collective: every rank must call it)."""
-    from convergent.train.topology import _host_to_rack, read_topology_file
-
     topo = read_topology_file(pcfg.topology_file) if pcfg.topology_file else {}
     keys: list[Any] = [None] * world
     dist.all_gather_object(keys, node_key())
@@ -208,8 +206,6 @@ def _slow_allreduce(st: HierState, shard: torch.Tensor, key: int) -> torch.Tenso
         shard.copy_(half)
         return shard
     if st.compression == "topk":
-        from convergent.train.compression import topk_payload, topk_sum
-
         payload, k = topk_payload(shard, st.residuals, key, st.topk_ratio)
         gathered = [torch.empty_like(payload) for _ in range(size)]
         st.slow_bytes += payload.numel() * 4
@@ -224,8 +220,6 @@ def _slow_allreduce(st: HierState, shard: torch.Tensor, key: int) -> torch.Tenso
 def _powersgd(st: HierState, bucket: Any) -> torch.Tensor:
     """Exact node all-reduce, PowerSGD among node leaders, broadcast in the node."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-    from convergent.train.compression import powersgd_bytes
 
     buf = bucket.buffer()
     node = st.groups[0] if len(st.groups) > 1 else None
@@ -273,8 +267,6 @@ def hierarchical_hook(state, bucket):  # noqa: ANN001 - DDP checks annotations, 
 
 def register_hierarchical(ddp_model: Any, pcfg: Any, stats: Any, tiers: Tiers) -> HierState:
     """Register the hierarchical hook on a DDP model, counting slow-hop bytes."""
-    from convergent.train.compression import instrument
-
     st = make_state(tiers, dist.get_rank(), pcfg)
 
     def before(s: HierState, _bucket: Any) -> None:
@@ -283,7 +275,6 @@ def register_hierarchical(ddp_model: Any, pcfg: Any, stats: Any, tiers: Tiers) -
     def run(s, bucket):  # noqa: ANN001 - DDP checks annotations, keep none
         fut = hierarchical_hook(s, bucket)
         stats.bytes += s.slow_bytes
-        stats.total_bytes += s.slow_bytes
         return fut
 
     ddp_model.register_comm_hook(st, instrument(run, stats, lambda *_: 0, before))

@@ -34,6 +34,7 @@ from convergent.errors import ConfigError, ConvergentError
 from convergent.fsutil import atomic_write_text
 from convergent.placement import Placement, gpu_names, plan_training, visible_gpus
 from convergent.runs import RunDir
+from convergent.train.tasks import check_before_launch
 from convergent.train.topology import expand_hostlist
 
 DEFAULT_RDZV_PORT = 29500
@@ -264,8 +265,6 @@ def preflight(
 ) -> Placement:
     """Every check that can fail before a run directory is created; the placement
     (``data``/``fit`` false: skip the dataset paths / the ranks-vs-GPUs check)."""
-    from convergent.train.tasks import check_before_launch
-
     check_before_launch(cfg, data=data)
     return plan_placement(cfg, nproc, fit=fit)
 

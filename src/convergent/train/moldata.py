@@ -3,12 +3,9 @@
 Kept apart from :mod:`convergent.train.tasks` so the LM path never imports the
 molecular model or the dataset store.
 
-Loss (mirrors :func:`convergent.models.losses.energy_force_loss`)::
-
-    loss = mean_molecules((ΔE / n_atoms)^2) + force_weight * mean_components(ΔF^2)
-
-computed from sums over a rank's micro-batch divided by the *global* molecule and
-atom counts of the step, so the rank shares add up to the global-batch loss exactly.
+Loss: :mod:`convergent.models.losses` (``error_sums`` / ``loss_from_sums``), its sums
+over a rank's micro-batch divided by the *global* molecule and atom counts of the step,
+so the rank shares add up to the global-batch loss exactly.
 """
 
 from __future__ import annotations
@@ -20,10 +17,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from convergent.data.cache import ShardCache
+from convergent.data.reader import open_dataset
 from convergent.errors import DataError
-from convergent.train.tasks import MicroBatch
-
-STAT_KEYS = ["e_sq", "f_sq", "e_abs", "e_abs_pa", "f_abs", "molecules", "atoms"]
+from convergent.models.batching import batches_by_atom_budget
+from convergent.models.io import save_model
+from convergent.models.losses import error_sums, loss_from_sums
+from convergent.models.molecular import build_model, energy_and_forces, fit_reference_energies
+from convergent.train.molcolumns import ColumnStore
+from convergent.train.taskapi import MicroBatch
 
 
 class MoleculeSource:
@@ -36,15 +38,11 @@ class MoleculeSource:
     """
 
     def __init__(self, path: str | Path, data_cfg: Any = None) -> None:
-        from convergent.data.reader import open_dataset
-
         self.path = Path(path)
         if not self.path.exists():
             raise DataError(f"dataset not found: {self.path}", hint="set train.dataset")
         self.cache = None
         if data_cfg is not None and data_cfg.cache_dir:
-            from convergent.data.cache import ShardCache
-
             self.cache = ShardCache(
                 Path(data_cfg.cache_dir).expanduser(), budget_bytes=data_cfg.cache_bytes
             )
@@ -82,16 +80,12 @@ class MoleculeSource:
     def batch(self, idx: list[int]) -> Any:
         """The AtomsBatch of records ``idx`` (columnar gather, :mod:`.molcolumns`)."""
         if self._columns is None:
-            from convergent.train.molcolumns import ColumnStore
-
             self._columns = ColumnStore(self)
         return self._columns.batch(idx)
 
 
 def build(cfg: Any, source: MoleculeSource) -> nn.Module:
     """The molecular model with element reference energies fitted on the training set."""
-    from convergent.models.molecular import build_model, fit_reference_energies
-
     model = build_model(cfg.model)
     n = min(len(source), 5000)
     ref = fit_reference_energies(source.record(i) for i in range(n))
@@ -104,8 +98,6 @@ def plan_epoch(
 ) -> list[list[int]]:
     """Global batches of one epoch by atom budget (seeded shuffle); each has >= ``parts``
     molecules (a short tail batch is dropped)."""
-    from convergent.models.batching import batches_by_atom_budget
-
     batches = batches_by_atom_budget(atom_counts, budget, shuffle_seed=seed)
     return [b for b in batches if len(b) >= parts]
 
@@ -119,8 +111,6 @@ def loss(
     model: nn.Module, mb: MicroBatch, dp_world: int, force_weight: float, training: bool
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scaled loss, sum statistics) of one micro-batch (see the module doc)."""
-    from convergent.models.molecular import energy_and_forces
-
     energy, forces = energy_and_forces(model, mb.data, training=training)
     return loss_from_predictions(energy, forces, mb.data, mb.norm, dp_world, force_weight)
 
@@ -135,47 +125,14 @@ def loss_from_predictions(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(scaled loss, sum statistics) of predicted ``energy`` [B] eV and ``forces``
     [N, 3] eV/Å against the labels of ``batch``, over the global counts ``norm``."""
-    de = energy.to(torch.float64) - batch.energy.to(torch.float64)
-    n = batch.n_atoms.to(torch.float64)
-    de_pa = de / n
-    e_sq = (de_pa * de_pa).sum()
-    stats = {
-        "e_abs": de.detach().abs().sum(),
-        "e_abs_pa": de_pa.detach().abs().sum(),
-        "molecules": torch.tensor(float(batch.n_molecules)),
-        "atoms": torch.tensor(float(batch.num_atoms)),
-    }
-    loss_t = e_sq / norm["molecules"]
-    stats["e_sq"] = e_sq.detach()
-    if batch.forces is not None:
-        df = forces.float() - batch.forces.float()
-        f_sq = (df * df).sum()
-        stats["f_sq"] = f_sq.detach().double()
-        stats["f_abs"] = df.detach().abs().sum().double()
-        if force_weight > 0:
-            loss_t = loss_t + force_weight * f_sq.double() / (3.0 * norm["atoms"])
-    else:
-        stats["f_sq"] = torch.zeros((), dtype=torch.float64)
-        stats["f_abs"] = torch.zeros((), dtype=torch.float64)
-    return (loss_t * dp_world).to(torch.float32), stats
-
-
-def finalize(sums: dict[str, float], force_weight: float) -> dict[str, float]:
-    mol = max(sums.get("molecules", 0.0), 1.0)
-    comps = max(3.0 * sums.get("atoms", 0.0), 1.0)
-    e_term = sums.get("e_sq", 0.0) / mol
-    f_term = sums.get("f_sq", 0.0) / comps
-    return {
-        "loss": e_term + force_weight * f_term,
-        "energy_mae": sums.get("e_abs", 0.0) / mol,
-        "energy_mae_per_atom": sums.get("e_abs_pa", 0.0) / mol,
-        "force_mae": sums.get("f_abs", 0.0) / comps,
-    }
+    sums = error_sums(energy, forces, batch)
+    loss = loss_from_sums(sums, norm["molecules"], norm["atoms"], force_weight, dp_world)
+    stats = {k: v.detach() for k, v in sums.items()}
+    stats["f_sq"] = stats["f_sq"].double()
+    return loss, stats
 
 
 def export(model: nn.Module, cfg: Any, directory: Path) -> None:
-    from convergent.models.io import save_model
-
     save_model(
         model,
         cfg.model,

@@ -42,7 +42,8 @@ from torch import nn
 from convergent.errors import ConfigError
 from convergent.models.batching import AtomsBatch, batches_by_atom_budget
 from convergent.models.molecular import EdgeGeometry, MolecularTransformer, RadialBasis
-from convergent.train.tasks import split_evenly
+from convergent.train.moldata import loss_from_predictions
+from convergent.train.taskapi import split_evenly, stage_layers
 
 
 @dataclass(frozen=True)
@@ -201,16 +202,8 @@ def stage_module(full: nn.Module, stage: int, n_stages: int, feed: Feed) -> Mole
         raise ConfigError(
             "parallel.strategy=pipeline needs model.forces=direct for the molecular model"
         )
-    n_layers = len(full.layers)
-    if n_stages > n_layers:
-        raise ConfigError(
-            f"pipeline needs at least one layer per stage: {n_stages} stages > "
-            f"model.layers={n_layers}"
-        )
-    bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
-    return MolecularStage(
-        full, range(bounds[stage], bounds[stage + 1]), stage == 0, stage == n_stages - 1, feed
-    )
+    layers = stage_layers(len(full.layers), stage, n_stages)
+    return MolecularStage(full, layers, stage == 0, stage == n_stages - 1, feed)
 
 
 def stage_io(
@@ -249,8 +242,6 @@ def padded_loss(
     force_weight: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(loss, sum statistics) of one padded micro-batch, padding cut off."""
-    from convergent.train.moldata import loss_from_predictions
-
     energy, forces = output
     if item.batch is None:  # an all-padding micro-batch: contributes nothing
         return (energy.sum() * 0.0).float(), {}

@@ -27,7 +27,7 @@ pick its share of the global batch.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from convergent.errors import ConfigError
-from convergent.train import precision
+from convergent.train import hierarchy, precision
 from convergent.train.compression import CommStats, register_compression
-from convergent.train.tasks import Task, check_pipeline, find_blocks
+from convergent.train.taskapi import Task, find_blocks
+from convergent.train.tasks import check_pipeline
+from convergent.train.topology import gather_hostnames, group_ranks, read_topology_file
 
 
 @dataclass
@@ -110,10 +112,6 @@ def apply_compile(model: nn.Module) -> int:
     for _, blk in blocks:
         blk.compile()
     return len(blocks)
-
-
-def _device_type(device: torch.device) -> str:
-    return device.type
 
 
 def apply_fsdp(
@@ -189,8 +187,6 @@ def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
     """2-D (replicate, shard) DeviceMesh following the topology."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from convergent.train.topology import gather_hostnames, group_ranks, read_topology_file
-
     topo = read_topology_file(pcfg.topology_file) if pcfg.topology_file else None
     hosts = gather_hostnames()
     layout = group_ranks(world, hosts, pcfg.shard_size, topo, pcfg.topology_level)
@@ -201,8 +197,6 @@ def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
 
 def register_ddp_hook(ddp: Any, pcfg: Any, par: Parallelized) -> None:
     """Flat (compressed) or hierarchical gradient all-reduce, per ``parallel.allreduce``."""
-    from convergent.train import hierarchy
-
     tiers = hierarchy.discover_tiers(pcfg, par.dp_world)
     algo = hierarchy.choose_algorithm(pcfg.allreduce, tiers)
     if algo == "hierarchical":
@@ -357,5 +351,3 @@ def clip_grad_norm(par: Parallelized, max_norm: float | None) -> float | torch.T
         norm = norm.full_tensor()
     return norm.detach()
 
-
-Loss = Callable[..., Any]

@@ -25,10 +25,6 @@ from torch import nn
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
-
-
 def matches(name: str, patterns: list[str]) -> bool:
     """True if module ``name`` matches any fnmatch pattern or contains it as a substring."""
     leaf = name.rsplit(".", 1)[-1]

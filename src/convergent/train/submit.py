@@ -6,16 +6,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from convergent.errors import ConfigError
+from convergent.runs import RunDir, open_run, run_path
+from convergent.train.launch import preflight, resolved_config_path
+from convergent.train.sbatch import job_for, render, submit, write_script
 
 
 def submit_training(cfg, run_dir: Path | None, resume: bool, nproc: int | None,
                     nnodes: int | None, requeue: bool, print_only: bool,
                     echo: Callable[[str], None]) -> str | None:
     """Write ``<run>/train.sbatch`` and submit it (or only print it); returns the job id."""
-    from convergent.runs import RunDir, open_run, run_path
-    from convergent.train.launch import preflight, resolved_config_path
-    from convergent.train.sbatch import job_for, render, submit, write_script
-
     # the GPUs are on the compute nodes, not here: no ranks-vs-visible-GPUs check
     # (parallel.nproc: auto resolves on this machine; give --nproc for GPU nodes)
     n = preflight(cfg, nproc, data=not print_only, fit=False).nproc

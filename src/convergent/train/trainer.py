@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
-import signal
 import time
 from contextlib import nullcontext as _null
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from convergent.monitor import commtime
-from convergent.monitor.flops import count_flops, device_peak, mfu
+from convergent.monitor.flops import count_flops, device_peak
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
 from convergent.placement import placement_record
@@ -48,67 +46,13 @@ from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
 from convergent.train.preempt import Preempted, Preemption
 from convergent.train.prefetch import Prefetcher
-from convergent.train.tasks import MicroBatch, Task, make_task
+from convergent.train.runtime import lr_lambda, maybe_fault, pick_device
+from convergent.train.steplog import StepLog, reduce_sums
+from convergent.train.taskapi import MicroBatch, Task
+from convergent.train.tasks import make_task
+from convergent.trainrecords import TrainStep, ValRecord
 
 log = logging.getLogger("convergent.train")
-
-FAULT_ENV = "CONVERGENT_TRAIN_FAULT"  # "rank=R,step=S": SIGKILL rank R at step S, attempt 0
-
-
-def pick_device(pref: str, local_rank: int, tf32: bool = True) -> torch.device:
-    """``cuda:LOCAL_RANK`` (within CUDA_VISIBLE_DEVICES) or the CPU; TF32 on CUDA."""
-    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        # TF32 tensor cores for fp32 matmuls (and cuDNN convolutions) unless disabled
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        torch.backends.cudnn.allow_tf32 = tf32
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def lr_lambda(cfg: Any) -> Any:
-    t = cfg.train
-
-    def f(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        if t.lr_schedule == "constant":
-            return 1.0
-        span = max(1, t.steps - t.warmup_steps)
-        prog = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
-
-    return f
-
-
-def _maybe_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    kv = dict(item.split("=", 1) for item in spec.split(","))
-    if int(kv.get("rank", -1)) == rank and int(kv.get("step", -1)) == step:
-        log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _stats_rows(rows: list[list[Any]]) -> torch.Tensor:
-    """Steps' sums (floats, or float64 0-d tensors left on the device so that the step
-    never waits for them) as one float64 CPU matrix: a single device->host copy."""
-    dev = [v for r in rows for v in r if isinstance(v, torch.Tensor)]
-    vals = iter(torch.stack(dev).cpu().tolist()) if dev else iter(())
-    return torch.tensor(
-        [[next(vals) if isinstance(v, torch.Tensor) else float(v) for v in r] for r in rows],
-        dtype=torch.float64,
-    )
-
-
-def _reduce_sums(sums: dict[str, float], keys: list[str]) -> dict[str, float]:
-    t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return dict(zip(keys, t.tolist(), strict=True))
-
 
 class Trainer:
     """Builds everything from the config and runs ``train.steps`` optimizer steps."""
@@ -171,11 +115,18 @@ class Trainer:
         if self.sinks is not None:
             self.sinks.write(ranks)
         self.preempt = Preemption.from_env()
-        self.peak_info = device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
-        self.peak = self.peak_info.flops
+        peak = device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
         self.timer = StepTimer(self.device)
-        self.history: list[dict[str, Any]] = []
-        self.val_history: list[dict[str, Any]] = []
+        # per-step sums are reduced across ranks in batches of metrics.reduce_every steps
+        # (and before validation / checkpoints / the end): no collective in every step
+        self.steps = StepLog(self.task, self.sinks, self.device, self.world,
+                             self.flops_per_unit, peak, cfg.train.steps, cfg.metrics.log_every)
+        self.val_history: list[ValRecord] = []
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The written train_step records, as their metrics.jsonl lines."""
+        return [r.to_dict() for r in self.steps.history]
 
     # -- setup helpers
 
@@ -313,7 +264,7 @@ class Trainer:
                 s.step()
         return norm
 
-    def validate(self, step: int) -> dict[str, Any] | None:
+    def validate(self, step: int) -> ValRecord | None:
         """Validation metrics over the held-out set (all ranks share the batches)."""
         mbs = self.task.val_batches(self.par.dp_rank, self.par.dp_world)
         if self.par.strategy == "pipeline":
@@ -337,18 +288,10 @@ class Trainer:
                 continue  # padding forward, not counted
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        if self.task.kind == "lm":
-            keys = ["ce_sum", "tokens"]
-        else:
-            from convergent.train.moldata import STAT_KEYS
+        sums = reduce_sums(sums, list(self.task.stat_keys))
+        return self._val_record(step, sums)
 
-            keys = STAT_KEYS
-        sums = _reduce_sums(sums, keys)
-        rec = {"kind": "val", "step": step, "attempt": self.attempt,
-               **self.task.finalize_stats(sums)}
-        return rec
-
-    def _pipeline_validate(self, step: int) -> dict[str, Any] | None:
+    def _pipeline_validate(self, step: int) -> ValRecord | None:
         mbs = self.task.val_batches(0, 1)  # every stage sees every validation batch
         if not mbs:
             return None
@@ -356,66 +299,20 @@ class Trainer:
         for mb in mbs:
             for k, v in self._pipeline_run(self.task.to(mb, self.device), training=False).items():
                 sums[k] = sums.get(k, 0.0) + v
-        sums = _reduce_sums(sums, sorted(sums))
-        return {"kind": "val", "step": step, "attempt": self.attempt,
-                **self.task.finalize_stats(sums)}
+        return self._val_record(step, reduce_sums(sums, sorted(sums)))
+
+    def _val_record(self, step: int, sums: dict[str, float]) -> ValRecord:
+        rec = ValRecord(step=step, attempt=self.attempt)
+        rec.set_metrics(self.task.finalize_stats(sums))
+        return rec
 
     # -- the loop
-
-    def _flush(self) -> None:
-        """Reduce the pending steps' sums in one all-reduce and write their records."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        stats = _stats_rows([row for row, _ in pending])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                stats = stats.to(self.device)
-            dist.all_reduce(stats)
-            stats = stats.cpu()
-        for row, (_, partial) in zip(stats.tolist(), pending, strict=True):
-            self._write(dict(zip(self._sum_keys, row, strict=True)), partial)
-
-    def _write(self, tot: dict[str, float], partial: dict[str, Any]) -> None:
-        """Complete one step's record from its global sums and send it to the sinks."""
-        task = self.task
-        partial = dict(partial)
-        timing = partial.pop("timing")
-        times = timing.resolve()
-        step_s = times["step_s"]
-        for key in ("data_wait", "compute", "comm", "optimizer"):
-            partial[f"{key}_s"] = times.get(key, 0.0)
-        partial["step_s"] = step_s
-        partial["grad_norm"] = float(partial["grad_norm"])
-        rec = {
-            **{k: partial[k] for k in ("kind", "step")},
-            **task.finalize_stats(tot),
-            **{k: v for k, v in partial.items() if k not in ("kind", "step")},
-            "samples_per_s": tot["samples"] / step_s,
-            f"{task.unit}_per_s": tot["units"] / step_s,
-            "mfu": mfu((self.flops_per_unit or 0.0) * tot["units"], step_s,
-                       (self.peak or 0.0) * self.world) if self.flops_per_unit else None,
-            **self.peak_info.record(),  # per-process peak and its source
-        }
-        self.history.append(rec)
-        if self.sinks is not None:
-            self.sinks.write(rec)
-            done, steps = rec["step"], self.cfg.train.steps
-            if done % max(1, self.cfg.metrics.log_every) == 0 or done == steps:
-                log.info(
-                    "step %d/%d loss %.5g %s/s %.0f mfu %s",
-                    done, steps, rec["loss"], task.unit, rec[f"{task.unit}_per_s"],
-                    f"{rec['mfu']:.3%}" if rec["mfu"] is not None else "n/a",
-                )
 
     def train(self) -> dict[str, Any]:
         cfg, task, par = self.cfg, self.task, self.par
         t_start = time.time()
         steps = cfg.train.steps
         accum = 1 if par.strategy == "pipeline" else cfg.train.grad_accum
-        # per-step sums are reduced across ranks in batches of metrics.reduce_every steps
-        # (and before validation / checkpoints / the end): no collective in every step
-        self._pending: list[tuple[list[Any], dict[str, Any]]] = []
         last_ckpt = self.start_step
         feed = Prefetcher(
             lambda s: task.micro_batches(s, par.dp_rank, par.dp_world, accum),
@@ -428,9 +325,8 @@ class Trainer:
 
     def _loop(self, feed: Prefetcher, t_start: float, steps: int, last_ckpt: int) -> dict[str, Any]:
         cfg, par = self.cfg, self.par
-        sum_keys: list[str] | None = None
         for step in range(self.start_step, steps):
-            _maybe_fault(self.rank, step)
+            maybe_fault(self.rank, step)
             self.timer.reset()
             start_time = time.time()
             par.comm.reset()
@@ -447,48 +343,39 @@ class Trainer:
             blocked = self._comm_clock()
             grad_norm = self._optimizer_step()
             self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
-            if sum_keys is None:
-                sum_keys = self._sum_keys = sorted(sums)
-            stats = [sums.get(k, 0.0) for k in sum_keys]
             timing = self.timer.snapshot()  # resolved when the record is written
             done = step + 1
-            partial: dict[str, Any] = {
-                "kind": "train_step",
-                "step": done,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "timing": timing,
-                "start_time": start_time,  # unix s at step start (wall-clock throughput)
-                "peak_mem_bytes": peak_memory_bytes(self.device),
+            rec = TrainStep(
+                step=done, attempt=self.attempt, lr=lr,
+                grad_norm=grad_norm,  # type: ignore[arg-type]  # a device tensor until written
+                start_time=start_time,  # unix s at step start (wall-clock throughput)
+                peak_mem_bytes=peak_memory_bytes(self.device),
                 # gradient payload counted by the DDP comm hook (None: not instrumented)
-                "comm_bytes": par.comm.bytes if par.strategy == "ddp" else None,
-                "strategy": par.strategy,
-                "world": self.world,
-                "attempt": self.attempt,
-            }
-            if self.scaler is not None:
-                partial["loss_scale"] = float(self.scaler.get_scale())
-            self._pending.append((stats, partial))
+                comm_bytes=par.comm.bytes if par.strategy == "ddp" else None,
+                strategy=par.strategy, world=self.world,
+                loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
+            )
+            self.steps.add(sums, rec, timing)
             val_every = cfg.train.val_every
             is_val = done == steps or (val_every and done % val_every == 0)
             is_ckpt = done == steps or (
                 cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0
             )
-            if is_val or is_ckpt or len(self._pending) >= max(1, cfg.metrics.reduce_every):
-                self._flush()
+            if is_val or is_ckpt or len(self.steps.pending) >= max(1, cfg.metrics.reduce_every):
+                self.steps.flush()
             if is_val:
                 vrec = self.validate(done)
                 if vrec is not None:
                     self.val_history.append(vrec)
                     if self.sinks is not None:
-                        self.sinks.write(vrec)
+                        self.sinks.write(vrec.to_dict())
             if is_ckpt:
                 self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
                 if self.sinks is not None:
                     self.sinks.commit(done)  # steps up to here are never replayed
                 last_ckpt = done
             if done < steps and self.preempt.requested():  # collective when enabled
-                self._flush()
+                self.steps.flush()
                 if not is_ckpt:
                     self.ckpt.save(done, par.parts, self.optims, self._extra(done),
                                    self._local())
@@ -498,7 +385,7 @@ class Trainer:
                                       "signal": self.preempt.signal_name})
                     self.sinks.close()
                 raise Preempted(done)
-        self._flush()
+        self.steps.flush()
         self.ckpt.wait()
         if self.sinks is not None:
             self.sinks.close()
@@ -509,7 +396,7 @@ class Trainer:
             "last_checkpoint": str(self.ckpt.path_for(self.run.ckpt, last_ckpt)),
             "seconds": time.time() - t_start,
             "final": self.history[-1] if self.history else None,
-            "val": self.val_history[-1] if self.val_history else None,
+            "val": self.val_history[-1].to_dict() if self.val_history else None,
             "world": self.world,
             "strategy": par.strategy,
             "placement": self.placement,

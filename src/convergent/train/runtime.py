@@ -1,0 +1,52 @@
+"""Process set-up of a training rank: its device, the LR schedule, fault injection."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+from typing import Any
+
+import torch
+
+log = logging.getLogger("convergent.train")
+
+FAULT_ENV = "CONVERGENT_TRAIN_FAULT"  # "rank=R,step=S": SIGKILL rank R at step S, attempt 0
+
+
+def pick_device(pref: str, local_rank: int, tf32: bool = True) -> torch.device:
+    """``cuda:LOCAL_RANK`` (within CUDA_VISIBLE_DEVICES) or the CPU; TF32 on CUDA."""
+    if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        # TF32 tensor cores for fp32 matmuls (and cuDNN convolutions) unless disabled
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def lr_lambda(cfg: Any) -> Any:
+    t = cfg.train
+
+    def f(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        span = max(1, t.steps - t.warmup_steps)
+        prog = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+
+    return f
+
+
+def maybe_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kv = dict(item.split("=", 1) for item in spec.split(","))
+    if int(kv.get("rank", -1)) == rank and int(kv.get("step", -1)) == step:
+        log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
