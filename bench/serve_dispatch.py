@@ -1,4 +1,5 @@
-"""Dispatcher benchmark (run through ``python bench/serve_throughput.py --dispatch``).
+"""Dispatcher benchmark: ``python bench/serve_dispatch.py`` (or ``bench/serve_throughput.py
+--dispatch``) -> bench/results/serve_dispatch.json.
 
 Real ``convergent serve --instances N`` processes on 127.0.0.1, single-stage instances
 (one core each, ``serve.pin_cpus``), driven by an async HTTP client:
@@ -10,35 +11,32 @@ Real ``convergent serve --instances N`` processes on 127.0.0.1, single-stage ins
 * failover: one instance SIGKILLed mid-trace: every request is answered (ok, or an error
   for those running on the dead instance); none is lost or hangs.
 
-Sides are interleaved over ``--rounds`` rounds; medians with min/max are reported, with
-the git commit (+dirty), versions, load average before/after and each side's settings.
+Every comparison runs its sides interleaved (A B A B …) over ``--rounds`` rounds through
+the shared harness (``bench/_harness.py``): medians with min/max/IQR, never best-of; the
+git commit (+dirty: refused unless ``--allow-dirty``), versions, machine, load average
+before/after, each side's settings and the differences that remain between sides.
+
+    python bench/serve_dispatch.py --rounds 3 --requests 32
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import random
 import signal
-import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "serve"))  # servers.py: start/stop a real server
 
-
-def _git() -> dict:
-    def run(*a):
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {
-        "commit": run("rev-parse", "HEAD"),
-        "dirty": bool(run("status", "--porcelain", "--untracked-files=no")),
-    }
+from _harness import Side, add_args, check_clean, interleave, summarise, write_result  # noqa: E402
 
 
 def _start(model, run_root, instances, policy, extra=()):
@@ -121,116 +119,175 @@ async def _fire(base, trace, kill=None):
     }
 
 
-def _med(xs):
-    xs = [x for x in xs if x is not None]
-    return (
-        {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-        if xs
-        else None
-    )
+SETTINGS = {
+    "scheduler": "sequential",
+    "torch_threads": 1,
+    "pin_cpus": True,
+    "max_model_len": 512,
+    "kv_budget_bytes": 67108864,
+}
 
 
-def run(model, out_path, rounds=3, n=48, quick=False):
+def _served(model, run_root, instances, policy, trace, warmup=4, extra=(), kill_after=None):
+    """Start a server, (warm it up,) fire ``trace`` at it, stop it; the client's numbers."""
     import httpx
     from servers import stop_server
 
-    run_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-dispatch-{os.getpid()}"
-    run_root.mkdir(parents=True, exist_ok=True)
-    res = {
-        "git": _git(),
-        "loadavg_before": os.getloadavg(),
-        "rounds": rounds,
-        "requests": n,
-        "model": str(model),
-        "cores": os.cpu_count(),
-    }
-    settings = {
-        "scheduler": "sequential",
-        "torch_threads": 1,
-        "pin_cpus": True,
-        "max_model_len": 512,
-    }
-    thr = {"1": [], "2": []}
-    trace = _trace(n, 0, skew=False)
-    for r in range(rounds):  # sides alternate their order round by round
-        for k in ("1", "2") if r % 2 == 0 else ("2", "1"):
-            proc, base = _start(model, run_root, int(k), "load")
-            try:
-                asyncio.run(_fire(base, trace[:4]))  # warm-up
-                thr[k].append({"loadavg": os.getloadavg(), **asyncio.run(_fire(base, trace))})
-            finally:
-                stop_server(proc)
-    t1 = _med([x["tok_s"] for x in thr["1"]])
-    t2 = _med([x["tok_s"] for x in thr["2"]])
-    res["throughput"] = {
-        "settings": {**settings, "trace": "uniform, all submitted at once"},
-        "one_instance_tok_s": t1,
-        "two_instances_tok_s": t2,
-        "speedup_median": t2["median"] / t1["median"],
-        "runs": thr,
-    }
-    skew = _trace(n, 1, skew=True)
-    pol = {"load": [], "round_robin": []}
-    for r in range(rounds):
-        for p in ("load", "round_robin") if r % 2 == 0 else ("round_robin", "load"):
-            proc, base = _start(model, run_root, 2, p)
-            try:
-                pol[p].append({"loadavg": os.getloadavg(), **asyncio.run(_fire(base, skew))})
-            finally:
-                stop_server(proc)
-    res["routing"] = {
-        "settings": {
-            **settings,
-            "instances": 2,
-            "trace": "15% long (80-word prompt, 200 tokens), rest short",
-        },
-        "load_p99_s": _med([x["p99_s"] for x in pol["load"]]),
-        "round_robin_p99_s": _med([x["p99_s"] for x in pol["round_robin"]]),
-        "runs": pol,
-    }
+    proc, base = _start(model, run_root, instances, policy, extra)
+    try:
+        if warmup:
+            asyncio.run(_fire(base, trace[:warmup]))
+        kill = None
+        if kill_after is not None:
+            pid = httpx.get(base + "/instances").json()[0]["pid"]
+            kill = (kill_after, lambda: os.kill(pid, signal.SIGKILL))
+        res = asyncio.run(_fire(base, trace, kill=kill))
+        if kill is not None:
+            res["instances_after"] = httpx.get(base + "/instances").json()
+        return res
+    finally:
+        stop_server(proc)
+
+
+def _overhead(model, run_root, n: int) -> dict:
+    """1-token requests via the dispatcher and straight to its instance, interleaved."""
+    import httpx
+    from servers import stop_server
+
     proc, base = _start(model, run_root, 1, "load")
     try:
         inst = httpx.get(base + "/instances").json()[0]["url"]
         via, direct = [], []
-        for _ in range(20 if quick else 60):
+        for _ in range(n):
             for url, xs in ((base, via), (inst, direct)):
                 t0 = time.monotonic()
                 httpx.post(
                     url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=60
                 )
                 xs.append(time.monotonic() - t0)
-        res["overhead"] = {
-            "via_dispatcher_median_s": statistics.median(via),
-            "direct_median_s": statistics.median(direct),
-            "overhead_per_request_s": statistics.median(via) - statistics.median(direct),
-            "requests": len(via),
-        }
     finally:
         stop_server(proc)
-    fo = []
-    for _r in range(rounds):
-        proc, base = _start(model, run_root, 2, "load", ("serve.dispatch_max_outstanding=8",))
-        try:
-            pid = httpx.get(base + "/instances").json()[0]["pid"]
-            r = asyncio.run(
-                _fire(base, trace, kill=(2.0, lambda pid=pid: os.kill(pid, signal.SIGKILL)))
-            )
-            r["instances_after"] = httpx.get(base + "/instances").json()
-            fo.append(r)
-        finally:
-            stop_server(proc)
-    res["failover"] = {
-        "settings": {
-            **settings,
-            "instances": 2,
-            "dispatch_max_outstanding": 8,
-            "kill": "instance 0 SIGKILLed 2 s into the trace",
-        },
-        "runs": fo,
-        "lost_total": sum(x["lost"] for x in fo),
-        "errors_total": sum(x["error"] for x in fo),
-        "ok_total": sum(x["ok"] for x in fo),
+    sv, sd = summarise(via), summarise(direct)
+    return {
+        "via_dispatcher_s": sv,
+        "direct_s": sd,
+        "via_dispatcher_median_s": sv["median"],
+        "direct_median_s": sd["median"],
+        "overhead_per_request_s": sv["median"] - sd["median"],
+        "requests": len(via),
     }
-    res["loadavg_after"] = os.getloadavg()
-    out_path.write_text(json.dumps(res, indent=1, default=str))
-    return res
+
+
+def _section(res) -> dict:
+    d = res.to_dict()
+    for k in ("provenance", "benchmark", "commit", "dirty"):
+        d.pop(k, None)
+    return d
+
+
+def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
+    """All four comparisons; returns the result dict (commit, provenance, sections)."""
+    from _harness import provenance
+
+    run_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-dispatch-{os.getpid()}"
+    run_root.mkdir(parents=True, exist_ok=True)
+    prov = provenance()
+    trace = _trace(n, 0, skew=False)
+    same = ["same model, trace, client and settings; only the instance count differs",
+            "the 1-instance side uses one core, the 2-instance side two (that is the point)"]
+    thr = interleave(
+        "serve_dispatch.throughput",
+        [Side("one_instance", lambda r: _served(model, run_root, 1, "load", trace),
+              {**SETTINGS, "instances": 1}),
+         Side("two_instances", lambda r: _served(model, run_root, 2, "load", trace),
+              {**SETTINGS, "instances": 2})],
+        rounds=rounds, differences=same,
+    )
+    skew = _trace(n, 1, skew=True)
+    routing = interleave(
+        "serve_dispatch.routing",
+        [Side("load", lambda r: _served(model, run_root, 2, "load", skew, warmup=0),
+              {**SETTINGS, "instances": 2, "dispatch_policy": "load"}),
+         Side("round_robin", lambda r: _served(model, run_root, 2, "round_robin", skew, warmup=0),
+              {**SETTINGS, "instances": 2, "dispatch_policy": "round_robin"})],
+        rounds=rounds,
+        differences=["only serve.dispatch_policy differs; same skewed trace (15% long: "
+                     "80-word prompt, 200 tokens; rest 2 words, 8 tokens), all at once"],
+    )
+    over = _overhead(model, run_root, 20 if quick else 40)
+    fo_settings = {**SETTINGS, "instances": 2, "dispatch_max_outstanding": 8,
+                   "kill": "instance 0 SIGKILLed 2 s into the trace"}
+    failover = interleave(
+        "serve_dispatch.failover",
+        [Side("kill_one_of_two", lambda r: _served(
+            model, run_root, 2, "load", trace, warmup=0,
+            extra=("serve.dispatch_max_outstanding=8",), kill_after=2.0), fo_settings)],
+        rounds=rounds,
+    )
+    fo_rows = failover.per_round["kill_one_of_two"]
+    t1 = thr.summary["one_instance"]["tok_s"]
+    t2 = thr.summary["two_instances"]["tok_s"]
+    prov["load_avg_after"] = list(os.getloadavg())
+    return {
+        "benchmark": "serve_dispatch",
+        "commit": prov["commit"],
+        "dirty": prov["dirty"],
+        "provenance": prov,
+        "rounds": rounds,
+        "requests": n,
+        "model": str(model),
+        # headline keys (issue 22): read by the README and the issue checks
+        "speedup_median": thr.ratio("two_instances", "one_instance", "tok_s"),
+        "load_p99_s_median": routing.median("load", "p99_s"),
+        "round_robin_p99_s_median": routing.median("round_robin", "p99_s"),
+        "overhead_per_request_s": over["overhead_per_request_s"],
+        "lost_total": sum(x["lost"] for x in fo_rows),
+        "throughput": {
+            **_section(thr),
+            "one_instance_tok_s": t1,
+            "two_instances_tok_s": t2,
+            "speedup_median": thr.ratio("two_instances", "one_instance", "tok_s"),
+            "speedup_per_round": [
+                b["tok_s"] / a["tok_s"]
+                for a, b in zip(thr.per_round["one_instance"], thr.per_round["two_instances"],
+                                strict=True)
+            ],
+        },
+        "routing": {
+            **_section(routing),
+            "load_p99_s": routing.summary["load"]["p99_s"],
+            "round_robin_p99_s": routing.summary["round_robin"]["p99_s"],
+        },
+        "overhead": over,
+        "failover": {
+            **_section(failover),
+            "lost_total": sum(x["lost"] for x in fo_rows),
+            "errors_total": sum(x["error"] for x in fo_rows),
+            "ok_total": sum(x["ok"] for x in fo_rows),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_args(ap, default_out=str(ROOT / "bench" / "results" / "serve_dispatch.json"), rounds=3)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="fewer overhead probes")
+    ap.add_argument("--model-dir", type=Path, default=None)
+    args = ap.parse_args(argv)
+    check_clean(args)
+    sys.path.insert(0, str(ROOT / "src"))
+    from convergent.serve.offline import ensure_random_model
+
+    mdir = args.model_dir or Path(tempfile.gettempdir()) / "convergent-serve-30m"
+    ensure_random_model(mdir, "30m", seed=0)
+    res = run(mdir, args.rounds, args.requests, args.quick)
+    write_result(res, args)
+    keys = ("speedup_median", "load_p99_s_median", "round_robin_p99_s_median",
+            "overhead_per_request_s", "lost_total")
+    print(json.dumps({k: res[k] for k in keys}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from convergent.models.llama import MLP_ACTS
+from convergent.models.llama_config import MLP_ACTS
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_MODEL_TYPES", "SUPPORTED_ROPE", "check_supported"]
 

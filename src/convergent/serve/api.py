@@ -13,74 +13,38 @@ Failures: a request whose engine request ends with ``finish_reason="error"`` (a 
 the server is shutting down, ``serve.request_timeout_s`` passed) gets a 503 with the reason,
 or, when streaming, an ``error`` event before ``[DONE]``; while the engine is unhealthy
 or draining new requests get 503 at once.
+
+This module holds the app and its routes; the input side (prompts to engine requests) is
+:mod:`convergent.serve.api_requests`, the output side (tokens to responses and
+server-sent events) :mod:`convergent.serve.api_stream`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
 
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves annotations
 
+from convergent.serve.api_requests import build_requests, error_response
+from convergent.serve.api_stream import TokenChannel, events, final_response, sse_chunks
 from convergent.serve.engine import Engine
 from convergent.serve.metrics import ServeMetrics
-from convergent.serve.output import ChoiceOutput
 from convergent.serve.predictor import LengthPredictor
 from convergent.serve.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatMessageOut,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     Health,
     ModelCard,
     ModelList,
     RequestError,
-    Usage,
     parse_request,
 )
-from convergent.serve.scheduler import Request
+from convergent.serve.scheduler_base import Request
 
 __all__ = ["create_app"]
-
-
-def _error(status: int, message: str, code: str, etype: str = "invalid_request_error", param=None):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": message, "type": etype, "param": param, "code": code}},
-    )
-
-
-class _Stream:
-    """Per-HTTP-request channel from the engine thread to the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, arrival: float) -> None:
-        self.loop = loop
-        self.q: asyncio.Queue = asyncio.Queue()
-        self.arrival = arrival
-        self.last: dict[int, float] = {}
-
-    def push(self, rid: int, token: int, finished: bool, reason: str | None) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, (rid, token, finished, reason))
-
-
-def _sse(obj) -> str:
-    data = (
-        obj.model_dump_json(exclude_none=True)
-        if hasattr(obj, "model_dump_json")
-        else json.dumps(obj)
-    )
-    return f"data: {data}\n\n"
 
 
 def create_app(
@@ -103,9 +67,8 @@ def create_app(
         tokenizer, _ = load_tokenizer(engine.model_dir, engine.mcfg.vocab_size)
     tok = tokenizer
     app = FastAPI(title="convergent serve", version="0.2")
-    streams: dict[int, _Stream] = {}
+    streams: dict[int, TokenChannel] = {}
     counters = {"requests": 0, "completed": 0, "tokens": 0}
-    vocab = engine.mcfg.vocab_size
     metrics = ServeMetrics(
         lambda: engine.queue_length,
         lambda: engine.bm.num_used / max(1, engine.bm.num_blocks),
@@ -134,7 +97,7 @@ def create_app(
         if not api_key:
             return None
         if request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return _error(
+            return error_response(
                 401, "invalid or missing API key", "invalid_api_key", "authentication_error"
             )
         return None
@@ -152,117 +115,7 @@ def create_app(
                 f"the engine is restarting after a failure: {engine.failure}",
                 "engine_restarting",
             )
-        return _error(503, msg, code, "server_error")
-
-    def _prompts(body, chat: bool) -> list[list[int]]:
-        if chat:
-            if tok is None:
-                raise RequestError(
-                    "messages: this checkpoint has no tokenizer (token-id prompts only)", "messages"
-                )
-            if not tok.has_chat_template:
-                raise RequestError(
-                    "messages: this checkpoint's tokenizer has no chat template", "messages"
-                )
-            try:
-                text, has_bos = tok.render_chat([m.as_template_dict() for m in body.messages])
-            except Exception as exc:
-                raise RequestError(
-                    f"messages: the chat template failed: {exc}", "messages"
-                ) from None
-            return [tok.encode(text, bos=not has_bos)]
-        p = body.prompt
-        items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-        out = []
-        for it in items:
-            if isinstance(it, str):
-                if tok is None:
-                    raise RequestError(
-                        "prompt: this checkpoint has no tokenizer; send token ids (a list of ints)",
-                        "prompt",
-                    )
-                out.append(tok.encode(it))
-            else:
-                bad = [i for i in it if i >= vocab]
-                if bad:
-                    raise RequestError(f"prompt: token id {bad[0]} >= vocab_size {vocab}", "prompt")
-                out.append(list(it))
-        return out
-
-    def _make(body, chat: bool) -> tuple[list[Request], list[ChoiceOutput]]:
-        prompts = _prompts(body, chat)
-        mt = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        limit = engine.context_limit
-        bad = [i for i in body.stop_token_ids or [] if i >= vocab]
-        if bad:
-            raise RequestError(f"stop_token_ids: {bad[0]} >= vocab_size {vocab}", "stop_token_ids")
-        if (body.stop_strings or body.logprobs) and tok is None:
-            param = "stop" if body.stop_strings else "logprobs"
-            raise RequestError(f"{param}: needs a tokenizer, and this checkpoint has none", param)
-        if chat:
-            lp = (body.top_logprobs or 0) if body.logprobs else -1
-        else:
-            lp = -1 if body.logprobs is None else body.logprobs
-        temp = body.temperature or 0.0
-        top_k = body.top_k if body.top_k and body.top_k > 0 else 0
-        eos = [] if body.ignore_eos else list(tok.eos_ids if tok is not None else [])
-        reqs, outs = [], []
-        for p_ids in prompts:
-            max_tokens = (
-                mt
-                if mt is not None
-                else max(1, min(engine.cfg.default_max_tokens, limit - len(p_ids)))
-            )
-            why = engine.context_error(len(p_ids), max_tokens)
-            if why is not None:
-                raise RequestError(why, "messages" if chat else "prompt", "context_length_exceeded")
-            pred = None
-            if predictor is not None and tok is not None:
-                pred = min(predictor.predict(tok.decode(p_ids)), max_tokens)
-            for j in range(body.n):
-                r = engine.make_request(
-                    p_ids,
-                    max_tokens,
-                    pred,
-                    temp,
-                    None if body.seed is None else body.seed + j,
-                    [] if body.ignore_eos else None,
-                    top_k=top_k,
-                    top_p=body.top_p if body.top_p is not None else 1.0,
-                    logprobs=lp,
-                    extra_stop_ids=[*(body.stop_token_ids or []), *eos],
-                )
-                reqs.append(r)
-                outs.append(ChoiceOutput(len(outs), r, tok, body.stop_strings))
-        return reqs, outs
-
-    def _usage(reqs, outs) -> Usage:
-        pt = sum(len(r.prompt) for r in reqs)
-        ct = sum(len(o.tokens) for o in outs)
-        return Usage(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct)
-
-    async def _events(stream: _Stream, reqs, outs):
-        """Yield ``(choice, delta)`` as tokens arrive, until every choice is done."""
-        by_rid = {r.rid: o for r, o in zip(reqs, outs, strict=True)}
-        deadline = stream.arrival + engine.cfg.request_timeout_s
-        while not all(o.done for o in outs):
-            try:
-                rid, token, finished, reason = await asyncio.wait_for(
-                    stream.q.get(), timeout=max(0.01, deadline - time.monotonic())
-                )
-            except TimeoutError:
-                for o in outs:
-                    if not o.done:
-                        engine.abort(o.req.rid)
-                        o.req.error = f"request timed out after serve.request_timeout_s={engine.cfg.request_timeout_s:g} s"
-                        o.finish_reason, o.error = "error", o.req.error
-                        yield o, ""
-                return
-            o = by_rid[rid]
-            delta, hit = o.add(token, finished, reason)
-            if hit and not finished:
-                engine.abort(rid)
-            yield o, delta
+        return error_response(503, msg, code, "server_error")
 
     def _finish_metrics(outs, cancelled: bool) -> None:
         if cancelled:
@@ -286,21 +139,21 @@ def create_app(
             )
             if body.model is not None and body.model != model_name:
                 metrics.requests.labels(status="rejected").inc()
-                return _error(
+                return error_response(
                     404,
                     f"The model '{body.model}' does not exist (this server has '{model_name}')",
                     "model_not_found",
                     "NotFoundError",
                     param="model",
                 )
-            reqs, outs = _make(body, chat)
+            reqs, outs = build_requests(engine, body, chat, tok, predictor)
         except RequestError as e:
             metrics.requests.labels(status="rejected").inc()
-            return _error(400, e.message, e.code, param=e.param)
+            return error_response(400, e.message, e.code, param=e.param)
         except Exception as e:  # noqa: BLE001 - e.g. InputError from the engine
             metrics.requests.labels(status="rejected").inc()
-            return _error(400, str(e), "invalid_request")
-        stream = _Stream(asyncio.get_running_loop(), t_arrival)
+            return error_response(400, str(e), "invalid_request")
+        stream = TokenChannel(asyncio.get_running_loop(), t_arrival)
         for r in reqs:
             streams[r.rid] = stream
         counters["requests"] += 1
@@ -319,129 +172,27 @@ def create_app(
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            async def sse():
+            async def sse_body():
                 cancelled = True
                 try:
-                    if chat:
-                        for o in outs:
-                            yield _sse(
-                                ChatCompletionChunk(
-                                    id=rid,
-                                    created=created,
-                                    model=model_name,
-                                    choices=[
-                                        ChatChunkChoice(
-                                            index=o.index,
-                                            delta=ChatDelta(role="assistant", content=""),
-                                        )
-                                    ],
-                                )
-                            )
-                    async for o, delta in _events(stream, reqs, outs):
-                        if o.error is not None:
-                            err = {
-                                "error": {
-                                    "message": o.error,
-                                    "type": "server_error",
-                                    "param": None,
-                                    "code": "stage_failure",
-                                }
-                            }
-                            yield f"data: {json.dumps(err)}\n\n"
-                            yield "data: [DONE]\n\n"
-                            cancelled = False
-                            return
-                        fr = o.finish_reason
-                        if not delta and fr is None:
-                            continue
-                        if chat:
-                            ch = ChatChunkChoice(
-                                index=o.index,
-                                delta=ChatDelta(content=delta) if delta else ChatDelta(),
-                                finish_reason=fr,
-                                logprobs=o.chat_logprobs(new_only=True),
-                            )
-                            chunk = ChatCompletionChunk(
-                                id=rid, created=created, model=model_name, choices=[ch]
-                            )
-                        else:
-                            ch = CompletionChoice(
-                                index=o.index,
-                                text=delta,
-                                finish_reason=fr,
-                                logprobs=o.completion_logprobs(new_only=True),
-                            )
-                            chunk = CompletionResponse(
-                                id=rid, created=created, model=model_name, choices=[ch]
-                            )
-                        yield _sse(chunk)
-                    if include_usage:
-                        cls = ChatCompletionChunk if chat else CompletionResponse
-                        yield _sse(
-                            cls(
-                                id=rid,
-                                created=created,
-                                model=model_name,
-                                choices=[],
-                                usage=_usage(reqs, outs),
-                            )
-                        )
-                    yield "data: [DONE]\n\n"
+                    async for chunk in sse_chunks(
+                        engine, stream, reqs, outs, chat, rid, created, model_name, include_usage
+                    ):
+                        yield chunk
                     cancelled = False
                 finally:
                     cleanup(cancelled)
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return StreamingResponse(sse_body(), media_type="text/event-stream")
 
         cancelled = True
         try:
-            async for _o, _d in _events(stream, reqs, outs):
+            async for _o, _d in events(engine, stream, reqs, outs):
                 pass
             cancelled = False
         finally:
             cleanup(cancelled)
-        failed = [o for o in outs if o.error is not None]
-        if failed:
-            code = "shutting_down" if "shutting down" in failed[0].error else "stage_failure"
-            if all(o.req.retryable and not o.tokens for o in outs):
-                code = "not_started"  # queued only: safe to send again (the dispatcher does)
-            if "timed out" in failed[0].error:
-                return _error(504, failed[0].error, "timeout", "server_error")
-            return _error(503, failed[0].error, code, "server_error")
-        usage = _usage(reqs, outs)
-        if chat:
-            resp = ChatCompletionResponse(
-                id=rid,
-                created=created,
-                model=model_name,
-                usage=usage,
-                choices=[
-                    ChatChoice(
-                        index=o.index,
-                        message=ChatMessageOut(content=o.text),
-                        finish_reason=o.finish_reason,
-                        logprobs=o.chat_logprobs(),
-                    )
-                    for o in outs
-                ],
-            )
-        else:
-            resp = CompletionResponse(
-                id=rid,
-                created=created,
-                model=model_name,
-                usage=usage,
-                choices=[
-                    CompletionChoice(
-                        index=o.index,
-                        text=o.text,
-                        finish_reason=o.finish_reason,
-                        logprobs=o.completion_logprobs(),
-                    )
-                    for o in outs
-                ],
-            )
-        return JSONResponse(resp.model_dump(exclude_none=True))
+        return final_response(reqs, outs, chat, rid, created, model_name)
 
     @app.get("/health")
     async def health():
