@@ -25,7 +25,9 @@ Use::
     write_result(res, args)
 
 Each side's callable takes the round number and returns a dict ``metric -> float`` (other
-JSON values are kept per round but not summarised).
+JSON values are kept per round but not summarised). A round that failed returns a dict
+with an ``"error"`` key: it is kept in ``per_round`` but left out of the summary (a failed
+run's wall time is no measurement).
 """
 
 from __future__ import annotations
@@ -157,16 +159,24 @@ class Result:
         for side, rows in self.per_round.items():
             metrics: dict[str, list[float]] = {}
             for row in rows:
+                if "error" in row:
+                    continue
                 for key, value in row.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         metrics.setdefault(key, []).append(value)
             self.summary[side] = {k: summarise(v) for k, v in metrics.items()}
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON: ``benchmark``, ``commit``, ``dirty`` first, then the headline keys, then
+        the harness's fields. A headline key that a bench kept from before the harness and
+        that has the name of a field (e.g. ``summary``) wins; that field is then written as
+        ``harness_<name>``."""
         d = asdict(self)
+        for name in [k for k in d if k in self.headline and k != "headline"]:
+            d[f"harness_{name}"] = d.pop(name)
         # the commit at the top level, where readers (and issue checks) look first
         return {"benchmark": self.benchmark, "commit": self.provenance.get("commit"),
-                "dirty": self.provenance.get("dirty"), **self.headline, **d}
+                "dirty": self.provenance.get("dirty"), **d, **self.headline}
 
 
 def interleave(benchmark: str, sides: list[Side], rounds: int, warmup: int = 0,
@@ -184,7 +194,8 @@ def interleave(benchmark: str, sides: list[Side], rounds: int, warmup: int = 0,
         for side in sides:
             t0 = time.perf_counter()
             row = dict(side.run(r) or {})
-            row.setdefault("wall_s", time.perf_counter() - t0)
+            if "error" not in row:
+                row.setdefault("wall_s", time.perf_counter() - t0)
             row["load1"] = os.getloadavg()[0]
             if r >= 0:
                 row["round"] = r
@@ -216,6 +227,23 @@ def check_clean(args: argparse.Namespace) -> None:
         files = ", ".join(state["dirty_files"][:5])
         sys.exit(f"error: the working tree has uncommitted changes ({files}); a result must "
                  "come from a commit — commit first, or pass --allow-dirty")
+
+
+def stamp(benchmark: str, prov: dict[str, Any], data: dict[str, Any],
+          differences: list[str] | None = None) -> dict[str, Any]:
+    """A result for a bench that drives its own rounds (not :func:`interleave`): ``commit``
+    and ``dirty`` at the top, then ``data``, the stated ``differences`` and the provenance
+    (``prov`` from :func:`provenance` at the start, completed here with the load after)."""
+    prov = dict(prov)
+    prov.setdefault("load_avg_after", list(os.getloadavg()))
+    prov.setdefault("finished_utc", datetime.now(UTC).isoformat(timespec="seconds"))
+    return {"benchmark": benchmark, "commit": prov.get("commit"), "dirty": prov.get("dirty"),
+            **data, "differences": list(differences or []), "provenance": prov}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """:func:`summarise` of the values that are not None (None: a side failed that round)."""
+    return summarise([v for v in values if v is not None])
 
 
 def write_result(res: Result | dict[str, Any], args: argparse.Namespace) -> Path:

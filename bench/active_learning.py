@@ -19,8 +19,12 @@ Measured in the same run:
   round 2's labelling and resumed with --resume, ends with the same dataset keys as the
   uninterrupted run, and no structure is labelled twice.
 
-Writes bench/results/active_learning.json (+ active_learning.png, the curves, and
-active_learning_timeline.png). Usage:  python bench/active_learning.py [--seeds 0 1 2]
+The seeds are the rounds of bench/_harness.py: per seed ours then random (interleaved);
+every number over seeds is a median with its spread. Writes
+bench/results/active_learning.json (+ active_learning.png, the curves, and
+active_learning_timeline.png beside it). Usage:
+``python bench/active_learning.py [--seeds 0 1 2] [--set learn.train_steps=60 ...]
+[--allow-dirty]`` (``--set`` changes a setting for both strategies; the JSON records it).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+
 WORK = ROOT / "data" / "active_learning"
 RESULTS = ROOT / "results"
 
@@ -64,21 +71,6 @@ def overrides(strategy: str, seed: int, pipelined: bool = True) -> list[str]:
     s = dict(SETTINGS, **{"learn.strategy": strategy, "learn.seed": seed,
                           "learn.pipelined": str(pipelined).lower()})
     return [f"{k}={v}" for k, v in s.items()]
-
-
-def commit_info() -> dict[str, Any]:
-    try:
-        from convergent.provenance import code_version
-
-        return code_version().to_dict()
-    except ImportError:  # an older checkout without convergent.provenance
-        repo = ROOT.parent
-
-        def git(*args: str) -> str:
-            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
-
-        status = git("status", "--porcelain", "--untracked-files=no")
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status), "dirty_files": status.splitlines()}
 
 
 def versions() -> dict[str, str]:
@@ -238,25 +230,43 @@ def spread(xs: list[float]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--out", type=Path, default=RESULTS / "active_learning.json")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="one round per seed (at least 3 for a spread)")
     ap.add_argument("--set", dest="sets", nargs="*", default=[],
                     help="change a setting for every side, e.g. learn.rounds=2 (smoke runs)")
+    add_args(ap, str(RESULTS / "active_learning.json"))
     args = ap.parse_args()
+    check_clean(args)
+    args.out = Path(args.out)
     for item in args.sets:
         k, v = item.split("=", 1)
         SETTINGS[k] = v
     WORK.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
     t0 = time.time()
-    git = commit_info()
-    results = []
-    for seed in args.seeds:
-        for strategy in ("uncertainty", "random"):
-            r = run_campaign(f"{'ours' if strategy == 'uncertainty' else 'random'}-s{seed}", strategy, seed)
-            _keep_pool(WORK / r["name"], seed)
-            results.append(r)
+    results: list[dict[str, Any]] = []
+
+    def side(strategy: str):
+        def run(r: int) -> dict:
+            seed = args.seeds[r]
+            name = f"{'ours' if strategy == 'uncertainty' else 'random'}-s{seed}"
+            out = run_campaign(name, strategy, seed)
+            _keep_pool(WORK / out["name"], seed)
+            results.append(out)
+            last = out["curve"][-1]
+            return {"seed": seed, "final_energy_mae_per_atom": last["energy_mae_per_atom"],
+                    "final_force_mae": last["force_mae"], "labels": last["labels"],
+                    "utilisation": out["utilisation"]["utilisation"], "campaign_wall_s": out["wall_s"]}
+        return run
+
+    res = interleave("active_learning", [
+        Side("ours", side("uncertainty"), {**SETTINGS, "learn.strategy": "uncertainty"}),
+        Side("random", side("random"), {**SETTINGS, "learn.strategy": "random"})],
+        rounds=len(args.seeds), differences=[
+            "only the choice of each batch differs (uncertainty+diversity vs random); "
+            "learn.force_weight_score and learn.max_per_molecule are read by ours only",
+            "the seed of a round changes the split, the pool, the initial labels and the "
+            "training runs alike for both strategies"])
     seq = run_campaign(f"ours-s{args.seeds[0]}-sequential", "uncertainty", args.seeds[0], pipelined=False)
     resume = killed_and_resumed(args.seeds[0], WORK / f"ours-s{args.seeds[0]}")
     per_seed = []
@@ -289,8 +299,7 @@ def main() -> None:
                   figs.with_name(figs.name + "_timeline.png"), "ours, seed 0, pipelined")
     plot_timeline(read_timeline(WORK / seq["name"] / "learn" / "timeline.jsonl"),
                   figs.with_name(figs.name + "_timeline_sequential.png"), "ours, seed 0, sequential phases")
-    payload = {
-        "benchmark": "active_learning",
+    res.headline.update({
         "labels_ratio_vs_random": median_ratio if np.isfinite(median_ratio) else None,
         "labels_ratio_reached_in_all_seeds": all(np.isfinite(ratios)),
         "labels_ratio_meaningful": all(p["random_improved"] for p in per_seed),
@@ -298,16 +307,12 @@ def main() -> None:
         "utilisation_sequential": seq["utilisation"]["utilisation"],
         "resume_identical": resume["identical"],
         "targets": {"labels_ratio_vs_random": "<= 0.5", "utilisation": ">= 0.9"},
-        "commit": git.get("commit"), "dirty": git.get("dirty"), "git": git,
-        "versions": versions(),
-        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "machine_note": "2 shared cores; other engineers' jobs may run at the same time "
                         "(see load averages): wall times are noisy, utilisation counts our workers' busy time",
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": time.time() - t0,
-        "settings": {"both_strategies": SETTINGS, "ours": {"learn.strategy": "uncertainty"},
-                     "random": {"learn.strategy": "random"},
-                     "sequential": {"learn.pipelined": False}},
+        "settings_changed_by_set": list(args.sets),
+        "sequential_settings": {"learn.pipelined": False, "seed": args.seeds[0]},
         "per_seed": per_seed,
         "energy_mae_per_atom_final": {
             "ours": spread([p["ours_final_energy_mae_per_atom"] for p in per_seed]),
@@ -321,14 +326,12 @@ def main() -> None:
                                "pipelined_wall_s": ours0["wall_s"], "sequential_wall_s": seq["wall_s"]},
         "resume": resume,
         "curves": {r["name"]: r["curve"] for r in [*results, seq]},
-        "rounds": {r["name"]: r["rounds"] for r in [*results, seq]},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=float))
-    os.replace(tmp, args.out)
-    print(json.dumps({k: payload[k] for k in ("labels_ratio_vs_random", "utilisation",
-                                               "utilisation_sequential", "resume_identical")}))
+        "campaign_rounds": {r["name"]: r["rounds"] for r in [*results, seq]},
+    })
+    res.extra = {"versions": versions()}
+    write_result(res, args)
+    print(json.dumps({k: res.headline[k] for k in ("labels_ratio_vs_random", "utilisation",
+                                                   "utilisation_sequential", "resume_identical")}))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ Three sides run the same work on the same dataset:
              ``groupby`` for dedup, one output shard file per partition (and split).
 
 Each measurement runs in a fresh subprocess (fresh cluster) so its peak RSS is its own;
-sides are interleaved within each round, and the median over rounds is reported with
-min/max. Files and bytes written per stage are counted from the output directories.
+sides are interleaved within each round (bench/_harness.py, ``--rounds``), and the median
+over rounds is reported with its spread (min/max/IQR). Files and bytes written per stage are counted from the output directories.
 Peak memory per worker is also measured on a quarter of the dataset (same shards) to
 show it does not grow with the dataset.
 
     python bench/analytics.py                 # generate (cached in bench/data/) and run
-    python bench/analytics.py --records 100000 --rounds 1   # a quick look
+    python bench/analytics.py --records 100000 --rounds 1 --allow-dirty  # a quick look
 
 Writes ``bench/results/analytics.json``.
 """
@@ -36,6 +36,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+
 DATA = ROOT / "data"
 RESULTS = ROOT / "results" / "analytics.json"
 COMMANDS = ("stats", "dedup", "split")
@@ -321,7 +324,8 @@ def _cpu(client) -> dict[str, float]:
 
 def _child(side: str, cmd: str, src: Path, args) -> dict:
     out = DATA / f"analytics-out-{side}-{cmd}"
-    p = subprocess.run([sys.executable, __file__, "--one", side, cmd, "--src", str(src), "--out", str(out),
+    p = subprocess.run([sys.executable, __file__, "--one", side, cmd, "--src", str(src),
+                        "--child-out", str(out),
                         "--workers", str(args.workers), "--tolerance", str(args.tolerance),
                         "--naive-partitions", str(args.naive_partitions)],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
@@ -330,30 +334,24 @@ def _child(side: str, cmd: str, src: Path, args) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _git() -> dict:
-    """The commit and dirty flag of the code measured (convergent.provenance)."""
-    from convergent.provenance import code_version
-
-    return code_version().to_dict()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=1_000_000)
     ap.add_argument("--shard-mib", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--naive-partitions", type=int, default=100)
     ap.add_argument("--commands", default=",".join(COMMANDS))
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "CMD"), help=argparse.SUPPRESS)
     ap.add_argument("--src", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    add_args(ap, str(RESULTS), rounds=3)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one[0], args.one[1], args.src, args.out, args.workers, args.tolerance,
-                                 args.naive_partitions)))
+        print(json.dumps(measure(args.one[0], args.one[1], args.src, args.child_out, args.workers,
+                                 args.tolerance, args.naive_partitions)))
         return
+    check_clean(args)
     src = DATA / f"analytics-{args.records}"
     if not (src / "manifest.json").is_file():
         t = time.perf_counter()
@@ -365,47 +363,51 @@ def main() -> None:
 
     m = read_manifest(src)
     commands = [c for c in args.commands.split(",") if c]
-    git = _git()  # the code measured: recorded before the runs
-    load0 = os.getloadavg()
-    runs: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in SIDES} for c in commands}
-    for r in range(args.rounds):
-        for c in commands:
-            order = SIDES if r % 2 == 0 else tuple(reversed(SIDES))
-            for s in order:
-                res = _child(s, c, src, args)
-                res["load_before"] = os.getloadavg()[0]
-                runs[c][s].append(res)
-                print(f"round {r} {c:5s} {s:6s} {res}", flush=True)
-    quarter_peaks = {c: _child("dask", c, quarter, args).get("peak_rss_mib_per_worker") for c in commands}
-    load1 = os.getloadavg()
-
-    def med(xs: list[dict], k: str) -> dict:
-        v = [x[k] for x in xs if k in x and "error" not in x]
-        return {"median": float(np.median(v)), "min": float(min(v)), "max": float(max(v)), "n": len(v)} if v else {}
+    common = {"records": m.records, "workers": args.workers, "threads_per_worker": 1,
+              "tolerance": args.tolerance}
+    side_settings = {
+        "dask": {"engine": "convergent.analytics on a LocalCluster", **common},
+        "single": {"engine": "convergent.analytics, Engine(client=None), one process",
+                   **common, "workers": 1},
+        "naive": {"engine": "dask.bag on a LocalCluster", **common,
+                  "partitions": args.naive_partitions},
+    }
+    sides = [Side(f"{c}_{s}", lambda r, c=c, s=s: _child(s, c, src, args),
+                  {"command": c, **side_settings[s]}) for c in commands for s in SIDES]
+    res = interleave("analytics", sides, rounds=args.rounds, differences=[
+        "single is one process (1 core of 2); dask and naive use a LocalCluster of "
+        f"{args.workers} single-threaded workers (cluster start-up not timed)",
+        f"naive (dask.bag) writes one output shard per partition ({args.naive_partitions} "
+        "partitions), ours per-worker sinks; same records, tolerance and split fractions"])
+    quarter_peaks = {c: _child("dask", c, quarter, args).get("peak_rss_mib_per_worker")
+                     for c in commands}
 
     summary = {}
     for c in commands:
-        d = {s: med(runs[c][s], "wall_s") for s in SIDES}
-        cpu = {s: [x.get("cpu_s") for x in runs[c][s] if x.get("cpu_s")] for s in SIDES}
+        runs = {s: res.per_round[f"{c}_{s}"] for s in SIDES}
+        d = {s: res.summary[f"{c}_{s}"].get("wall_s", {}) for s in SIDES}
+        cpu = {s: [x.get("cpu_s") for x in runs[s] if x.get("cpu_s")] for s in SIDES}
 
         def busiest(xs: list[dict]) -> float:  # median over rounds of the busiest process
             return float(np.median([max(v for k, v in x.items() if k != "driver" or len(x) == 1) for x in xs]))
 
+        ok = {s: [x for x in runs[s] if "error" not in x] for s in SIDES}
         summary[c] = {
             "wall_s": d,
-            "speedup_vs_single": d["single"]["median"] / d["dask"]["median"] if d["single"] and d["dask"] else None,
-            "speedup_vs_naive_dask": d["naive"]["median"] / d["dask"]["median"] if d["naive"] and d["dask"] else None,
-            "errors": {s: [x["error"] for x in runs[c][s] if "error" in x] for s in SIDES},
+            "speedup_vs_single": res.ratio(f"{c}_single", f"{c}_dask", "wall_s")
+            if ok["single"] and ok["dask"] else None,
+            "speedup_vs_naive_dask": res.ratio(f"{c}_naive", f"{c}_dask", "wall_s")
+            if ok["naive"] and ok["dask"] else None,
+            "errors": {s: [x["error"] for x in runs[s] if "error" in x] for s in SIDES},
             "cpu_s": cpu,
             "cpu_bound_speedup_vs_single": (busiest(cpu["single"]) / busiest(cpu["dask"])
                                             if cpu["single"] and cpu["dask"] else None),
-            "files_written": {s: runs[c][s][-1].get("files") for s in SIDES},
-            "files_per_output_dataset": {s: runs[c][s][-1].get("files_per_output") for s in SIDES},
-            "bytes_written": {s: runs[c][s][-1].get("bytes") for s in SIDES},
-            "peak_rss_mib_per_worker": {s: max((x.get("peak_rss_mib_per_worker") or [0])[-1] for x in runs[c][s])
-                                        for s in SIDES},
+            "files_written": {s: runs[s][-1].get("files") for s in SIDES},
+            "files_per_output_dataset": {s: runs[s][-1].get("files_per_output") for s in SIDES},
+            "bytes_written": {s: runs[s][-1].get("bytes") for s in SIDES},
+            "peak_rss_mib_per_worker": {s: max((x.get("peak_rss_mib_per_worker") or [0])[-1]
+                                               for x in runs[s]) for s in SIDES},
             "peak_rss_mib_per_worker_quarter_dataset": (quarter_peaks[c] or [None])[-1],
-            "runs": runs[c],
         }
     import dask
     import distributed
@@ -415,8 +417,7 @@ def main() -> None:
     sp = [summary[c]["speedup_vs_single"] for c in commands]
     sn = [summary[c]["speedup_vs_naive_dask"] for c in commands]
     cb = [summary[c]["cpu_bound_speedup_vs_single"] for c in commands]
-    result = {
-        "benchmark": "dataset analytics: stats, dedup, split (molecule) on a generated dataset",
+    res.headline.update({
         "speedup_vs_single": min(sp) if all(x is not None for x in sp) else None,
         "speedup_vs_naive_dask": min(x for x in sn if x is not None) if any(x is not None for x in sn) else None,
         "speedup_vs_naive_dask_commands": [c for c, x in zip(commands, sn, strict=True) if x is not None],
@@ -424,27 +425,24 @@ def main() -> None:
         "files_per_stage_max": max(summary[c]["files_per_output_dataset"]["dask"] or 0 for c in commands),
         "workers": args.workers,
         "targets": {"speedup_vs_single": 1.8, "speedup_vs_naive_dask": 1.5, "files_per_stage_max": 2 * args.workers},
-        "git": git,
-        "code": git,
-        "dataset": {"records": m.records, "shards": len(m.shards), "bytes": m.bytes, "path": str(src),
+        "dataset": {"records": m.records, "shards": len(m.shards), "bytes": m.bytes,
                     "shard_mib": args.shard_mib},
-        "rounds": args.rounds,
-        "load_average_before": load0, "load_average_after": load1,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "commands": summary,
+    })
+    res.extra = {
         "versions": {"python": platform.python_version(), "numpy": np.__version__, "dask": dask.__version__,
                      "distributed": distributed.__version__, "convergent": convergent.__version__},
-        "commands": summary,
         "output_shard_bytes": SHARD_BYTES,
-        "note": "cpu_bound_speedup_vs_single: CPU seconds of the single process / CPU seconds of the "
+        "note": "speedups are ratios of median wall times over rounds (the smallest over the "
+                "commands is the headline); cpu_bound_speedup_vs_single: CPU seconds of the single process / CPU seconds of the "
                 "busiest dask worker (what the wall-clock speed-up would be on idle cores, from CPU "
                 "time, which other load does not inflate); files_per_stage_max: most files in one output dataset of a stage, dask side (shards + "
                 "manifest + dropped.jsonl); split writes 3 such datasets (files_written counts all); "
                 "each measurement in a fresh process and cluster; cluster start-up not timed",
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("speedup_vs_single", "speedup_vs_naive_dask", "files_per_stage_max",
-                                             "workers")}))
+    write_result(res, args)
+    print(json.dumps({k: res.headline[k] for k in ("speedup_vs_single", "speedup_vs_naive_dask",
+                                                   "files_per_stage_max", "workers")}))
 
 
 if __name__ == "__main__":

@@ -16,8 +16,13 @@ calibration (2-rank all-reduces of 64 KiB-4 MiB across the link and inside a nod
 then predicts every variant's communication time (relative error reported), and is
 projected to 64-4096 GPUs with NVLink / InfiniBand figures.
 
-Usage (root): ``python bench/collectives.py [--rounds 3]``; writes
-bench/results/collectives.json and collectives.png.
+The variants of one round run inside one launch (their order rotates per round), so the
+rounds are driven here rather than by bench/_harness.py's ``interleave``; the harness
+gives the provenance (commit, versions, machine, load before/after), the dirty-tree
+refusal and the median/min/max/IQR of every measured number.
+
+Usage (root): ``python bench/collectives.py [--rounds 3] [--allow-dirty]``; writes
+bench/results/collectives.json and collectives.png beside it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _harness import add_args, check_clean, provenance, spread, stamp, write_result  # noqa: E402
 from netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
 
 from convergent.train import commcost as cc  # noqa: E402
@@ -58,14 +63,6 @@ PUBLISHED = {
     "nccl_allreduce_busbw_2x8_H200_source":
         "kubernetes.recipes/recipes/ai/nccl-all-reduce-perf-benchmark-multi-node (third-party)",
 }
-
-
-def provenance() -> dict:
-    """Commit and dirty flag of the code (convergent.provenance)."""
-    from convergent.provenance import code_version
-
-    cv = code_version().to_dict()
-    return {"git_commit": cv.get("commit"), "git_dirty": cv.get("dirty"), "code": cv}
 
 
 def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out: Path,
@@ -152,24 +149,24 @@ def project(sizes_gpus: list[int], grad_bytes: float) -> list[dict]:
 
 
 def med(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+    """Median with its spread (min, max, IQR) over rounds."""
+    return spread(xs)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="100mbit,1gbit,none")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-steps", type=int, default=30)
+    add_args(ap, str(HERE / "results" / "collectives.json"), rounds=3)
     args = ap.parse_args()
     why = unavailable()
     if why:
         sys.exit(f"bench/collectives.py: {why}")
-    import torch
+    check_clean(args)
 
     t_start = time.time()
-    load_before = os.getloadavg()
     prov = provenance()
     rates = args.rates.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="bench_coll_"))
@@ -249,11 +246,8 @@ def main() -> None:
 
     conv_s = summarise(conv, 0)
     valid = [e for _, _, e in errors if e is not None]
-    out = {
-        "benchmark": "collectives",
+    data = {
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "git_commit": prov.get("git_commit"), "git_dirty": prov.get("git_dirty"),
-        "code": prov["code"],
         "inter_bytes_ratio_hier_vs_flat": ratio("hier", "flat"),
         "inter_bytes_ratio_hsdp_vs_fsdp": ratio("hsdp", "fsdp"),
         "inter_bytes_ratio_topk_vs_flat": ratio("hier_topk", "flat"),
@@ -262,6 +256,7 @@ def main() -> None:
         "model_max_rel_error": max(valid) if valid else None,
         "model_rel_errors": [{"rate": r, "variant": v, "rel_error": e} for r, v, e in errors],
         "ratio_reference_rate": ref_rate,
+        "ratios_of": "medians over rounds of the bytes leaving node A per step",
         "theory_ratios": {"hier_vs_flat": 2 / 3, "hsdp_vs_fsdp_gloo": 1 / 3,
                           "hsdp_vs_fsdp_ring_reduce_scatter": 4 / 9,
                           "topk_vs_flat": 2 * RATIO / 1.5, "scattered_vs_flat": 2.0},
@@ -275,23 +270,30 @@ def main() -> None:
         "projection": {"grad_bytes": 2e9, "rows": project(
             [64, 128, 256, 512, 1024, 2048, 4096], 2e9),
             "nvlink": NVLINK, "infiniband": IB, "published": PUBLISHED},
+        "rounds": args.rounds,
         "settings": {"rates": rates, "rounds": args.rounds, "steps": args.steps,
                      "warmup": args.warmup, "topk_ratio": RATIO, "units_bytes": units,
                      "nodes": 2, "ranks_per_node": 2, "backend": "gloo",
+                     "threads_per_rank": 1, "model": "MLP, dim 512, 4 layers, batch 32 per rank",
+                     "ddp": {"bucket_cap_mb": 1000, "broadcast_buffers": False},
+                     "fsdp": {"reshard_after_forward": True},
                      "calibration_bytes": CALIB},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "seconds": time.time() - t_start,
     }
-    dest = HERE / "results" / "collectives.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    from convergent.fsutil import atomic_write_text
-
-    atomic_write_text(dest, json.dumps(out, indent=2))
-    plot(out, HERE / "results" / "collectives.png")
+    out = stamp("collectives", prov, data, differences=[
+        "every variant trains the same model, data, seed and steps on the same 4 ranks "
+        "(1 thread each) and shaped link; they differ only in how gradients travel",
+        "the DDP variants (flat, hier, hier_topk) share the DDP options (one 1000 MB bucket, "
+        "broadcast_buffers=False); FSDP and HSDP shard each block and the root "
+        "(reshard_after_forward=True)",
+        "flat_scattered (ranks 0,2 on node A) runs in a second launch of the same round, "
+        "with its own local reference step",
+        "hier_topk sends 1% of the gradient entries (error feedback) on the inter-node hop: "
+        "its eval loss after loss_check.steps is compared with flat's"])
+    dest = Path(args.out)
+    write_result(out, args)
+    plot(out, dest.with_suffix(".png"))
     print(json.dumps({k: out[k] for k in list(out)[3:12]}, indent=1))
-    print(f"wrote {dest}")
 
 
 def plot(out: dict, path: Path) -> None:

@@ -1,8 +1,10 @@
 """DDP gradient compression: bytes communicated per step and final loss.
 
-One run, same machine, same model/data/seed, DDP with 2 processes x 1 thread (gloo):
+Same machine, same model/data/seed, DDP with 2 processes x 1 thread (gloo):
 ``none`` (fp32 all-reduce) vs ``fp16`` vs ``powersgd`` (rank 2, error feedback, plain
 all-reduce for the first 10 steps) vs ``topk`` (ours: 1% of entries + error feedback).
+The runs are interleaved (every model/method once per round, for ``--rounds`` rounds,
+bench/_harness.py) and each metric is the median over rounds with its spread.
 
 Two models: the Llama-style LM (synthetic Markov-chain tokens; loss = cross-entropy)
 and the molecular surrogate (generated EMT data; loss = energy + forces).
@@ -13,24 +15,23 @@ entry (value + index); PowerSGD: its P and Q factors plus the uncompressed vecto
 The wire traffic of a ring all-reduce is about 2x(n-1)/n of the payload for all-reduce
 hooks, (n-1)x the payload for top-k's all-gather.
 
-Usage: ``python bench/compression.py [--steps 80]`` (writes bench/results/compression.json).
+Usage: ``python bench/compression.py [--steps 80] [--rounds 3] [--allow-dirty]`` (writes
+bench/results/compression.json).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
 
 METHODS = {
     "none": ["parallel.compression=none"],
@@ -39,23 +40,47 @@ METHODS = {
                  "parallel.powersgd_start_iter=10"],
     "topk": ["parallel.compression=topk", "parallel.topk_ratio=0.01"],
 }
+METRICS = ("bytes_per_step_median", "bytes_per_step_first", "final_loss_mean_last10",
+           "final_loss", "median_step_s", "median_comm_s")
+
+
+def one_run(cfg, path: Path) -> dict:
+    from convergent.runs import open_run
+    from convergent.train.launch import launch_training
+
+    run = open_run(cfg, path)
+    try:
+        res = launch_training(cfg, run, nproc=2)
+    except Exception as exc:  # noqa: BLE001 - recorded; the other sides go on
+        return {"error": str(exc)[:500]}
+    recs = run.read_metrics("train_step")
+    tail = recs[-10:]
+    out = {
+        "bytes_per_step_median": statistics.median(r["comm_bytes"] for r in recs[12:]),
+        "bytes_per_step_first": recs[0]["comm_bytes"],
+        "final_loss_mean_last10": statistics.fmean(r["loss"] for r in tail),
+        "final_loss": recs[-1]["loss"],
+        "loss_curve_every10": [r["loss"] for r in recs[::10]],
+        "median_step_s": statistics.median(r["step_s"] for r in recs[5:]),
+        "median_comm_s": statistics.median(r["comm_s"] for r in recs[5:]),
+        "val": res.val,
+    }
+    shutil.rmtree(path, ignore_errors=True)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--molecules", type=int, default=300)
+    add_args(ap, str(HERE / "results" / "compression.json"), rounds=3)
     args = ap.parse_args()
-    import torch
+    check_clean(args)
     from train_throughput import make_dataset
 
     from convergent.config import load_config
-    from convergent.runs import open_run
-    from convergent.train.launch import launch_training
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_comp_"))
-    t0 = time.time()
-    load_before = os.getloadavg()
     data = make_dataset(tmp / "data", args.molecules)
     common = [f"train.steps={args.steps}", "train.val_every=0", "checkpoint.interval=0",
               "metrics.tensorboard=false", "parallel.strategy=ddp", "train.warmup_steps=5"]
@@ -65,57 +90,47 @@ def main() -> None:
                      "train.lr=3e-3", "train.val_max_batches=4"],
         "molecular": [f"train.dataset={data}", "train.global_batch_atoms=512"],
     }
-    results: dict[str, dict] = {}
+    sides = []
     for mname, mover in models.items():
-        results[mname] = {}
         for meth, over in METHODS.items():
-            print(f"{mname} / {meth} ...", flush=True)
-            cfg = load_config(None, [*common, *mover, *over])
-            run = open_run(cfg, tmp / f"{mname}_{meth}")
-            try:
-                res = launch_training(cfg, run, nproc=2)
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                results[mname][meth] = {"error": str(exc)[:500]}
-                continue
-            recs = run.read_metrics("train_step")
-            tail = recs[-10:]
-            entry = {
-                "bytes_per_step_median": statistics.median(r["comm_bytes"] for r in recs[12:]),
-                "bytes_per_step_first": recs[0]["comm_bytes"],
-                "final_loss_mean_last10": statistics.fmean(r["loss"] for r in tail),
-                "final_loss": recs[-1]["loss"],
-                "loss_curve_every10": [r["loss"] for r in recs[::10]],
-                "median_step_s": statistics.median(r["step_s"] for r in recs[5:]),
-                "median_comm_s": statistics.median(r["comm_s"] for r in recs[5:]),
-                "val": res.val,
-            }
-            results[mname][meth] = entry
-            print(f"  bytes/step {entry['bytes_per_step_median']:.0f} "
-                  f"final loss {entry['final_loss_mean_last10']:.4g}", flush=True)
-        base = results[mname].get("none", {}).get("bytes_per_step_median")
-        for e in results[mname].values():
-            if base and "bytes_per_step_median" in e:
-                e["compression_ratio_vs_none"] = base / max(e["bytes_per_step_median"], 1)
-    out = {
-        "benchmark": "compression",
-        "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "settings": {"steps": args.steps, "processes": 2, "threads_per_process": 1,
-                     "backend": "gloo", "methods": METHODS, "models": models},
-        "results": results,
-        "machine": {"platform": platform.platform(), "usable_cpus": len(os.sched_getaffinity(0)),
-                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__},
-        "note": "bytes are exact accounting of the hook payloads; losses are from one seed; "
-                "times depend on the machine's load (machine.load_avg_*) and on 2 local processes compression "
-                "cannot pay off in time, only in bytes",
-        "seconds": time.time() - t0,
-    }
-    dest = HERE / "results" / "compression.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    from convergent.provenance import code_version
+            ovr = [*common, *mover, *over]
+            cfg = load_config(None, ovr)
 
-    dest.write_text(json.dumps({**out, "code": code_version().to_dict()}, indent=2))
-    print(f"wrote {dest}")
+            def run(r: int, cfg=cfg, name=f"{mname}_{meth}") -> dict:
+                return one_run(cfg, tmp / f"{name}_r{r}")
+
+            sides.append(Side(f"{mname}_{meth}", run,
+                              {"overrides": ovr, "processes": 2, "threads_per_process": 1,
+                               "backend": "gloo", "seed": cfg.train.seed}))
+    res = interleave("compression", sides, rounds=args.rounds, differences=[
+        "only the compression method differs between sides of a model (the hook and its "
+        "settings: powersgd rank 2 with 10 plain all-reduce steps first, topk 1%); model, "
+        "data, seed, steps, processes and threads are the same"])
+    results: dict[str, dict] = {}
+    for mname in models:
+        results[mname] = {}
+        for meth in METHODS:
+            side = f"{mname}_{meth}"
+            entry = {k: res.median(side, k) for k in METRICS}
+            entry["spread"] = {k: res.summary[side].get(k) for k in
+                               ("final_loss_mean_last10", "median_step_s", "median_comm_s")}
+            errors = [r["error"] for r in res.per_round[side] if "error" in r]
+            if errors:
+                entry["errors"] = errors
+            results[mname][meth] = entry
+        base = results[mname]["none"].get("bytes_per_step_median")
+        for e in results[mname].values():
+            if base and e.get("bytes_per_step_median"):
+                e["compression_ratio_vs_none"] = base / max(e["bytes_per_step_median"], 1)
+    res.headline["results"] = results
+    res.extra = {"description": __doc__.split("\n\n")[1].replace("\n", " "),
+                 "steps": args.steps, "molecules": args.molecules, "methods": METHODS,
+                 "models": models,
+                 "note": "bytes are exact accounting of the hook payloads (the same every round); "
+                         "losses are from one seed; times depend on the machine's load "
+                         "(provenance.load_avg_*, per_round load1) and on 2 local processes "
+                         "compression cannot pay off in time, only in bytes"}
+    write_result(res, args)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -4,7 +4,10 @@ One run on the same generated data (``--records`` records, log-normal sizes with
 4 KiB, random bytes, made offline with a fixed seed), read once in shuffled order through
 a torch DataLoader with the same settings (batch size, workers, list collate) by:
 
-* ``loose``       one file per record (map-style dataset, ``DataLoader(shuffle=True)``)
+* ``loose``       one file per record (map-style dataset; the sampler gives the *same*
+  order as ours: the block shuffle of ``convergent``'s reader for the seed, so both read
+  the identical sequence of records; ``--loose-order full`` gives the
+  ``DataLoader(shuffle=True)`` idiom instead, a full random permutation, and says so)
 * ``convergent``  ``convergent data pack`` shards + ``StreamingDataset`` (block shuffle)
 * ``convergent_cached``  the same through the node-local cache tier (empty at start,
   budget half the dataset: checked copies, prefetch, eviction by next use)
@@ -24,9 +27,10 @@ page cache hides). Before each cold read every file of that system is evicted
 pages the cold read brought in. The resident fraction of the system's files (``mincore``
 on a sample of 2000 files) is recorded before every read.
 
-Each system is read ``--repeats`` times (cold then warm), round-robin over the systems
-so load bursts on a shared machine hit all alike; per mode the median-throughput run is
-reported, with every run's throughput and the load average. ``--limit`` stops each read
+Each system is read once per round (cold then warm) for ``--rounds`` rounds, interleaved
+over the systems by bench/_harness.py so load bursts on a shared machine hit all alike;
+per mode every metric is the median over rounds with its spread (never the best run),
+beside every run's numbers and the load average. ``--limit`` stops each read
 after that many samples of the shuffled epoch (a full cold pass over 1M loose files takes
 ~10 min alone). Measured per system in a fresh subprocess: samples/s, MB/s, time to
 first batch (from dataset construction, incl. any directory scan), peak RSS (main
@@ -38,7 +42,7 @@ total (incl. Python imports) and on the data files.
 Writes bench/results/data_read.json with versions and the machine. Full scale (the
 default; data generated once into bench/data/data_read/ and reused, ~5.6 GB per format,
 ~35 GB in all; generation and builds ~20 min the first time):
-``python bench/data_read.py --records 1000000 --limit 50000 --repeats 3 --strace-limit 10000``
+``python bench/data_read.py --records 1000000 --limit 50000 --rounds 3 --strace-limit 10000``
 (~30 min of reads on the shared 2-core machine at load 13-23; a full 1M pass per read
 does not fit: mds alone reads ~1-3k samples/s). The peers
 mosaicml-streaming and litdata live in another interpreter (``--peer-python``; default:
@@ -66,6 +70,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+
 SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata", "ideal")
 PEERS = ("webdataset", "mds", "litdata")
 SHARD_BYTES = 128 * 2**20
@@ -170,7 +177,25 @@ def _payloads(batch: list) -> list:
     return batch
 
 
-def make_loader(system: str, data: Path, batch: int, workers: int, seed: int):
+def loose_order_file(data: Path, seed: int) -> Path:
+    return data / f"loose-order-seed{seed}.npy"
+
+
+def write_loose_order(data: Path, seed: int, batch: int) -> Path:
+    """The record order of ``convergent``'s reader for ``seed`` (one rank), saved for the
+    loose-file side so that both read the same records in the same order. Sample id ``i``
+    of the packed dataset is loose file ``i`` (``pack_directory`` packs sorted paths)."""
+    from convergent.data.stream import StreamingDataset
+
+    ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
+                          rank=0, world_size=1)
+    out = loose_order_file(data, seed)
+    np.save(out, ds.rank_ids().astype(np.int64))
+    return out
+
+
+def make_loader(system: str, data: Path, batch: int, workers: int, seed: int,
+                loose_order: str = "same"):
     """A DataLoader yielding lists of payload bytes, built like a user of that system would."""
     from torch.utils.data import DataLoader, Dataset
 
@@ -190,7 +215,15 @@ def make_loader(system: str, data: Path, batch: int, workers: int, seed: int):
 
         import torch
 
-        return DataLoader(Files(), shuffle=True, generator=torch.Generator().manual_seed(seed), **common)
+        if loose_order == "full":  # the DataLoader idiom: a full random permutation
+            return DataLoader(Files(), shuffle=True,
+                              generator=torch.Generator().manual_seed(seed), **common)
+        # ours' block-shuffled order (computed once by the driver, loaded here)
+        order = np.load(loose_order_file(data, seed)).tolist()
+        if len(order) != len(files):
+            raise SystemExit(f"{loose_order_file(data, seed)}: {len(order)} ids for "
+                             f"{len(files)} loose files")
+        return DataLoader(Files(), sampler=order, **common)
     if system == "convergent":
         from convergent.data.stream import StreamingDataset
 
@@ -324,18 +357,23 @@ class RssSampler:
 
 
 def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limit: int | None,
-              sample_memory: bool = True) -> dict:
+              sample_memory: bool = True, loose_order: str = "same") -> dict:
     """Read every sample once; returns the measurements."""
+    import hashlib
+
     sampler = RssSampler() if sample_memory else None
     t0 = time.perf_counter()
-    loader = make_loader(system, data, batch, workers, seed)
+    loader = make_loader(system, data, batch, workers, seed, loose_order)
     first = None
     n = nbytes = 0
+    ids = hashlib.blake2b(digest_size=8)  # the record ids read, in order (first 8 bytes)
     for b in loader:
         if first is None:
             first = time.perf_counter() - t0
         n += len(b)
         nbytes += sum(len(x) for x in b)
+        for x in b:
+            ids.update(bytes(x[:8]))
         if limit and n >= limit:
             break
     dt = time.perf_counter() - t0
@@ -343,7 +381,7 @@ def read_once(system: str, data: Path, batch: int, workers: int, seed: int, limi
         return {"samples": n, "bytes": nbytes}
     sampler.stop()
     return {
-        "samples": n, "bytes": nbytes, "seconds": dt,
+        "samples": n, "bytes": nbytes, "seconds": dt, "order_digest": ids.hexdigest(),
         "samples_per_s": n / dt, "MB_per_s": nbytes / dt / 1e6,
         "time_to_first_batch_s": first,
         # (ru_maxrss is not used: Linux keeps the parent's high-water mark across exec)
@@ -424,14 +462,15 @@ def child_main(args: argparse.Namespace) -> None:
         print(json.dumps({"build_seconds": build(args.build, data, args.records, args.workers)}))
         return
     res = read_once(args.system, data, args.batch_size, args.workers, args.seed, args.limit,
-                    sample_memory=not args.no_memory)
+                    sample_memory=not args.no_memory, loose_order=args.loose_order)
     print("RESULT " + json.dumps(res))
 
 
 def run_child(py: str, system: str, args: argparse.Namespace, strace: bool = False) -> dict:
     cmd = [py, str(Path(__file__).resolve()), "--child", "--system", system, "--data-dir", str(args.data_dir),
            "--records", str(args.records), "--batch-size", str(args.batch_size),
-           "--workers", str(args.workers), "--seed", str(args.seed)]
+           "--workers", str(args.workers), "--seed", str(args.seed),
+           "--loose-order", args.loose_order]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
     env = dict(os.environ, PYTHONPATH=str(ROOT.parent / "src"))
@@ -595,31 +634,43 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
             "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg(), "convergent": __version__}
 
 
-def summarize(runs: dict[str, list[dict]], systems: list[str]) -> dict[str, dict]:
-    """Per system: the median-throughput run, with every run's throughput alongside."""
-    results: dict[str, dict] = {}
+def summarize(res, modes: tuple[str, ...], systems: list[str]) -> dict[str, dict]:
+    """Per mode and system: the median over rounds of every metric, the spread of the rates,
+    every run's throughput and the runs themselves."""
+    results: dict[str, dict] = {m: {} for m in modes}
     for s in systems:
-        ok = sorted((r for r in runs[s] if "error" not in r), key=lambda r: r["samples_per_s"])
-        if not ok:
-            results[s] = runs[s][-1]
-            continue
-        r = dict(ok[len(ok) // 2])
-        r["runs_samples_per_s"] = [x["samples_per_s"] for x in runs[s] if "error" not in x]
-        r["peak_rss_tree_MiB_max"] = max(x["peak_rss_tree_MiB"] for x in ok)
-        results[s] = r
+        rows = res.per_round[s]
+        for m in modes:
+            runs = [r[m] for r in rows if m in r]
+            ok = [r for r in runs if "error" not in r]
+            if not ok:
+                results[m][s] = runs[-1] if runs else {"error": "no run"}
+                continue
+            out = {k: float(np.median([r[k] for r in ok])) for k, v in ok[0].items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for k in ("samples", "bytes"):
+                out[k] = int(out[k])
+            out["samples_per_s_spread"] = res.summary[s][f"{m}_samples_per_s"]
+            out["MB_per_s_spread"] = res.summary[s][f"{m}_MB_per_s"]
+            out["runs_samples_per_s"] = [r["samples_per_s"] for r in ok]
+            out["peak_rss_tree_MiB_max"] = max(r["peak_rss_tree_MiB"] for r in ok)
+            out["order_digests"] = sorted({r["order_digest"] for r in ok})
+            out["runs"] = runs
+            results[m][s] = out
     return results
 
 
 def compare(results: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
-    """Speed-ups of convergent over loose files and over the best peer (medians, and the
-    median of the per-round ratios: systems of one round ran back to back)."""
+    """Speed-ups of convergent over loose files and over the best peer (ratios of medians,
+    and the median of the per-round ratios: systems of one round ran back to back)."""
     rate = {s: r["samples_per_s"] for s, r in results.items() if "samples_per_s" in r}
     out: dict = {}
 
     def paired(a: str, b: str) -> float | None:
-        ratios = sorted(x["samples_per_s"] / y["samples_per_s"] for x, y in zip(runs[a], runs[b], strict=False)
-                        if "error" not in x and "error" not in y)
-        return ratios[len(ratios) // 2] if ratios else None
+        ratios = [x["samples_per_s"] / y["samples_per_s"]
+                  for x, y in zip(runs[a], runs[b], strict=False)
+                  if "error" not in x and "error" not in y]
+        return float(np.median(ratios)) if ratios else None
 
     if "convergent" in rate and "loose" in rate:
         out["convergent_vs_loose"] = rate["convergent"] / rate["loose"]
@@ -639,6 +690,18 @@ def compare(results: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
     return out
 
 
+SHUFFLES = {
+    "loose": "same order as convergent (its block shuffle, window 16384, shards shuffled)",
+    "loose_full": "DataLoader(shuffle=True): a full random permutation of the files",
+    "convergent": "block shuffle: shard order shuffled, samples shuffled in windows of 16384",
+    "convergent_cached": "as convergent",
+    "webdataset": "shard order shuffled, then a 1000-sample shuffle buffer",
+    "mds": "mosaicml-streaming's default shuffle (py1e) with shuffle_seed",
+    "litdata": "litdata's shuffle=True (chunk order shuffled, samples within chunks)",
+    "ideal": "sizes in a random permutation (no storage: the order does not matter)",
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=1_000_000)
@@ -647,13 +710,14 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers (same for all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data-dir", type=Path, default=ROOT / "data" / "data_read")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "data_read.json")
     ap.add_argument("--peer-python", default=None, help="interpreter with the peer packages")
     ap.add_argument("--no-strace", action="store_true", help="skip the syscall-count runs")
     ap.add_argument("--setup-peers", action="store_true",
                     help="create bench/data/peers-venv with the peer packages first")
     ap.add_argument("--limit", type=int, default=None, help="stop each reader after N samples")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per system (median reported)")
+    ap.add_argument("--loose-order", choices=("same", "full"), default="same",
+                    help="loose files read in ours' block-shuffled order (same, default) or a "
+                         "full random permutation (the DataLoader(shuffle=True) idiom)")
     ap.add_argument("--timeout", type=float, default=7200)
     ap.add_argument("--cache", choices=("both", "cold", "warm"), default="both",
                     help="page cache before each read: cold (the system's files evicted), warm "
@@ -665,12 +729,15 @@ def main() -> None:
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--build", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-memory", action="store_true", help=argparse.SUPPRESS)
+    add_args(ap, str(ROOT / "results" / "data_read.json"), rounds=3)
+    ap.add_argument("--repeats", dest="rounds", type=int, default=argparse.SUPPRESS,
+                    help="the same as --rounds")
     args = ap.parse_args()
     if args.child:
         child_main(args)
         return
+    check_clean(args)
     sys.path.insert(0, str(ROOT.parent / "src"))
-    load_start = os.getloadavg()
     systems = [s for s in args.systems.split(",") if s]
     peer_py = args.peer_python
     if args.setup_peers:
@@ -696,24 +763,48 @@ def main() -> None:
                 continue
             builds[s] = json.loads(out.stdout.strip().splitlines()[-1])["build_seconds"]
         print(f"built {s}: {builds[s]:.1f} s", flush=True)
+    write_loose_order(args.data_dir, args.seed, args.batch_size)
     modes = {"both": ("cold", "warm"), "cold": ("cold",), "warm": ("warm",)}[args.cache]
     files = {s: system_files(s, args.data_dir) for s in systems}
-    runs: dict[str, dict[str, list[dict]]] = {m: {s: [] for s in systems} for m in modes}
-    for rep in range(args.repeats):
-        # round-robin over the systems, so a burst of load on the shared machine hits all;
-        # per system the cold read comes first and the warm one right after it (the cold
-        # read brought the same samples into the page cache)
-        for s in systems:
-            py = peer_py if s in PEERS else sys.executable
+
+    def side(s: str):
+        py = peer_py if s in PEERS else sys.executable
+
+        def run(rnd: int) -> dict:
+            # per system the cold read comes first and the warm one right after it (the
+            # cold read brought the same samples into the page cache)
+            row: dict = {}
             for mode in modes:
                 ev = evict(files[s]) if mode == "cold" else {}
-                ev["resident_before"] = resident_fraction(files[s], seed=rep)
-                print(f"reading {s} {mode} (run {rep + 1}/{args.repeats}) ...", flush=True)
+                ev["resident_before"] = resident_fraction(files[s], seed=max(rnd, 0))
                 r = run_child(py, s, args)
                 r.update(ev, load_avg=os.getloadavg())
-                runs[mode][s].append(r)
-                print(f"  {s} {mode}: " + json.dumps(r)[:300], flush=True)
-    results = {m: summarize(runs[m], systems) for m in modes}
+                row[mode] = r
+                for k in ("samples_per_s", "MB_per_s", "time_to_first_batch_s"):
+                    if k in r:
+                        row[f"{mode}_{k}"] = r[k]
+            return row
+        return run
+
+    settings = {"batch_size": args.batch_size, "num_workers": args.workers, "seed": args.seed,
+                "limit": args.limit, "records": args.records,
+                "torch_threads_per_process": 1}
+    sides = [Side(s, side(s), dict(settings, shuffle=SHUFFLES[
+        "loose_full" if s == "loose" and args.loose_order == "full" else s],
+        interpreter="peers" if s in PEERS else "ours")) for s in systems]
+    differences = [
+        "every system reads through the same torch DataLoader settings (batch size, workers, "
+        "list collate, 1 torch thread); only the storage format and its reader differ",
+        "shuffle: loose reads the same records in the same order as convergent "
+        "(order_digests equal)" if args.loose_order == "same" else
+        "shuffle: loose uses a full random permutation (DataLoader(shuffle=True)), convergent "
+        "a block shuffle (window 16384 samples): a harder access pattern for loose files",
+    ]
+    if any(p in systems for p in PEERS):
+        differences.append("the peers' own shuffles (settings.*.shuffle) are their defaults, "
+                           "each a windowed/chunked shuffle unlike ours in detail")
+    res = interleave("data_read", sides, rounds=args.rounds, differences=differences)
+    results = summarize(res, modes, systems)
     if not args.no_strace:
         # syscall counts (warm; one run per system under strace -f, --strace-limit samples)
         slim = argparse.Namespace(**dict(vars(args), limit=args.strace_limit))
@@ -723,29 +814,35 @@ def main() -> None:
             for m in modes:
                 if s in results[m]:
                     results[m][s]["syscalls"] = sc
-    summary = {m: compare(results[m], runs[m]) for m in modes}
-    report = {
-        "benchmark": "data_read",
+    summary = {m: compare(results[m], {s: [r[m] for r in res.per_round[s]] for s in systems})
+               for m in modes}
+    if "loose" in systems and "convergent" in systems:
+        dl = set(results[modes[0]]["loose"].get("order_digests", []))
+        dc = set(results[modes[0]]["convergent"].get("order_digests", []))
+        same = bool(dl) and dl == dc
+        for m in modes:
+            summary[m]["loose_same_order_as_convergent"] = same
+    res.headline.update({
+        "headline": "cold" if "cold" in modes else "warm", "summary": summary,
+        "results": results})
+    res.extra = {
         "settings": {"records": args.records, "size_distribution": f"log-normal, median {MEDIAN_BYTES} B, sigma {SIGMA}, clipped 64 B..1 MiB",
                      "batch_size": args.batch_size, "num_workers": args.workers, "shuffle": True,
+                     "loose_order": args.loose_order,
                      "shard_bytes": SHARD_BYTES, "limit": args.limit, "seed": args.seed,
-                     "repeats": args.repeats, "reported": "median-throughput run of the repeats",
+                     "rounds": args.rounds, "reported": "median over rounds, spread beside",
                      "strace_limit": args.strace_limit,
                      "page_cache": {"cold": "the system's files evicted (POSIX_FADV_DONTNEED; dentry/inode "
                                             "caches dropped when /proc/sys/vm/drop_caches is writable) before the read",
                                     "warm": "read right after the cold read of the same samples"}},
-        "generation": gen, "build_seconds": builds, "headline": "cold" if "cold" in modes else "warm",
-        "summary": summary, "results": results,
+        "generation": gen, "build_seconds": builds,
         "versions": {"ours": versions(sys.executable), "peers": versions(peer_py)},
-        "machine": machine(load_start), "note": args.note, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    from convergent.fsutil import atomic_write_text
-    from convergent.provenance import code_version
-
-    atomic_write_text(args.out, json.dumps({**report, "code": code_version().to_dict()}, indent=1) + "\n")
+        "machine": machine(tuple(res.provenance["load_avg_before"])), "note": args.note}
+    data = res.to_dict()
+    # the smoke test and older readers look for these at the top level
+    data["versions"], data["machine"] = res.extra["versions"], res.extra["machine"]
+    write_result(data, args)
     print(json.dumps(summary, indent=1))
-    print(f"wrote {args.out} (load average now {os.getloadavg()})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Simulation throughput: a plain serial GFN2-xTB loop vs the Dask campaign on 2 workers.
 
-    python bench/sim_throughput.py                 # ~2.5 minutes on a quiet 2-core machine
-    python bench/sim_throughput.py --frames 2000 --chunk-sizes 100,10 --repeats 2
+    python bench/sim_throughput.py                 # ~3 minutes on a quiet 2-core machine
+    python bench/sim_throughput.py --frames 2000 --chunk-sizes 100,10 --rounds 3 --allow-dirty
 
 Same frames on both sides (rattled C/H/N/O molecules of ASE's G2 collection, seed 0,
 ``SimulateConfig`` defaults otherwise; 5,000 frames like the issue's example campaign):
@@ -15,8 +15,10 @@ Same frames on both sides (rattled C/H/N/O molecules of ASE's G2 collection, see
   LocalCluster (start-up reported separately), writing the real checksummed dataset;
   after each run the dataset is verified (every shard's xxh3, every record) untimed.
 
-The three are interleaved (serial, plain, each chunk size; repeated) so load from other
-work on a shared machine hits all alike; ``os.getloadavg()`` is recorded around each run.
+The sides are interleaved (serial, plain, each chunk size; for ``--rounds`` rounds, by
+bench/_harness.py) so load from other work on a shared machine hits all alike;
+``os.getloadavg()`` is recorded around each run, and every number is the median over
+rounds with its spread (never the best round).
 
 Reported per campaign run: frames/s; ``parallel_efficiency`` = campaign frames/s /
 (workers x serial frames/s) (target >= 0.85); per-task overhead
@@ -38,13 +40,15 @@ import os
 import platform
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import threading
 import time
 from importlib import metadata
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -194,19 +198,24 @@ def campaign(client, sim, out: Path) -> dict:
     }
 
 
-def _summarise(rs: list[dict], serial: list[dict], plain_wall: float) -> dict:
-    serial_fps = max(r["frames_per_s"] for r in serial)
-    serial_cpu = min(r["cpu_s"] for r in serial)
-    best = dict(min(rs, key=lambda r: r["wall_s"]))
-    n = best["workers"]
-    best["parallel_efficiency"] = best["frames_per_s"] / (n * serial_fps)
-    best["parallel_efficiency_median"] = (
-        statistics.median(r["frames_per_s"] for r in rs)
-        / (n * statistics.median(r["frames_per_s"] for r in serial)))
-    best["framework_efficiency_vs_plain_processes"] = plain_wall / best["wall_s"]
-    best["cpu_efficiency"] = serial_cpu / min(r["driver_cpu_s"] + r["worker_cpu_s"] for r in rs)
-    best["runs"] = len(rs)
-    return best
+def _summarise(res, cs: int, n: int, serial_cpu: float) -> dict:
+    """Medians over rounds of one chunk size's campaign runs, with the efficiencies."""
+    side = f"campaign_c{cs}"
+    keys = ("frames_per_s", "wall_s", "fixed_s", "overhead_per_task_s",
+            "worker_side_overhead_per_task_s", "worker_utilisation", "driver_cpu_s",
+            "driver_main_thread_cpu_s", "driver_other_threads_cpu_s", "driver_cpu_per_task_s",
+            "worker_cpu_s", "tasks", "frames", "quarantined", "dataset_shards",
+            "dataset_bytes")
+    out: dict = {"chunk_size": cs, "workers": n}
+    out.update({k: res.median(side, k) for k in keys})
+    out["parallel_efficiency"] = res.ratio(side, "serial", "frames_per_s") / n
+    out["framework_efficiency_vs_plain_processes"] = res.ratio(side, "plain_processes",
+                                                                "frames_per_s")
+    out["cpu_efficiency"] = serial_cpu / (out["driver_cpu_s"] + out["worker_cpu_s"])
+    out["spread"] = {k: res.summary[side][k] for k in ("frames_per_s", "overhead_per_task_s",
+                                                        "driver_cpu_s")}
+    out["rounds"] = len(res.per_round[side])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-sizes", default="200,100,50,10",
                     help="campaign chunk sizes to run (frames per task)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved serial/campaign runs")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_throughput.json"))
+    add_args(ap, str(Path(__file__).parent / "results" / "sim_throughput.json"), rounds=3)
     args = ap.parse_args(argv)
+    check_clean(args)
     for var in THREAD_VARS:
         os.environ[var] = "1"  # before tblite loads: one thread, like a Dask worker
 
@@ -225,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     from convergent.sim.calculators import CalcSpec
     from convergent.sim.config import ClusterConfig, SimulateConfig
 
-    machine = _machine()
-    loadavg_start = os.getloadavg()
     chunks = [int(c) for c in args.chunk_sizes.split(",") if c.strip()]
     base = SimulateConfig(frames=args.frames)
     spec = CalcSpec.from_simulate(base)
@@ -234,9 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     serial_loop(items[:20], spec)  # warm-up: imports, parameter files
 
     tmp = Path(tempfile.mkdtemp(prefix="sim_bench_"))
-    serial: list[dict] = []
-    plain: list[dict] = []
-    runs: dict[int, list[dict]] = {cs: [] for cs in chunks}
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(args.workers) as pool:
         plain_processes(pool, items[: 4 * args.workers], spec, args.workers)  # warm-up
@@ -248,52 +252,46 @@ def main(argv: list[str] | None = None) -> int:
             campaign(client, warm, tmp / "warm")  # import tblite on every worker
             threads = {"serial_process": {v: os.environ.get(v) for v in THREAD_VARS},
                        "workers": _worker_threads(client)}
-            for rep in range(args.repeats):
-                serial.append(serial_loop(items, spec))
-                print(f"[{rep}] serial: {serial[-1]['frames_per_s']:.1f} frames/s", flush=True)
-                plain.append(plain_processes(pool, items, spec, args.workers))
-                print(f"[{rep}] {args.workers} plain processes: "
-                      f"{plain[-1]['frames_per_s']:.1f} frames/s", flush=True)
-                for cs in chunks:
-                    r = campaign(client, base.model_copy(update={"chunk_size": cs}),
-                                 tmp / f"c{cs}")
-                    runs[cs].append(r)
-                    print(f"[{rep}] campaign chunk {cs}: {r['frames_per_s']:.1f} frames/s, "
-                          f"overhead {r['overhead_per_task_s'] * 1e3:.1f} ms/task, driver "
-                          f"CPU {r['driver_cpu_s']:.2f} s, load {r['loadavg'][1]:.1f}",
-                          flush=True)
+            sides = [
+                Side("serial", lambda r: serial_loop(items, spec),
+                     {"processes": 1, "threads": 1, "writes": False}),
+                Side("plain_processes",
+                     lambda r: plain_processes(pool, items, spec, args.workers),
+                     {"processes": args.workers, "threads": 1, "writes": False}),
+            ]
+            for cs in chunks:
+                sides.append(Side(
+                    f"campaign_c{cs}",
+                    lambda r, cs=cs: campaign(client, base.model_copy(update={"chunk_size": cs}),
+                                              tmp / f"c{cs}"),
+                    {"workers": args.workers, "threads_per_worker": 1, "chunk_size": cs,
+                     "writes": "checksummed dataset (verified untimed after each run)"}))
+            res = interleave("sim_throughput", sides, rounds=args.rounds, differences=[
+                "the campaign writes and checksums the dataset (shards, manifest); the "
+                "serial loop and the plain processes write nothing",
+                "the campaign's Dask cluster is started once before the rounds (start-up "
+                "reported as cluster_startup_s, not in any wall time)",
+                "every side runs the same frames with the same calculator settings and 1 "
+                "OpenMP/BLAS thread per process"])
     shutil.rmtree(tmp, ignore_errors=True)
 
-    serial_wall = min(r["wall_s"] for r in serial)
-    plain_wall = min(r["wall_s"] for r in plain)
-    summary = [_summarise(rs, serial, plain_wall) for rs in runs.values()]
+    n = args.workers
+    serial_cpu = res.median("serial", "cpu_s")
+    summary = [_summarise(res, cs, n, serial_cpu) for cs in chunks]
     best = max(summary, key=lambda r: r["parallel_efficiency"])
-    hardware = serial_wall / plain_wall / args.workers
-    result = {
-        "benchmark": "sim_throughput",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python bench/sim_throughput.py " + " ".join(argv or sys.argv[1:]),
+    hardware = res.ratio("plain_processes", "serial", "frames_per_s") / n
+    res.headline.update({
         "workload": {"source": base.source, "elements": base.elements,
                      "max_atoms": base.max_atoms, "sampler": "rattle",
                      "sigma": base.rattle_sigma, "method": spec.level + " (tblite)",
                      "calculator_settings": spec.settings, "frames": len(items),
                      "mean_atoms": sum(len(i.numbers) for i in items) / len(items)},
-        "repeats": args.repeats,
-        "threads": threads,
-        "serial": {"runs": serial, "best_wall_s": serial_wall,
-                   "frames_per_s": len(items) / serial_wall,
-                   "best_cpu_s": min(r["cpu_s"] for r in serial)},
-        "plain_processes": {"runs": plain, "best_wall_s": plain_wall,
-                            "frames_per_s": len(items) / plain_wall,
-                            "hardware_scaling": hardware},
-        "cluster_startup_s": startup,
-        "campaign": summary,
-        "campaign_runs": runs,
         "best": {"chunk_size": best["chunk_size"],
-                 "serial_frames_per_s": len(items) / serial_wall,
+                 "chosen_by": "the chunk size with the highest median parallel_efficiency",
+                 "serial_frames_per_s": res.median("serial", "frames_per_s"),
                  "campaign_frames_per_s": best["frames_per_s"],
                  "parallel_efficiency": best["parallel_efficiency"],
-                 "parallel_efficiency_median": best["parallel_efficiency_median"],
+                 "parallel_efficiency_median": best["parallel_efficiency"],
                  "overhead_per_task_s": best["overhead_per_task_s"],
                  "driver_cpu_s": best["driver_cpu_s"],
                  "cpu_efficiency": best["cpu_efficiency"],
@@ -302,23 +300,27 @@ def main(argv: list[str] | None = None) -> int:
                  "hardware_scaling_plain_processes": hardware,
                  "cluster_startup_s": startup,
                  "target": 0.85, "met": best["parallel_efficiency"] >= 0.85},
-        "machine": {**machine, "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()},
-        "versions": _versions(),
-        "note": ("Best of N interleaved runs on each side (least disturbed by other load), "
-                 "medians alongside. parallel_efficiency = campaign frames/s / (workers x "
-                 "serial frames/s), the target metric; the campaign also writes and "
-                 "checksums the dataset, the serial loop writes nothing. hardware_scaling = "
-                 "the same ratio for plain processes without Dask or writing: the ceiling "
-                 "the machine allowed at the time. cpu_efficiency = serial CPU s / (driver "
-                 "+ workers CPU s). fixed_s = campaign wall outside the task farm. A "
-                 "loadavg above ~2 means other work shared the 2 cores."),
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from convergent.provenance import code_version
-
-    out.write_text(json.dumps({**result, "code": code_version().to_dict()}, indent=2))
-    print(json.dumps(result["best"]), f"-> {out}")
+        "campaign": summary,
+        "serial": {"frames_per_s": res.median("serial", "frames_per_s"),
+                   "cpu_s": serial_cpu, "spread": res.summary["serial"]["frames_per_s"]},
+        "plain_processes": {"frames_per_s": res.median("plain_processes", "frames_per_s"),
+                            "hardware_scaling": hardware,
+                            "spread": res.summary["plain_processes"]["frames_per_s"]},
+        "cluster_startup_s": startup,
+    })
+    res.extra = {"command": "python bench/sim_throughput.py " + " ".join(argv or sys.argv[1:]),
+                 "threads": threads, "machine": _machine(), "versions": _versions(),
+                 "note": ("Medians over interleaved rounds (spread beside them). "
+                          "parallel_efficiency = median campaign frames/s / (workers x median "
+                          "serial frames/s), the target metric; the campaign also writes and "
+                          "checksums the dataset, the serial loop writes nothing. "
+                          "hardware_scaling = the same ratio for plain processes without Dask "
+                          "or writing: the ceiling the machine allowed at the time. "
+                          "cpu_efficiency = serial CPU s / (driver + workers CPU s). fixed_s = "
+                          "campaign wall outside the task farm. A loadavg above ~2 means other "
+                          "work shared the 2 cores.")}
+    write_result(res, args)
+    print(json.dumps(res.headline["best"]))
     return 0
 
 

@@ -20,13 +20,15 @@ atom) x atoms/s / (measured single-thread GEMM peak for the dtype x processes; f
 1x2 run the 2-thread peak). The machine is shared (other jobs run), so numbers are noisy;
 the load average before/after is in the JSON.
 
-Every configuration runs ``--repeats`` times round-robin (default 2) and the best
-repeat is reported (all repeats' samples/s are listed) to damp the noise of the shared
-machine.
+Every configuration runs once per round, interleaved (A B C ... A B C ...) for
+``--rounds`` rounds (bench/_harness.py); each number is the median over rounds with its
+spread (never the best round). All sides get the same DDP options (bucket 25 MB,
+``broadcast_buffers=False``: the model's buffers are fixed at build time), the same
+constant learning rate (no warm-up or schedule), 1 torch thread per process and the same
+batches; the differences that remain are listed in the JSON's ``differences``.
 
-Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400] [--repeats 2]
-[--only ddp_2x1_fp32] [--out-name train_throughput.json]`` (writes
-``bench/results/<out-name>``).
+Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400] [--rounds 3]
+[--only ddp_2x1_fp32] [--out bench/results/train_throughput.json] [--allow-dirty]``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -43,9 +44,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from convergent.resources import cpu_name
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+
 NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
          "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
 
@@ -79,7 +82,8 @@ def overrides(data: Path, steps: int, dtype: str) -> list[str]:
     return [
         f"train.dataset={data}", f"train.steps={steps}", "train.val_every=0",
         "checkpoint.interval=0", "metrics.tensorboard=false", f"precision.dtype={dtype}",
-        "train.warmup_steps=5", "metrics.log_every=1000", "train.global_batch_atoms=1024",
+        "train.warmup_steps=0", "train.lr_schedule=constant", "metrics.log_every=1000",
+        "train.global_batch_atoms=1024",
     ]
 
 
@@ -108,7 +112,9 @@ def peer_worker(kind: str, data: str, steps: int, dtype: str, out: str) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        dmodel = DDP(model)
+        # the same DDP options as ours (convergent.train.parallel): default bucket size,
+        # no buffer broadcast before each forward
+        dmodel = DDP(model, broadcast_buffers=False)
 
         def backward(loss):
             loss.backward()
@@ -120,9 +126,11 @@ def peer_worker(kind: str, data: str, steps: int, dtype: str, out: str) -> None:
             return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     elif kind == "fabric":
         from lightning.fabric import Fabric
+        from lightning.fabric.strategies import DDPStrategy
 
         fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-                        strategy="ddp", precision="bf16-mixed" if bf16 else "32-true")
+                        strategy=DDPStrategy(broadcast_buffers=False),
+                        precision="bf16-mixed" if bf16 else "32-true")
         fabric.launch()
         rank, world = fabric.global_rank, fabric.world_size
         dmodel, opt = fabric.setup(model, opt)
@@ -137,8 +145,11 @@ def peer_worker(kind: str, data: str, steps: int, dtype: str, out: str) -> None:
             return fabric.autocast()
     elif kind == "accelerate":
         from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
 
-        acc = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no")
+        acc = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no",
+                          kwargs_handlers=[DistributedDataParallelKwargs(
+                              broadcast_buffers=False)])
         rank, world = acc.process_index, acc.num_processes
         dmodel, opt = acc.prepare(model, opt)
 
@@ -187,7 +198,7 @@ def run_peer(kind: str, data: Path, steps: int, dtype: str, tmp: Path) -> dict:
     out = tmp / f"{kind}_{dtype}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            "--nproc-per-node=2", str(Path(__file__).resolve()), "--worker", kind,
-           "--data", str(data), "--steps", str(steps), "--dtype", dtype, "--out", str(out)]
+           "--data", str(data), "--steps", str(steps), "--dtype", dtype, "--worker-out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -288,103 +299,115 @@ def summarize(raw: dict, warmup: int, fpa: float, peak_flops: float, threads: in
     return out
 
 
+DIFFERENCES = [
+    "step time: for ours from one step's start to the next (the trainer's metric "
+    "bookkeeping between steps included), for the peers one loop iteration",
+    "ours runs its trainer (metrics JSONL, NaN guard, comm hook accounting); the peers "
+    "are bare loops over the same batches",
+    "ours_single_1x2_fp32 is 1 process x 2 threads; every other side 2 processes x 1 thread",
+    "MFU divides by the best GEMM peak measured on this machine for the dtype and threads "
+    "(before and after the runs): an underestimated peak would inflate MFU",
+    "fabric bf16 fails on the double backward (fabric asks for fabric.backward on the "
+    "inner autograd.grad); it is recorded as an error, not left out silently",
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker")
     ap.add_argument("--data")
     ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--out")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--molecules", type=int, default=400)
-    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated substrings of the "
                     "configuration names to run (default: all), e.g. 'ddp_2x1_fp32'")
-    ap.add_argument("--out-name", default="train_throughput.json")
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_args(ap, str(HERE / "results" / "train_throughput.json"), rounds=3)
     args = ap.parse_args()
     if args.worker:
-        peer_worker(args.worker, args.data, args.steps, args.dtype, args.out)
+        peer_worker(args.worker, args.data, args.steps, args.dtype, args.worker_out)
         return
-    import accelerate
-    import lightning
-    import torch
-
-    load_before = os.getloadavg()
+    check_clean(args)
     tmp = Path(tempfile.mkdtemp(prefix="bench_train_"))
-    t0 = time.time()
     data = make_dataset(tmp / "data", args.molecules)
     fpa = {d: flops_per_atom(data, d) for d in ("fp32", "bf16")}
     peaks = {(d, t): peak(d, t) for d in ("fp32", "bf16") for t in (1, 2)}
-    results: dict[str, dict] = {}
     plan = [
         ("ours_ddp_2x1_fp32", lambda r: run_ours(data, args.steps, "fp32", tmp, 2, 1, r),
-         "fp32", 1),
+         "fp32", 1, 2),
         ("ours_ddp_2x1_bf16", lambda r: run_ours(data, args.steps, "bf16", tmp, 2, 1, r),
-         "bf16", 1),
+         "bf16", 1, 2),
         ("ours_single_1x2_fp32", lambda r: run_ours(data, args.steps, "fp32", tmp, 1, 2, r),
-         "fp32", 2),
+         "fp32", 2, 1),
     ]
     for kind in ("plain", "fabric", "accelerate"):
         for d in ("fp32", "bf16"):
             plan.append((f"{kind}_ddp_2x1_{d}",
-                         lambda r, k=kind, dd=d: run_peer(k, data, args.steps, dd, tmp), d, 1))
+                         lambda r, k=kind, dd=d: run_peer(k, data, args.steps, dd, tmp), d, 1, 2))
     if args.only:
         keys = [k for k in args.only.split(",") if k]
         plan = [p for p in plan if any(k in p[0] for k in keys)]
-    for rep in range(args.repeats):  # round-robin repeats; the best of each is kept
-        for name, fn, dtype, threads in plan:
-            if "error" in results.get(name, {}):
-                continue
-            print(f"[{rep + 1}/{args.repeats}] running {name} ...", flush=True)
+    failed: dict[str, str] = {}
+
+    def side(name, fn, dtype, threads):
+        def run(r: int) -> dict:
+            if name in failed:  # a deterministic failure: not retried every round
+                return {"error": failed[name]}
             try:
-                raw = fn(rep)
-                res = summarize(raw, args.warmup, fpa[dtype], peaks[(dtype, threads)], threads)
-                res["dtype"] = dtype
-                prev = results.get(name)
-                seen = (prev or {}).get("samples_per_s_each_repeat", []) + [res["samples_per_s"]]
-                if prev is None or res["samples_per_s"] > prev["samples_per_s"]:
-                    results[name] = res
-                results[name]["samples_per_s_each_repeat"] = seen
-                print(f"  {res['samples_per_s']:.1f} samples/s, {res['atoms_per_s']:.0f} atoms/s,"
-                      f" mfu {res['mfu']:.2%}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - record and go on
-                if name in results:
-                    results[name].setdefault("errors", []).append(str(exc)[:400])
-                else:
-                    results[name] = {"error": str(exc)[:400]}
-                print(f"  failed: {exc!r}", flush=True)
+                raw = fn(r)
+            except Exception as exc:  # noqa: BLE001 - recorded; the other sides go on
+                failed[name] = str(exc)[:400]
+                return {"error": failed[name]}
+            return summarize(raw, args.warmup, fpa[dtype], peaks[(dtype, threads)], threads)
+        return run
+
+    sides = [Side(name, side(name, fn, dtype, threads),
+                  {"dtype": dtype, "processes": nproc, "threads_per_process": threads,
+                   "ddp": {"broadcast_buffers": False, "bucket_cap_mb": 25} if nproc > 1 else None,
+                   "overrides": overrides(data, args.steps, dtype)})
+             for name, fn, dtype, threads, nproc in plan]
+    res = interleave("train_throughput", sides, rounds=args.rounds, differences=DIFFERENCES)
     # the machine is shared: re-measure the GEMM peaks at the end and keep the best seen
     # (an underestimated peak would inflate MFU), then recompute every MFU with it
     for key in peaks:
         peaks[key] = max(peaks[key], peak(*key))
-    for res in results.values():
-        if "atoms_per_s" in res:
-            res["mfu"] = fpa[res["dtype"]] * res["atoms_per_s"] / (
-                peaks[(res["dtype"], res["threads_per_process"])] * res["processes"])
-    out = {
-        "benchmark": "train_throughput",
-        "description": __doc__.split("\n\n")[1].replace("\n", " "),
-        "settings": {"only": args.only or "all", "steps": args.steps, "repeats_best_of": args.repeats, "warmup_steps_excluded": args.warmup,
-                     "molecules": args.molecules, "model": "molecular default (hidden 64, 3 layers)",
-                     "global_batch_atoms": 1024, "loss": "energy+forces (double backward)"},
-        "flops_per_atom": fpa,
-        "measured_gemm_peak_flops": {f"{d}_{t}threads": v for (d, t), v in peaks.items()},
-        "results": results,
-        "machine": {"platform": platform.platform(), "cpu": cpu_name(),
-                    "usable_cpus": len(os.sched_getaffinity(0)),
-                    "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "lightning": lightning.__version__, "accelerate": accelerate.__version__},
-        "note": "2-core machine; timings depend on its load (see machine); compare "
-                "configurations within this file only",
-        "seconds": time.time() - t0,
-    }
-    dest = HERE / "results" / args.out_name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    from convergent.provenance import code_version
-
-    dest.write_text(json.dumps({**out, "code": code_version().to_dict()}, indent=2))
-    print(f"wrote {dest}")
+    results: dict[str, dict] = {}
+    for name, _, dtype, threads, nproc in plan:
+        rows = res.per_round[name]
+        errors = [r["error"] for r in rows if "error" in r]
+        if res.median(name, "samples_per_s") is None:
+            results[name] = {"error": errors[0] if errors else "no run"}
+            continue
+        for r in rows:
+            if "atoms_per_s" in r:
+                r["mfu"] = fpa[dtype] * r["atoms_per_s"] / (peaks[(dtype, threads)] * nproc)
+        out = {"dtype": dtype, "processes": nproc, "threads_per_process": threads}
+        for k in ("median_step_s", "samples_per_s", "atoms_per_s", "trainer_step_s_median"):
+            if res.median(name, k) is not None:
+                out[k] = res.median(name, k)
+        out["mfu"] = statistics.median(r["mfu"] for r in rows if "mfu" in r)
+        out["samples_per_s_spread"] = res.summary[name]["samples_per_s"]
+        if errors:
+            out["errors"] = errors
+        results[name] = out
+    res.summarise()
+    ref = results.get("ours_ddp_2x1_fp32", {}).get("samples_per_s")
+    if ref:
+        res.headline["ours_vs_peers_fp32"] = {
+            n: ref / r["samples_per_s"] for n, r in results.items()
+            if n.endswith("_fp32") and not n.startswith("ours") and r.get("samples_per_s")}
+    res.headline["results"] = results
+    res.extra = {"description": __doc__.split("\n\n")[1].replace("\n", " "),
+                 "only": args.only or "all", "steps": args.steps,
+                 "warmup_steps_excluded": args.warmup, "molecules": args.molecules,
+                 "model": "molecular default (hidden 64, 3 layers)",
+                 "global_batch_atoms": 1024, "loss": "energy+forces (double backward)",
+                 "flops_per_atom": fpa,
+                 "measured_gemm_peak_flops": {f"{d}_{t}threads": v for (d, t), v in peaks.items()},
+                 "note": "2-core machine; timings depend on its load (provenance, per_round "
+                         "load1); compare configurations within this file only"}
+    write_result(res, args)
     shutil.rmtree(tmp, ignore_errors=True)
 
 

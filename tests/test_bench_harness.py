@@ -62,3 +62,33 @@ def test_write_refuses_a_dirty_tree_unless_allowed(tmp_path):
         assert data["dirty"] is True and len(data["commit"]) == 40
     finally:
         h.ROOT = old
+
+
+def test_stamp_puts_commit_on_top_and_completes_the_provenance():
+    prov = h.provenance()
+    d = h.stamp("b", prov, {"speedup": 2.0}, differences=["peer uses 1 thread"])
+    assert list(d)[:3] == ["benchmark", "commit", "dirty"] and d["commit"] == prov["commit"]
+    assert d["speedup"] == 2.0 and d["differences"] == ["peer uses 1 thread"]
+    assert len(d["provenance"]["load_avg_after"]) == 3 and "load_avg_after" not in prov
+    s = h.spread([3.0, None, 1.0, 2.0])
+    assert s["n"] == 3 and s["median"] == 2.0 and s["min"] == 1.0
+
+
+def test_failed_rounds_are_kept_but_not_summarised():
+    def run(r):
+        return {"error": "boom"} if r == 1 else {"x": float(r)}
+
+    res = h.interleave("t", [h.Side("a", run)], rounds=3, progress=False)
+    assert [("error" in row) for row in res.per_round["a"]] == [False, True, False]
+    assert "wall_s" not in res.per_round["a"][1]
+    assert res.summary["a"]["x"]["n"] == 2 and res.summary["a"]["wall_s"]["n"] == 2
+    assert res.median("a", "x") == 1.0
+
+
+def test_a_kept_headline_key_wins_over_a_harness_field_of_its_name():
+    res = h.interleave("t", [h.Side("a", lambda r: {"x": 2.0})], rounds=1, progress=False)
+    res.headline.update({"summary": {"old": 1}, "speedup": 3.0})
+    d = res.to_dict()
+    assert d["summary"] == {"old": 1} and d["speedup"] == 3.0
+    assert d["harness_summary"]["a"]["x"]["median"] == 2.0
+    assert list(d)[:3] == ["benchmark", "commit", "dirty"] and "per_round" in d

@@ -18,7 +18,7 @@ def test_data_read_bench_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--records", "2000", "--systems", "loose,convergent",
          "--data-dir", str(tmp_path / "d"), "--out", str(out), "--no-strace", "--workers", "1", "--repeats", "1",
-         "--peer-python", sys.executable],
+         "--peer-python", sys.executable, "--allow-dirty"],
         capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -29,9 +29,14 @@ def test_data_read_bench_tiny(tmp_path):
             r = rep["results"][mode][s]
             assert r["samples"] == 2000 and r["bytes"] == rep["results"]["cold"]["loose"]["bytes"]
         assert rep["summary"][mode]["convergent_vs_loose"] > 0
+        # equal shuffle semantics: the loose files are read in ours' order, record for record
+        assert rep["summary"][mode]["loose_same_order_as_convergent"] is True
     # the eviction worked: nothing of the data was in the page cache before a cold read,
     # and the warm read found what the cold read had just brought in
     for s in ("loose", "convergent"):
         assert rep["results"]["cold"][s]["resident_before"] < 0.05
         assert rep["results"]["warm"][s]["resident_before"] > 0.5
     assert rep["versions"]["ours"]["torch"] and rep["machine"]["usable_cpus"] >= 1
+    # the harness discipline: the commit on top, the settings of each side, load before/after
+    assert len(rep["commit"]) == 40 and rep["settings"]["loose"]["shuffle"].startswith("same")
+    assert len(rep["provenance"]["load_avg_after"]) == 3
