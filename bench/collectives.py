@@ -6,7 +6,7 @@ shaped with tc tbf (the "inter-node" link); 4 gloo ranks run bench/collectives_w
 rotates per round), it measures per training step the bytes leaving node A on the
 link (interface counters) and the step time for: flat ring DDP (ranks node-contiguous),
 flat with a scattered placement (ranks 0,2 on node A), hierarchical DDP, hierarchical
-with top-k (1%, error feedback) on the inter-node hop, FSDP over all 4 ranks and HSDP
+with top-k (3%, error feedback) on the inter-node hop, FSDP over all 4 ranks and HSDP
 (shard in node, replicate across). Communication time = step time - the step time of
 the same model without communication (``local``, same launch).
 
@@ -46,7 +46,10 @@ from convergent.train import commcost as cc  # noqa: E402
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
 CALIB = [65536, 262144, 1048576, 4194304]
-RATIO = 0.01
+# top-k keeps 3% of each inter-node shard: at 1% the eval loss stayed ~7% above flat after
+# 30 and after 100 steps (error feedback delays too much mass); 3% sends 0.04x flat's bytes
+# (2 * 0.03 / 1.5) and keeps the loss within ~2% of flat after 100 steps.
+RATIO = 0.03
 # Published / datasheet figures for the projection (per GPU, per direction)
 NVLINK = {"beta": 1 / 450e9, "alpha": 2e-6,
           "source": "NVIDIA H100 SXM datasheet: NVLink 900 GB/s bidirectional per GPU "
@@ -158,7 +161,7 @@ def main() -> None:
     ap.add_argument("--rates", default="100mbit,1gbit,none")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--loss-steps", type=int, default=30)
+    ap.add_argument("--loss-steps", type=int, default=100)
     add_args(ap, str(HERE / "results" / "collectives.json"), rounds=3)
     args = ap.parse_args()
     why = unavailable()
@@ -288,7 +291,7 @@ def main() -> None:
         "(reshard_after_forward=True)",
         "flat_scattered (ranks 0,2 on node A) runs in a second launch of the same round, "
         "with its own local reference step",
-        "hier_topk sends 1% of the gradient entries (error feedback) on the inter-node hop: "
+        "hier_topk sends 3% of the gradient entries (error feedback) on the inter-node hop: "
         "its eval loss after loss_check.steps is compared with flat's"])
     dest = Path(args.out)
     write_result(out, args)
