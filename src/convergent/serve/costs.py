@@ -93,10 +93,6 @@ class CostTable:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
-    @classmethod
-    def from_json(cls, text: str) -> CostTable:
-        return cls(**json.loads(text))
-
     def save(self, path: str | Path) -> None:
         from convergent.fsutil import atomic_write_text
 
