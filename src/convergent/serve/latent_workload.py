@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from convergent.serve.workload import OUTPUT_CAP, TASK_KINDS, TraceRequest, _prompt_text
+from convergent.serve.workload import OUTPUT_CAP, TASK_KINDS, TraceRequest, requests_from
 
 __all__ = ["FAMILIES", "kind_ceiling_mae", "make_latent_trace"]
 
@@ -96,13 +96,7 @@ def make_latent_trace(
     inp, out, kinds = (_family_a if family == "A" else _family_b)(n, rng)
     inp = np.clip(np.round(inp), 4, max_input).astype(int)
     out = np.clip(np.round(out), 1, output_cap).astype(int)
-    reqs = []
-    for i in range(n):
-        text = _prompt_text(rng, int(kinds[i]), int(inp[i]) - 1)  # -1: BOS
-        reqs.append(
-            TraceRequest(i, text, len(text.encode()) + 1, int(out[i]), TASK_KINDS[kinds[i]][0])
-        )
-    return reqs
+    return requests_from(rng, kinds, inp, out)
 
 
 def kind_ceiling_mae(trace: Sequence[TraceRequest]) -> float:

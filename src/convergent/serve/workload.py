@@ -71,6 +71,19 @@ def _prompt_text(rng: np.random.Generator, kind_idx: int, n_bytes: int) -> str:
     return text[: max(n_bytes, 1)]
 
 
+def requests_from(rng: np.random.Generator, kinds: np.ndarray, inp: np.ndarray,
+                  out: np.ndarray) -> list[TraceRequest]:
+    """Trace requests with a prompt of ``inp[i]`` tokens (BOS included) of kind ``kinds[i]``
+    and ``out[i]`` output tokens."""
+    reqs = []
+    for i in range(len(kinds)):
+        text = _prompt_text(rng, int(kinds[i]), int(inp[i]) - 1)  # -1: BOS
+        reqs.append(
+            TraceRequest(i, text, len(text.encode()) + 1, int(out[i]), TASK_KINDS[kinds[i]][0])
+        )
+    return reqs
+
+
 def make_trace(
     n: int,
     seed: int = 0,
@@ -97,13 +110,7 @@ def make_trace(
     k = len(TASK_KINDS)
     edges = np.quantile(rng.normal(0, 1, 20000), np.linspace(0, 1, k + 1)[1:-1])
     kinds = np.searchsorted(edges, zn)
-    reqs = []
-    for i in range(n):
-        text = _prompt_text(rng, int(kinds[i]), int(inp[i]) - 1)  # -1: BOS
-        reqs.append(
-            TraceRequest(i, text, len(text.encode()) + 1, int(out[i]), TASK_KINDS[kinds[i]][0])
-        )
-    return reqs
+    return requests_from(rng, kinds, inp, out)
 
 
 def scale_trace(
