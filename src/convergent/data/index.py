@@ -3,7 +3,7 @@
 ``pack_index`` writes u32 JSON length | JSON table | 8-byte aligned arrays; ``unpack_index``
 returns read-only views. Strings and byte strings are two columns each (``<name>.off``
 offsets and the concatenated ``<name>.utf8`` / ``<name>.data``). Which columns a shard
-carries is decided by its record schema (:func:`convergent.data.records.build_index`).
+carries is decided by its record schema (:class:`convergent.data.records.IndexBuilder`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,6 @@ import struct
 import numpy as np
 
 from convergent.errors import DataError
-
-
-def string_column(values: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    enc = [v.encode() for v in values]
-    off = np.zeros(len(enc) + 1, np.uint64)
-    np.cumsum([len(b) for b in enc], out=off[1:]) if enc else None
-    return off, np.frombuffer(b"".join(enc), np.uint8)
-
-
-def bytes_column(values: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    off = np.zeros(len(values) + 1, np.uint64)
-    if values:
-        np.cumsum([len(b) for b in values], out=off[1:])
-    return off, np.frombuffer(b"".join(values), np.uint8)
 
 
 def pack_index(columns: dict[str, np.ndarray]) -> bytes:

@@ -34,7 +34,7 @@ from convergent.data.manifest import (
     write_manifest,
 )
 from convergent.data.reader import Dataset, open_dataset
-from convergent.data.records import Encoded, build_index, encode_bytes, encode_molecular
+from convergent.data.records import Encoded, IndexBuilder, encode_bytes, encode_molecular
 from convergent.errors import DataError
 from convergent.fsutil import file_mode, fsync_dir
 
@@ -46,7 +46,7 @@ TMP_SUFFIX = ".tmp"  # shards being written: '.<name>.<random>.tmp' (see data ve
 class _OpenShard:
     """A shard being written to a temporary file, hashed as it grows."""
 
-    def __init__(self, directory: Path, name: str, schema: int, codec: int) -> None:
+    def __init__(self, directory: Path, name: str, schema: int, codec: int, schema_name: str) -> None:
         self.directory, self.name = directory, name
         fd, self.tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=TMP_SUFFIX, dir=directory)
         os.fchmod(fd, file_mode())  # group-readable as the umask allows, like the manifest
@@ -54,9 +54,7 @@ class _OpenShard:
         self.hash = xxhash.xxh3_64()
         self.header = fmt.pack_header(schema, codec)
         self.pos = 0
-        self.encoded: list[Encoded] = []
-        self.offsets: list[int] = []
-        self.inline_bytes = 0  # inlined payload bytes (they go into the index)
+        self.index = IndexBuilder(schema_name)  # the index columns, compact (no bodies)
         self._write(self.header)
 
     def _write(self, data: bytes) -> None:
@@ -65,25 +63,26 @@ class _OpenShard:
         self.pos += len(data)
 
     def add(self, enc: Encoded, frame: bytes) -> None:
-        self.offsets.append(self.pos)
-        self.encoded.append(enc)
-        self.inline_bytes += len(enc.payload or b"")
+        self.index.add(enc, self.pos)
         if frame:
             self._write(frame)
 
-    def seal(self, schema: str) -> ShardInfo:
+    @property
+    def n(self) -> int:
+        return self.index.n
+
+    def seal(self) -> ShardInfo:
         """Write index + trailer, fsync, rename to the final name; return its manifest entry."""
         index_offset = self.pos
-        cols = build_index(schema, self.encoded, self.offsets + [index_offset])
-        index = pack_index(cols)
+        index = pack_index(self.index.columns(index_offset))
         self._write(index)
-        self._write(fmt.pack_trailer(self.header, index, index_offset, len(self.encoded)))
+        self._write(fmt.pack_trailer(self.header, index, index_offset, self.n))
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
         os.replace(self.tmp, self.directory / self.name)
         fsync_dir(self.directory)
-        return ShardInfo(self.name, len(self.encoded), self.pos, self.hash.hexdigest())
+        return ShardInfo(self.name, self.n, self.pos, self.hash.hexdigest())
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):
@@ -206,13 +205,13 @@ class DatasetWriter:
                 raise DataError(f"{self.path}: duplicate record key {enc.key!r}")
             self._keys.add(enc.key)
         sh = self._open
-        index_estimate = 64 * (len(sh.encoded) + 1) + sh.inline_bytes + len(enc.payload or b"") if sh else 0
-        if sh is not None and sh.encoded and sh.pos + len(frame) + index_estimate > self.shard_bytes:
+        index_estimate = 64 * (sh.n + 1) + sh.index.inline_bytes + len(enc.payload or b"") if sh else 0
+        if sh is not None and sh.n and sh.pos + len(frame) + index_estimate > self.shard_bytes:
             self._seal()
         if self._open is None:
             name = f"shard-{self.tag}-{self._seq:06d}{fmt.SHARD_SUFFIX}"
             self._seq += 1
-            self._open = _OpenShard(self.path, name, self._schema_id, self._codec)
+            self._open = _OpenShard(self.path, name, self._schema_id, self._codec, self.schema)
         self._open.add(enc, frame)
         self.records_written += 1
 
@@ -298,7 +297,7 @@ class DatasetWriter:
             return
         sh, self._open = self._open, None
         try:
-            info = sh.seal(self.schema)
+            info = sh.seal()
         except BaseException:
             sh.abort()
             raise
