@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--topk-ratio", type=float, default=0.01)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--calib", default="")  # comma-separated byte sizes
+    ap.add_argument("--eval-at", default="")  # comma-separated step counts: eval loss there too
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -170,6 +171,8 @@ def main() -> None:
         model, fwd = wrap(variant, args.dim, args.layers, tiers, meshes, args.topk_ratio)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         steps = []
+        evals: dict[str, float] = {}
+        eval_at = {int(x) for x in args.eval_at.split(",") if x}
         for step in range(args.warmup + args.steps):
             x, y = batch(args.dim, args.batch, 1000 * step + rank)
             dist.barrier()
@@ -185,10 +188,13 @@ def main() -> None:
             steps.append({"s": dt, "loss": float(loss),
                           "tx": c1[0] - c0[0] if c1 else None,
                           "rx": c1[1] - c0[1] if c1 else None})
+            if step + 1 in eval_at:  # outside the timed region
+                with torch.no_grad():
+                    evals[str(step + 1)] = float(nn.functional.mse_loss(fwd(eval_x), eval_y))
         with torch.no_grad():
             ev = float(nn.functional.mse_loss(fwd(eval_x), eval_y))
         allv: list = [None] * world
-        dist.all_gather_object(allv, {"steps": steps, "eval_loss": ev,
+        dist.all_gather_object(allv, {"steps": steps, "eval_loss": ev, "evals": evals,
                                       "node": int(os.environ.get("GROUP_RANK", "0")),
                                       "local_rank": int(os.environ.get("LOCAL_RANK", "0"))})
         result["variants"][variant] = allv
