@@ -259,3 +259,27 @@ def write_result(res: Result | dict[str, Any], args: argparse.Namespace) -> Path
     os.replace(tmp, out)
     print(f"wrote {out}", file=sys.stderr)
     return out
+
+
+def stamp_png(path: str | Path, commit: str | None, benchmark: str) -> None:
+    """Write the commit a figure was made at into the PNG itself (a ``tEXt`` chunk
+    ``convergent-commit``), so every file in bench/results names its code version."""
+    from PIL import Image, PngImagePlugin
+
+    path = Path(path)
+    info = PngImagePlugin.PngInfo()
+    info.add_text("convergent-commit", commit or "unknown")
+    info.add_text("convergent-benchmark", benchmark)
+    with Image.open(path) as img:
+        img.load()
+        tmp = path.with_name(f".{path.name}.tmp")
+        img.save(tmp, format="PNG", pnginfo=info)
+    os.replace(tmp, path)
+
+
+def png_commit(path: str | Path) -> str | None:
+    """The commit :func:`stamp_png` wrote into a PNG (None if it has none)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return img.text.get("convergent-commit")  # type: ignore[attr-defined]

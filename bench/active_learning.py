@@ -44,7 +44,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from _harness import Side, add_args, check_clean, interleave, stamp_png, write_result  # noqa: E402
 
 WORK = ROOT / "data" / "active_learning"
 RESULTS = ROOT / "results"
@@ -290,15 +290,6 @@ def main() -> None:
     ratios = [p["ratio"] if p["ratio"] is not None else float("inf") for p in per_seed]
     median_ratio = float(np.median(ratios))
     ours0 = next(r for r in results if r["seed"] == args.seeds[0] and r["strategy"] == "uncertainty")
-    figs = args.out.parent / args.out.stem
-    plot(results, figs.with_suffix(".png"))
-    from convergent.learn.engine import read_timeline
-    from convergent.learn.report import plot_timeline
-
-    plot_timeline(read_timeline(WORK / ours0["name"] / "learn" / "timeline.jsonl"),
-                  figs.with_name(figs.name + "_timeline.png"), "ours, seed 0, pipelined")
-    plot_timeline(read_timeline(WORK / seq["name"] / "learn" / "timeline.jsonl"),
-                  figs.with_name(figs.name + "_timeline_sequential.png"), "ours, seed 0, sequential phases")
     res.headline.update({
         "labels_ratio_vs_random": median_ratio if np.isfinite(median_ratio) else None,
         "labels_ratio_reached_in_all_seeds": all(np.isfinite(ratios)),
@@ -329,7 +320,18 @@ def main() -> None:
         "campaign_rounds": {r["name"]: r["rounds"] for r in [*results, seq]},
     })
     res.extra = {"versions": versions()}
-    write_result(res, args)
+    write_result(res, args)  # first: it refuses a dirty tree, and the PNGs are tracked too
+    figs = args.out.parent / args.out.stem
+    plot(results, figs.with_suffix(".png"))
+    from convergent.learn.engine import read_timeline
+    from convergent.learn.report import plot_timeline
+
+    plot_timeline(read_timeline(WORK / ours0["name"] / "learn" / "timeline.jsonl"),
+                  figs.with_name(figs.name + "_timeline.png"), "ours, seed 0, pipelined")
+    plot_timeline(read_timeline(WORK / seq["name"] / "learn" / "timeline.jsonl"),
+                  figs.with_name(figs.name + "_timeline_sequential.png"), "ours, seed 0, sequential phases")
+    for suffix in (".png", "_timeline.png", "_timeline_sequential.png"):
+        stamp_png(figs.with_name(figs.name + suffix), res.provenance.get("commit"), "active_learning")
     print(json.dumps({k: res.headline[k] for k in ("labels_ratio_vs_random", "utilisation",
                                                    "utilisation_sequential", "resume_identical")}))
 

@@ -39,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _harness import add_args, check_clean, provenance, spread, stamp, write_result  # noqa: E402
+from _harness import add_args, check_clean, provenance, spread, stamp, stamp_png, write_result  # noqa: E402
 from netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
 
 from convergent.train import commcost as cc  # noqa: E402
@@ -304,6 +304,7 @@ def main() -> None:
     dest = Path(args.out)
     write_result(out, args)
     plot(out, dest.with_suffix(".png"))
+    stamp_png(dest.with_suffix(".png"), out.get("commit"), "collectives")
     print(json.dumps({k: out[k] for k in list(out)[3:12]}, indent=1))
 
 

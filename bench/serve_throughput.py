@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "src"))
 
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from _harness import Side, add_args, check_clean, interleave, stamp_png, write_result  # noqa: E402
 
 OURS = ("sequential", "interleaved", "interleaved_chunked", "tdpipe_oracle", "tdpipe_learned",
         "tdpipe_constant")
@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(res, args)  # first: it refuses a dirty tree, and the PNG is tracked too
     plot_kv_timeline(timelines, png)
+    stamp_png(png, res.provenance.get("commit"), "serve_throughput")
     for s in sides:
         print(f"  {s:22s} {res.median(s, 'output_tok_s'):7.1f} out tok/s (median of "
               f"{args.rounds})")

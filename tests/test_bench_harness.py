@@ -92,3 +92,14 @@ def test_a_kept_headline_key_wins_over_a_harness_field_of_its_name():
     assert d["summary"] == {"old": 1} and d["speedup"] == 3.0
     assert d["harness_summary"]["a"]["x"]["median"] == 2.0
     assert list(d)[:3] == ["benchmark", "commit", "dirty"] and "per_round" in d
+
+
+def test_stamp_png_writes_the_commit_into_the_figure(tmp_path):
+    from PIL import Image
+
+    png = tmp_path / "f.png"
+    Image.new("RGB", (4, 3), (10, 20, 30)).save(png)
+    h.stamp_png(png, "a" * 40, "t")
+    assert h.png_commit(png) == "a" * 40
+    with Image.open(png) as img:
+        assert img.size == (4, 3) and img.getpixel((1, 1)) == (10, 20, 30)

@@ -1,4 +1,4 @@
-"""Every result in bench/results is honest about where it came from: the commit it ran at
+"""Every result and figure in bench/results is honest about where it came from: the commit it ran at
 (an ancestor of this checkout when the history is there), a clean tree, and medians with
 their spread rather than a best run."""
 
@@ -38,6 +38,21 @@ def test_result_carries_its_commit_and_medians(path):
     assert isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{40}", commit), f"{path.name}: no commit"
     assert data.get("dirty") is False, f"{path.name}: produced from a dirty tree"
     assert _has_median_with_spread(data), f"{path.name}: no median with its spread"
+    if _history():
+        anc = subprocess.run(["git", "-C", str(ROOT), "merge-base", "--is-ancestor", commit, "HEAD"])
+        assert anc.returncode == 0, f"{path.name}: commit {commit[:10]} is not in this history"
+
+
+FIGURES = sorted((ROOT / "bench" / "results").glob("*.png"))
+
+
+@pytest.mark.parametrize("path", FIGURES, ids=[p.name for p in FIGURES])
+def test_figure_names_its_commit(path):
+    from PIL import Image
+
+    with Image.open(path) as img:
+        commit = img.text.get("convergent-commit")
+    assert isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{40}", commit), f"{path.name}: no commit"
     if _history():
         anc = subprocess.run(["git", "-C", str(ROOT), "merge-base", "--is-ancestor", commit, "HEAD"])
         assert anc.returncode == 0, f"{path.name}: commit {commit[:10]} is not in this history"
