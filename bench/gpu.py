@@ -105,12 +105,11 @@ def _trainer_run(tmp: Path, sets: list[str], name: str, warmup: int) -> dict[str
     trainer = Trainer(cfg, run)
     trainer.train()
     rows = trainer.history[warmup:]
-    unit = "atoms_per_s" if "atoms_per_s" in rows[0] else "tokens_per_s"
     return {
-        "per_s": statistics.median(r[unit] for r in rows),
-        "step_s": statistics.median(r["step_s"] for r in rows),
-        "data_wait_fraction": statistics.median(r["data_wait_s"] / r["step_s"] for r in rows),
-        "mfu": statistics.median(r["mfu"] for r in rows) if rows[0]["mfu"] is not None else None,
+        "per_s": statistics.median(r.units_per_s for r in rows),
+        "step_s": statistics.median(r.step_s for r in rows),
+        "data_wait_fraction": statistics.median(r.data_wait_s / r.step_s for r in rows),
+        "mfu": statistics.median(r.mfu for r in rows) if rows[0].mfu is not None else None,
     }
 
 

@@ -7,7 +7,7 @@ import json
 from convergent.runs import RunDir
 from convergent.runsdb.records import latest
 from convergent.train.command import progress_line
-from convergent.trainrecords import TIME_PARTS, TrainStep, ValRecord
+from convergent.trainrecords import TIME_PARTS, TrainStep, ValRecord, read_train_records
 
 # a train_step line as the trainer wrote it before the typed records (molecular task)
 OLD_STEP = {
@@ -62,6 +62,25 @@ def test_records_read_back_from_a_run_directory(tmp_path):
     (val,) = [ValRecord.from_metric(m) for m in latest(run.metrics, "val")]
     assert step.units_per_s == 400.0 and step.attempt == 1 and step.time is not None
     assert (val.step, val.loss, val.energy_mae, val.force_mae) == (3, 0.5, 0.4, None)
+
+
+def test_read_train_records_types_steps_and_vals_and_keeps_the_last_attempt(tmp_path):
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    for row in ({"kind": "placement", "nproc": 2},
+                {"kind": "train_step", "step": 1, "attempt": 0, "loss": 5.0},
+                {"kind": "train_step", "step": 2, "attempt": 0, "loss": 4.0},  # replayed
+                {"kind": "val", "step": 2, "attempt": 0, "loss": 9.0},
+                {"kind": "train_step", "step": 2, "attempt": 1, "loss": 3.5},
+                {"kind": "train_step", "step": 3, "attempt": 1, "loss": 3.0}):
+        run.log_metrics(row)
+    steps, vals = read_train_records(run.metrics)
+    assert [(s.step, s.attempt, s.loss) for s in steps] == \
+        [(1, 0, 5.0), (2, 0, 4.0), (2, 1, 3.5), (3, 1, 3.0)]
+    assert [(v.step, v.loss) for v in vals] == [(2, 9.0)] and isinstance(vals[0], ValRecord)
+    last, _ = read_train_records(run.metrics, last_attempt=True)
+    assert [(s.step, s.loss) for s in last] == [(1, 5.0), (2, 3.5), (3, 3.0)]
+    assert read_train_records(tmp_path / "missing.jsonl") == ([], [])
 
 
 def test_progress_lines():

@@ -9,14 +9,20 @@ re-spelling the keys. The on-disk lines are flat JSON objects with the field nam
 reader does not know is kept in ``extra`` and written back, a missing one reads as None,
 so lines of older runs still read.
 
-Dependency-free on purpose (standard library only): it sits below every layer that
-writes or reads training metrics.
+:func:`read_train_records` reads a whole metrics.jsonl into typed step and val records
+(other kinds of lines are left to their own readers). Standard library and
+:mod:`convergent.fsutil` only: it sits below every layer that writes or reads training
+metrics.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+from convergent.fsutil import read_jsonl
 
 # parts of a training step's wall time (seconds); they add up to ``step_s``
 TIME_PARTS = ("data_wait_s", "compute_s", "comm_s", "optimizer_s")
@@ -166,3 +172,36 @@ class TrainStep(_Record):
         """The step's time parts (``TIME_PARTS``), or None when a part is missing."""
         vals = {k: _number(getattr(self, k)) for k in TIME_PARTS}
         return None if any(v is None for v in vals.values()) else vals  # type: ignore[return-value]
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def last_per_step(records: Iterable[R]) -> list[R]:
+    """The record of the highest attempt of each step (the later one on ties), by step:
+    a restarted job logs the steps after its last checkpoint again."""
+    best: dict[int, R] = {}
+    for r in records:
+        if r.step not in best or r.attempt >= best[r.step].attempt:
+            best[r.step] = r
+    return [best[s] for s in sorted(best)]
+
+
+def parse_train_records(
+    rows: Iterable[dict[str, Any]], *, last_attempt: bool = False
+) -> tuple[list[TrainStep], list[ValRecord]]:
+    """The ``train_step`` and ``val`` lines among ``rows`` as typed records, in order (or,
+    with ``last_attempt``, the last attempt of each step, by step); other kinds are skipped."""
+    rows = list(rows)
+    steps = [TrainStep.from_dict(r) for r in rows if r.get("kind") == TrainStep.KIND]
+    vals = [ValRecord.from_dict(r) for r in rows if r.get("kind") == ValRecord.KIND]
+    if last_attempt:
+        return last_per_step(steps), last_per_step(vals)
+    return steps, vals
+
+
+def read_train_records(
+    path: str | os.PathLike[str], *, last_attempt: bool = False
+) -> tuple[list[TrainStep], list[ValRecord]]:
+    """The typed train steps and val records of a metrics.jsonl (a missing file: none)."""
+    return parse_train_records(read_jsonl(path), last_attempt=last_attempt)

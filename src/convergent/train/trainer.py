@@ -124,9 +124,9 @@ class Trainer:
         self.val_history: list[ValRecord] = []
 
     @property
-    def history(self) -> list[dict[str, Any]]:
-        """The written train_step records, as their metrics.jsonl lines."""
-        return [r.to_dict() for r in self.steps.history]
+    def history(self) -> list[TrainStep]:
+        """The written train_step records (``to_dict`` gives their metrics.jsonl lines)."""
+        return list(self.steps.history)
 
     # -- setup helpers
 
@@ -395,7 +395,7 @@ class Trainer:
             "resumed_from": self.resumed_from,
             "last_checkpoint": str(self.ckpt.path_for(self.run.ckpt, last_ckpt)),
             "seconds": time.time() - t_start,
-            "final": self.history[-1] if self.history else None,
+            "final": self.history[-1].to_dict() if self.history else None,
             "val": self.val_history[-1].to_dict() if self.val_history else None,
             "world": self.world,
             "strategy": par.strategy,
