@@ -47,22 +47,23 @@ METRICS = ("bytes_per_step_median", "bytes_per_step_first", "final_loss_mean_las
 def one_run(cfg, path: Path) -> dict:
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
+    from convergent.trainrecords import read_train_records
 
     run = open_run(cfg, path)
     try:
         res = launch_training(cfg, run, nproc=2)
     except Exception as exc:  # noqa: BLE001 - recorded; the other sides go on
         return {"error": str(exc)[:500]}
-    recs = run.read_metrics("train_step")
+    recs, _ = read_train_records(run.metrics)
     tail = recs[-10:]
     out = {
-        "bytes_per_step_median": statistics.median(r["comm_bytes"] for r in recs[12:]),
-        "bytes_per_step_first": recs[0]["comm_bytes"],
-        "final_loss_mean_last10": statistics.fmean(r["loss"] for r in tail),
-        "final_loss": recs[-1]["loss"],
-        "loss_curve_every10": [r["loss"] for r in recs[::10]],
-        "median_step_s": statistics.median(r["step_s"] for r in recs[5:]),
-        "median_comm_s": statistics.median(r["comm_s"] for r in recs[5:]),
+        "bytes_per_step_median": statistics.median(r.comm_bytes for r in recs[12:]),
+        "bytes_per_step_first": recs[0].comm_bytes,
+        "final_loss_mean_last10": statistics.fmean(r.loss for r in tail),
+        "final_loss": recs[-1].loss,
+        "loss_curve_every10": [r.loss for r in recs[::10]],
+        "median_step_s": statistics.median(r.step_s for r in recs[5:]),
+        "median_comm_s": statistics.median(r.comm_s for r in recs[5:]),
         "val": res.val,
     }
     shutil.rmtree(path, ignore_errors=True)

@@ -42,19 +42,20 @@ STRATEGIES = {
 def one_run(cfg, nproc: int, path: Path, pipeline: bool, n_micro: int) -> dict:
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
+    from convergent.trainrecords import read_train_records
 
     run = open_run(cfg, path)
     try:
         launch_training(cfg, run, nproc=nproc)
     except Exception as exc:  # noqa: BLE001 - recorded; the other sides go on
         return {"error": str(exc)[:500]}
-    recs = run.read_metrics("train_step")
+    recs, _ = read_train_records(run.metrics)
     warm = recs[5:] or recs
     entry = {
-        "atoms_per_s_median": statistics.median(r["atoms_per_s"] for r in warm),
-        "step_s_median": statistics.median(r["step_s"] for r in warm),
-        "comm_s_median": statistics.median(r["comm_s"] for r in warm),
-        "final_loss": recs[-1]["loss"],
+        "atoms_per_s_median": statistics.median(r.units_per_s for r in warm),
+        "step_s_median": statistics.median(r.step_s for r in warm),
+        "comm_s_median": statistics.median(r.comm_s for r in warm),
+        "final_loss": recs[-1].loss,
     }
     if pipeline:
         entry["padding_overhead"] = _padding_overhead(cfg, n_micro)

@@ -216,26 +216,26 @@ def run_ours(data: Path, steps: int, dtype: str, tmp: Path, nproc: int, threads:
     from convergent.config import load_config
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
+    from convergent.trainrecords import TIME_PARTS, read_train_records
 
     strategy = "single" if nproc == 1 else "ddp"
     cfg = load_config(None, [*overrides(data, steps, dtype), f"parallel.strategy={strategy}",
                              f"train.threads={threads}"])
     run = open_run(cfg, tmp / f"ours_{dtype}_{nproc}x{threads}_rep{rep}")
     launch_training(cfg, run, nproc=nproc)
-    recs = run.read_metrics("train_step")
+    recs, _ = read_train_records(run.metrics)
     # wall-clock per step like the peers' loops: start-to-start, so the metrics
     # bookkeeping between timed steps is included (the last step: its own step_s)
-    starts = [r["start_time"] for r in recs]
-    wall = [b - a for a, b in zip(starts, starts[1:], strict=False)] + [recs[-1]["step_s"]]
+    starts = [r.start_time for r in recs]
+    wall = [b - a for a, b in zip(starts, starts[1:], strict=False)] + [recs[-1].step_s]
     return {
         "step_s": wall,
-        "trainer_step_s_median": statistics.median(r["step_s"] for r in recs[5:]),
-        "atoms": [r["atoms_per_s"] * r["step_s"] for r in recs],
-        "molecules": [r["samples_per_s"] * r["step_s"] for r in recs],
+        "trainer_step_s_median": statistics.median(r.step_s for r in recs[5:]),
+        "atoms": [r.units_per_s * r.step_s for r in recs],
+        "molecules": [r.samples_per_s * r.step_s for r in recs],
         "world": nproc,
         "time_breakdown_median_s": {
-            k: statistics.median(r[k] for r in recs[5:])
-            for k in ("data_wait_s", "compute_s", "comm_s", "optimizer_s")
+            k: statistics.median(getattr(r, k) for r in recs[5:]) for k in TIME_PARTS
         },
     }
 

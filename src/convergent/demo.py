@@ -21,6 +21,7 @@ from convergent.fsutil import atomic_write_text
 from convergent.monitor.report import PREDICTIONS, build_report
 from convergent.runs import RunDir, open_run
 from convergent.runsdb.usage import timed_stage
+from convergent.trainrecords import TrainStep, read_train_records
 
 console = Console(stderr=True)
 
@@ -81,18 +82,19 @@ def train_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
         task = bar.add_task("train", total=cfg.train.steps, loss="")
 
         def follow(row: dict[str, Any]) -> None:
-            if row.get("kind") == "train_step":
-                bar.update(task, completed=row["step"], loss=f"loss {row['loss']:.4g}")
+            if row.get("kind") == TrainStep.KIND:
+                rec = TrainStep.from_dict(row)
+                bar.update(task, completed=rec.step, loss=f"loss {rec.loss:.4g}")
 
         result = launch_training(training_config(cfg, run), run, progress=follow)
-    vals = run.read_metrics("val")
+    _, vals = read_train_records(run.metrics)
     pl = result.placement
     out = {"steps": result.steps, "nproc": pl.nproc if pl else cfg.parallel.nproc,
            "strategy": cfg.parallel.strategy, "restarts": result.restarts,
            "device": pl.device if pl else None, "backend": pl.backend if pl else None,
            "gpu_names": pl.gpu_names if pl else []}
     if vals:
-        out.update(val_energy_mae=vals[-1].get("energy_mae"), val_force_mae=vals[-1].get("force_mae"))
+        out.update(val_energy_mae=vals[-1].energy_mae, val_force_mae=vals[-1].force_mae)
     return out
 
 

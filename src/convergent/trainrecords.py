@@ -29,7 +29,8 @@ TIME_PARTS = ("data_wait_s", "compute_s", "comm_s", "optimizer_s")
 UNITS = ("atoms", "tokens")  # the molecular task counts atoms, the language model tokens
 
 
-def _number(v: Any) -> float | None:
+def as_number(v: Any) -> float | None:
+    """``v`` as a float, or None when it is missing or not a number (a bool is not)."""
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
@@ -170,7 +171,7 @@ class TrainStep(_Record):
 
     def times(self) -> dict[str, float] | None:
         """The step's time parts (``TIME_PARTS``), or None when a part is missing."""
-        vals = {k: _number(getattr(self, k)) for k in TIME_PARTS}
+        vals = {k: as_number(getattr(self, k)) for k in TIME_PARTS}
         return None if any(v is None for v in vals.values()) else vals  # type: ignore[return-value]
 
 

@@ -17,7 +17,8 @@ import yaml
 from convergent.errors import RunDirError
 from convergent.provenance import CodeVersion
 from convergent.runs import RunDir
-from convergent.runsdb.records import latest, read_records
+from convergent.runsdb.records import read_records
+from convergent.trainrecords import as_number, read_train_records
 
 STAGE_ORDER = ("simulate", "data", "train", "screen")
 
@@ -82,18 +83,15 @@ def load_config_dict(run: RunDir) -> dict[str, Any]:
 def key_metrics(run: RunDir) -> dict[str, float]:
     """Final train loss, validation and screening MAEs, steps (last attempt)."""
     out: dict[str, float] = {}
-    steps = latest(run.metrics, "train_step")
+    steps, vals = read_train_records(run.metrics, last_attempt=True)
     if steps:
-        last = steps[-1]
-        out["step"] = float(last.step or 0)
-        for key in ("loss",):
-            if last.number(key) is not None:
-                out[key] = last.number(key)  # type: ignore[assignment]
-    vals = latest(run.metrics, "val")
+        out["step"] = float(steps[-1].step)
+        if (loss := as_number(steps[-1].loss)) is not None:
+            out["loss"] = loss
     if vals:
         for key in ("energy_mae", "force_mae", "loss"):
-            if vals[-1].number(key) is not None:
-                out[f"val_{key}"] = vals[-1].number(key)  # type: ignore[assignment]
+            if (v := as_number(getattr(vals[-1], key))) is not None:
+                out[f"val_{key}"] = v
     screens = read_records(run.metrics, "screen")
     if screens:
         for key in ("energy_mae", "force_mae"):
