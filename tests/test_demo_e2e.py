@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from convergent.trainrecords import read_train_records
+
 EXE = str(Path(sys.executable).parent / "convergent")
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "train.steps=6", "--set", "checkpoint.interval=3",
@@ -38,8 +40,8 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     rec = labels[0]
     assert rec["meta"]["program"] == "tblite" and abs(rec["forces"]).sum() > 0
 
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {r["world"] for r in steps if r.get("kind") == "train_step"} == {2}
+    steps, _ = read_train_records(run_dir / "metrics.jsonl")
+    assert steps and {r.world for r in steps} == {2}
     assert (run_dir / "ckpt" / "final").is_dir()
 
     md = (run_dir / "report" / "report.md").read_text()

@@ -52,8 +52,8 @@ def test_teacher_labels_are_the_committee_mean_and_the_student_learns_them(tmp_p
         "train.warmup_steps=2", "checkpoint.interval=0", "metrics.tensorboard=false",
     ]
     res, steps, _ = run_training(tmp_path, overrides, 1, "student")
-    first = np.mean([r["loss"] for r in steps[:3]])
-    last = np.mean([r["loss"] for r in steps[-3:]])
+    first = np.mean([r.loss for r in steps[:3]])
+    last = np.mean([r.loss for r in steps[-3:]])
     assert last < first  # the loss to the teacher's outputs falls
     student = load_surrogate(res.final_dir)  # a normal checkpoint
     assert sum(p.numel() for p in student.parameters()) < sum(p.numel() for p in members[0].parameters())

@@ -48,4 +48,4 @@ def test_student_distilled_from_teacher_gets_closer_to_it(tmp_path):
     wins = torch.cat([wins, wins[:, -1:]], 1)
     assert _kl(teacher, student, wins) < 0.8 * _kl(teacher, init, wins)
     assert sum(p.numel() for p in student.parameters()) < sum(p.numel() for p in teacher.parameters())
-    assert recs[-1]["loss"] < recs[0]["loss"]  # the reported loss is the student's own CE
+    assert recs[-1].loss < recs[0].loss  # the reported loss is the student's own CE

@@ -68,8 +68,8 @@ def test_pruned_text_lm_recovers_through_the_trainer(tmp_path):
         tmp_path, [*base, "train.steps=8", f"text.init_from={pruned}"], 1, "recover"
     )
     # it started from the pruned weights (far below a fresh model's ~ln 300), and recovered
-    assert recs2[0]["loss"] < math.log(300) - 0.5
-    assert recs2[-1]["loss"] < recs2[0]["loss"]
+    assert recs2[0].loss < math.log(300) - 0.5
+    assert recs2[-1].loss < recs2[0].loss
     cfg = json.loads((Path(res2.final_dir) / "config.json").read_text())
     assert cfg["intermediate_size"] == 32 and cfg["num_attention_heads"] == 1
     assert cfg["convergent_init_from"]["convergent_pruning"]["heads_keep"] == 0.5

@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 def test_text_lm_trains_with_ddp_and_serves_text_over_http(tmp_path):
     sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-    from trainhelpers import run_training
+    from trainhelpers import run_training, val_records
 
     from convergent.models.llama import load_pretrained
     from convergent.serve.tokenizer import HFTokenizer
@@ -63,8 +63,8 @@ def test_text_lm_trains_with_ddp_and_serves_text_over_http(tmp_path):
     ]
     res, recs, run = run_training(tmp_path, overrides, 2, "lm")
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.3  # it learned from the text
-    vals = run.read_metrics("val")
-    assert len(vals) == 2 and math.isfinite(vals[-1]["perplexity"])
+    vals = val_records(run)
+    assert len(vals) == 2 and math.isfinite(vals[-1].perplexity)
     assert vals[-1]["perplexity"] < 300  # below the uniform distribution's
     final = Path(res.final_dir)
     assert (final / "tokenizer.json").is_file()

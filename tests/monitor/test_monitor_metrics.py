@@ -12,6 +12,7 @@ import torch
 from convergent.monitor.flops import count_flops, gpu_peak_flops, measure_gemm_flops, mfu
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
+from convergent.trainrecords import TrainStep, read_train_records
 
 
 def test_step_timer_accumulates_sections():
@@ -70,15 +71,15 @@ def test_sinks_write_jsonl_tensorboard_and_prometheus(tmp_path):
     port = _free_port()
     sinks = MetricSinks(tmp_path / "m.jsonl", tmp_path / "tb", port)
     try:
-        sinks.write({"kind": "train_step", "step": 3, "loss": 1.5, "mfu": None, "strategy": "ddp"})
+        sinks.write(TrainStep(step=3, loss=1.5, strategy="ddp").to_dict())
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
         text = body.decode()
         assert "convergent_train_step_loss 1.5" in text
         assert "convergent_train_step_step 3.0" in text
     finally:
         sinks.close()
-    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert rows[0]["loss"] == 1.5 and rows[0]["step"] == 3 and "time" in rows[0]
+    (step,), _ = read_train_records(tmp_path / "m.jsonl")
+    assert (step.loss, step.step, step.strategy) == (1.5, 3, "ddp") and step.time is not None
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 

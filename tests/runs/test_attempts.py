@@ -11,6 +11,7 @@ from runshelpers import run_cli
 
 from convergent.runs import RunDir
 from convergent.runsdb.records import latest, read_records
+from convergent.trainrecords import TrainStep, read_train_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 
@@ -46,9 +47,12 @@ def test_resume_after_a_kill_is_the_next_attempt(tmp_path):
     kept = latest(run.metrics, "train_step")
     assert [(r.step, r.attempt) for r in kept] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]
     assert [r.attempt for r in latest(run.metrics, "val")] == [1]
+    steps, vals = read_train_records(run.metrics, last_attempt=True)  # the typed reader agrees
+    assert [(s.step, s.attempt) for s in steps] == [(r.step, r.attempt) for r in kept]
+    assert steps == [TrainStep.from_metric(r) for r in kept] and [v.attempt for v in vals] == [1]
 
     shown = json.loads(run_cli("runs", "show", str(run.path), "--json").stdout)
-    assert shown["metrics"]["step"] == 6 and shown["metrics"]["loss"] == kept[-1].get("loss")
+    assert shown["metrics"]["step"] == 6 and shown["metrics"]["loss"] == steps[-1].loss
     report = run_cli("report", str(run.path))
     assert report.returncode == 0, report.stderr
     if mlflow is not None:  # MLflow holds one value per step too: the last attempt's
@@ -57,4 +61,4 @@ def test_resume_after_a_kill_is_the_next_attempt(tmp_path):
         run_id = (run.path / "mlflow" / "run_id").read_text().strip()
         history = client.get_metric_history(run_id, "train_step/loss")
         assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
-        assert {m.step: m.value for m in history} == {r.step: r.get("loss") for r in kept}
+        assert {m.step: m.value for m in history} == {r.step: r.loss for r in steps}

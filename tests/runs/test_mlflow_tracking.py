@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from runshelpers import TINY, run_cli
+
+from convergent.trainrecords import read_train_records
 
 mlflow = pytest.importorskip("mlflow", reason="the tracking extra (pip install convergent[tracking])")
 
@@ -21,8 +21,8 @@ def test_demo_run_is_in_mlflow_with_params_metrics_and_a_registered_model(demo_r
     assert run.data.tags["convergent.code_commit"]
 
     # per-step metrics equal the last attempt's values in metrics.jsonl
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    want = {r["step"]: r["loss"] for r in rows if r["kind"] == "train_step"}
+    steps, _ = read_train_records(run_dir / "metrics.jsonl", last_attempt=True)
+    want = {r.step: r.loss for r in steps}
     got = {m.step: m.value for m in client.get_metric_history(run_id, "train_step/loss")}
     assert got == pytest.approx(want) and sorted(got) == list(range(1, 9))
     assert client.get_metric_history(run_id, "val/energy_mae")

@@ -60,8 +60,17 @@ def _completed(job: str, run: Path) -> None:
 
 
 def _records(run: Path, kind: str) -> list[dict]:
+    """Records of a kind without a typed record (preemption, placement)."""
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     return [r for r in recs if r["kind"] == kind]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    """The loss of each step, from its last train_step record."""
+    from convergent.trainrecords import read_train_records
+
+    steps, _ = read_train_records(run / "metrics.jsonl", last_attempt=True)
+    return {r.step: r.loss for r in steps}
 
 
 def test_print_launch_shows_the_script_without_submitting(tmp_path, capsys, slurm):
@@ -115,9 +124,11 @@ def test_hsdp_groups_follow_slurm_node_names(tmp_path, capsys, slurm):
 
 
 def _wait_steps(run: Path, n: int, timeout_s: float = 180.0) -> None:
+    from convergent.trainrecords import read_train_records
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:  # wait (bounded) until training is under way
-        if (run / "metrics.jsonl").exists() and len(_records(run, "train_step")) >= n:
+        if len(read_train_records(run / "metrics.jsonl")[0]) >= n:
             return
         time.sleep(0.2)
 
@@ -145,7 +156,7 @@ def test_preemption_warning_signal_requeues_through_the_script(tmp_path, capsys,
     assert "preemption warning: requeue" in log
     (pre,) = _records(run, "train.preempted")
     assert 0 < pre["step"] < steps
-    losses = {r["step"]: r["loss"] for r in _records(run, "train_step")}
+    losses = _losses(run)
     assert sorted(losses) == list(range(1, steps + 1))
 
 
@@ -167,7 +178,7 @@ def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm)
     assert [p["ranks"][0]["slurm_restart"] for p in placements] == [0, 1]
     result = json.loads((run / "logs" / "train_result.json").read_text())
     assert result["start_step"] == pre["step"] and result["steps"] == steps
-    losses = {r["step"]: r["loss"] for r in _records(run, "train_step")}
+    losses = _losses(run)
     assert sorted(losses) == list(range(1, steps + 1))
     # accounting: one own record per attempt, one Slurm record per run of the job
     from convergent.accounting import collect_slurm, read_usage

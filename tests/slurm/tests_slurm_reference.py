@@ -9,8 +9,10 @@ def reference_losses(run_dir: Path, overrides: list[str]) -> dict[int, float]:
     from convergent.config import load_config
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
+    from convergent.trainrecords import read_train_records
 
     cfg = load_config(None, overrides)
     run = open_run(cfg, run_dir)
     launch_training(cfg, run, nproc=2)
-    return {r["step"]: r["loss"] for r in run.read_metrics("train_step")}
+    steps, _ = read_train_records(run.metrics, last_attempt=True)
+    return {r.step: r.loss for r in steps}

@@ -12,7 +12,7 @@ over these few steps, validation metrics too.
 from __future__ import annotations
 
 import pytest
-from trainhelpers import mol_overrides, run_training
+from trainhelpers import mol_overrides, run_training, val_records
 
 from convergent.errors import ConfigError
 
@@ -86,13 +86,13 @@ def direct_reference(moldata, tmp_path_factory):
     _, recs, run = run_training(
         tmp, mol_overrides(moldata, *DIRECT, "parallel.strategy=single"), 1, "single"
     )
-    return recs, run.read_metrics("val")
+    return recs, val_records(run)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_molecular_pipeline_matches_single(moldata, direct_reference, tmp_path, schedule):
     ref, ref_val = direct_reference
-    assert ref[-1]["loss"] < ref[0]["loss"]  # the reference learns
+    assert ref[-1].loss < ref[0].loss  # the reference learns
     res, recs, run = run_training(
         tmp_path,
         mol_overrides(moldata, *DIRECT, "parallel.strategy=pipeline",
@@ -100,14 +100,14 @@ def test_molecular_pipeline_matches_single(moldata, direct_reference, tmp_path, 
         2,
         schedule,
     )
-    assert all(r["strategy"] == "pipeline" and r["world"] == 2 for r in recs)
-    _close([r["loss"] for r in recs], [r["loss"] for r in ref], RTOL)
-    _close([r["force_mae"] for r in recs], [r["force_mae"] for r in ref], RTOL)
-    assert all(r["atoms_per_s"] > 0 for r in recs)
-    vals = run.read_metrics("val")
-    assert [v["step"] for v in vals] == [v["step"] for v in ref_val]
+    assert all(r.strategy == "pipeline" and r.world == 2 for r in recs)
+    _close([r.loss for r in recs], [r.loss for r in ref], RTOL)
+    _close([r.force_mae for r in recs], [r.force_mae for r in ref], RTOL)
+    assert all(r.unit == "atoms" and r.units_per_s > 0 for r in recs)
+    vals = val_records(run)
+    assert [v.step for v in vals] == [v.step for v in ref_val]
     for key in ("loss", "energy_mae", "force_mae"):
-        _close([v[key] for v in vals], [v[key] for v in ref_val], RTOL)
+        _close([getattr(v, key) for v in vals], [getattr(v, key) for v in ref_val], RTOL)
     # the stages' parameters reassemble into the full model (checkpoint + export)
     from convergent.models.io import load_model
 
@@ -132,7 +132,7 @@ def test_molecular_interleaved_pipeline_matches_single(moldata, tmp_path):
         2,
         "pp",
     )
-    _close([r["loss"] for r in recs], [r["loss"] for r in ref], RTOL)
+    _close([r.loss for r in recs], [r.loss for r in ref], RTOL)
 
 
 @pytest.mark.slow
@@ -145,4 +145,4 @@ def test_direct_forces_train_with_data_parallel_strategies(
     _, recs, _ = run_training(
         tmp_path, mol_overrides(moldata, *DIRECT, f"parallel.strategy={strategy}"), 2, strategy
     )
-    _close([r["loss"] for r in recs], [r["loss"] for r in ref], RTOL)
+    _close([r.loss for r in recs], [r.loss for r in ref], RTOL)

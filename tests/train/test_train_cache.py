@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from trainhelpers import mol_overrides, run_training
+from trainhelpers import mol_overrides, run_training, val_records
 
 from convergent.data.manifest import read_manifest
 
@@ -33,8 +33,8 @@ def test_single_run_through_cache_equals_in_place(moldata, in_place, tmp_path):
     cache = tmp_path / "node-cache"
     over = mol_overrides(moldata, "parallel.strategy=single", *SHORT, f"data.cache_dir={cache}")
     _, recs, run = run_training(tmp_path, over, 1, "cached")
-    assert [r["loss"] for r in recs] == [r["loss"] for r in in_place]
-    vals = run.read_metrics("val")
+    assert [r.loss for r in recs] == [r.loss for r in in_place]
+    vals = val_records(run)
     assert vals
     # every shard of the train and val datasets was copied into the cache
     names = [s.name for d in moldata for s in read_manifest(d).shards]
@@ -47,5 +47,5 @@ def test_ddp_through_cache_matches_single(moldata, in_place, tmp_path):
     over = mol_overrides(moldata, "parallel.strategy=ddp", *SHORT, f"data.cache_dir={cache}")
     _, recs, _ = run_training(tmp_path, over, 2, "ddp")
     for a, b in zip(recs, in_place, strict=True):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4)
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-4)
     assert _shard_copies(cache)

@@ -8,6 +8,7 @@ import pytest
 from trainhelpers import LM_BASE
 
 from convergent.cli import main
+from convergent.trainrecords import parse_train_records
 
 
 def _sets(items):
@@ -43,9 +44,11 @@ def test_train_command_runs_two_processes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 5/5" in out and "trained 5 steps" in out
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["kind"] == "train_step"]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
-    assert {"tokens_per_s", "mfu", "comm_s", "peak_mem_bytes"} <= set(steps[0])
+    steps, _ = parse_train_records(rows)
+    assert [r.step for r in steps] == [1, 2, 3, 4, 5]
+    first = steps[0]
+    assert first.unit == "tokens" and first.units_per_s > 0 and first.extra == {}
+    assert first.comm_s is not None and first.peak_mem_bytes is not None
     assert "placement: 2 x cpu (gloo)" in out
     placed = [r for r in rows if r["kind"] == "placement"]  # what the job ran on
     assert len(placed) == 1 and placed[0]["device"] == "cpu"
@@ -56,7 +59,7 @@ def test_train_command_runs_two_processes(tmp_path, capsys):
     stage = json.loads((run_dir / "stages.json").read_text())["train"]
     assert stage["cores"] == 2 and stage["wall_s"] > 0 and stage["steps"] == 5
     assert stage["code"]["commit"]
-    assert {r["attempt"] for r in steps} == {0}
+    assert {r.attempt for r in steps} == {0}
     # a second invocation without --resume refuses to touch the run
     assert main(["train", *_sets([*LM_BASE, "parallel.strategy=ddp", "metrics.log_every=1"]),
                  "--run-dir", str(run_dir)]) == 2

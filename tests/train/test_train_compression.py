@@ -31,7 +31,7 @@ def test_topk_full_ratio_equals_allreduce(plain, tmp_path):
         tmp_path, [*BASE, "parallel.compression=topk", "parallel.topk_ratio=1.0"], 2, "topk1"
     )
     for a, b in zip(recs, plain, strict=True):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5)
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -43,8 +43,8 @@ def test_topk_full_ratio_equals_allreduce(plain, tmp_path):
 )
 def test_compressed_training_learns_with_fewer_bytes(plain, tmp_path, extra):
     _, recs, _ = run_training(tmp_path, [*BASE, *extra], 2, "c")
-    assert recs[-1]["loss"] < recs[0]["loss"]
-    assert 0 < recs[-1]["comm_bytes"] < plain[-1]["comm_bytes"]
+    assert recs[-1].loss < recs[0].loss
+    assert 0 < recs[-1].comm_bytes < plain[-1].comm_bytes
 
 
 @pytest.mark.slow
@@ -55,8 +55,8 @@ def test_powersgd_learns_with_fewer_bytes(plain, tmp_path):
         2,
         "psgd",
     )
-    assert recs[-1]["loss"] < recs[0]["loss"]
-    assert recs[-1]["comm_bytes"] < plain[-1]["comm_bytes"]
+    assert recs[-1].loss < recs[0].loss
+    assert recs[-1].comm_bytes < plain[-1].comm_bytes
 
 
 @pytest.mark.parametrize(
@@ -79,4 +79,4 @@ def test_compressed_run_resumes_bit_for_bit(tmp_path, extra):
     state = local["local"]["compression"]  # rank 1's own error-feedback state was saved
     buffers = state["residual"] if "residual" in state else state["error"]
     assert buffers and any(float(t.abs().sum()) > 0 for t in buffers.values())
-    assert [r["loss"] for r in faulty] == [r["loss"] for r in clean]
+    assert [r.loss for r in faulty] == [r.loss for r in clean]

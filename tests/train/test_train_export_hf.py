@@ -22,7 +22,7 @@ def test_trained_lm_export_loads_in_serve_and_transformers(tmp_path):
     from convergent.train.tasks import make_task
 
     res, recs, run = run_training(tmp_path, [*LM_BASE, "parallel.strategy=single"], 1, "lm")
-    assert recs[-1]["loss"] < recs[0]["loss"]  # it trained
+    assert recs[-1].loss < recs[0].loss  # it trained
     final = res.final_dir
     cfg = json.loads((final / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 2

@@ -30,7 +30,7 @@ def test_single_gpu_training_close_to_cpu_fp32(tmp_path, dtype, rel):
         tmp_path, [*ON_GPU, "parallel.strategy=single", f"precision.dtype={dtype}"], 1, dtype
     )
     assert placed["device"] == "cuda" and placed["gpu_names"] and placed["dtype"] == dtype
-    assert all(r["data_wait_s"] >= 0 and r["step_s"] > 0 for r in steps)
+    assert all(r.data_wait_s >= 0 and r.step_s > 0 for r in steps)
     assert math.isclose(gpu, cpu, rel_tol=rel), (gpu, cpu)
 
 
@@ -39,8 +39,8 @@ def test_ddp_on_every_visible_gpu(tmp_path):
     n = torch.cuda.device_count()
     _, steps, placed = _final_loss(tmp_path, [*ON_GPU, "parallel.strategy=ddp"], None, "ddp")
     assert placed["world"] == n and placed["backend"] == "nccl"
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
-    assert all(r["world"] == n for r in steps)
+    assert [r.step for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r.world == n for r in steps)
 
 
 def test_cuda_event_timer_measures_device_time_without_syncing():

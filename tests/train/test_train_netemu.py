@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
 
+from convergent.trainrecords import parse_train_records  # noqa: E402
+
 REASON = unavailable()
 
 
@@ -55,10 +57,10 @@ def test_ddp_job_across_emulated_network(tmp_path: Path) -> None:
     plan = [r for r in recs if r.get("kind") == "comm_algorithm"]
     assert plan and plan[0]["allreduce"] == "hierarchical", plan
     assert plan[0]["nodes"] == [[0, 1], [2, 3]]
-    steps = [r for r in recs if r.get("kind") == "train_step"]
+    steps, _ = parse_train_records(recs)
     assert len(steps) == 3
     # the gradient traffic crossed the shaped link: node A sent at least its two
     # ranks' slow-hop payloads of every step
-    payload = sum(2 * r["comm_bytes"] for r in steps)
+    payload = sum(2 * r.comm_bytes for r in steps)
     assert payload > 0
     assert after["tx_bytes"] - before["tx_bytes"] >= payload

@@ -17,6 +17,7 @@ import pytest
 from trainhelpers import clean_and_killed, mol_overrides, run_training
 
 from convergent.train.checkpoint import complete_checkpoints
+from convergent.trainrecords import read_train_records
 
 
 def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):
@@ -24,8 +25,8 @@ def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):
     # rank 1 SIGKILLs itself at the start of step index 4 (after the checkpoint at 3);
     # the helper checks the restart resumed there
     clean, faulty, run = clean_and_killed(tmp_path, over, 4)
-    assert [r["loss"] for r in faulty] == [r["loss"] for r in clean]
-    assert faulty[-1]["loss"] == clean[-1]["loss"]
+    assert [r.loss for r in faulty] == [r.loss for r in clean]
+    assert faulty[-1].loss == clean[-1].loss
     # retention keeps the newest 2 complete checkpoints
     steps = [s for s, _ in complete_checkpoints(run.ckpt)]
     assert steps == [6, 8]
@@ -58,8 +59,8 @@ def test_fsdp_checkpoint_reshards_two_ranks_to_one(moldata, tmp_path):
 
     cfg = load_config(None, over)
     launch_training(cfg, RunDir(resumed), nproc=1)
-    after = RunDir(resumed).read_metrics("train_step")
-    assert [r["step"] for r in after] == [4, 5, 6]
-    assert all(r["world"] == 1 for r in after)
+    after, _ = read_train_records(RunDir(resumed).metrics)
+    assert [r.step for r in after] == [4, 5, 6]
+    assert all(r.world == 1 for r in after)
     for a, b in zip(after, full[3:], strict=True):
-        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5)
+        assert math.isclose(a.loss, b.loss, rel_tol=1e-5)

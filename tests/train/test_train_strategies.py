@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from trainhelpers import LM_BASE, mol_overrides, run_training
+from trainhelpers import LM_BASE, mol_overrides, run_training, val_records
 
 RTOL = 1e-5
 
 
 def _losses(records):
-    return [r["loss"] for r in records]
+    return [r.loss for r in records]
 
 
 def _close(a, b, rtol):
@@ -45,13 +45,14 @@ def lm_reference(tmp_path_factory):
 def test_single_reference_learns_and_exports(mol_reference):
     res, recs = mol_reference
     assert len(recs) == 6
-    assert recs[-1]["loss"] < recs[0]["loss"]
+    assert recs[-1].loss < recs[0].loss
     assert res.final_dir is not None and (res.final_dir / "model.safetensors").exists()
     for key in ("data_wait_s", "compute_s", "comm_s", "optimizer_s", "step_s",
-                "samples_per_s", "atoms_per_s", "mfu", "peak_mem_bytes", "lr",
+                "samples_per_s", "units_per_s", "mfu", "peak_mem_bytes", "lr",
                 "energy_mae", "force_mae"):
-        assert recs[-1][key] is not None, key
-    assert 0 < recs[-1]["mfu"] < 1
+        assert getattr(recs[-1], key) is not None, key
+    assert recs[-1].unit == "atoms"
+    assert 0 < recs[-1].mfu < 1
 
 
 @pytest.mark.parametrize(
@@ -68,10 +69,10 @@ def test_molecular_strategy_matches_single(moldata, mol_reference, tmp_path, str
     res, recs, run = run_training(
         tmp_path, mol_overrides(moldata, f"parallel.strategy={strategy}", *extra), 2, strategy
     )
-    assert all(r["world"] == 2 and r["strategy"] == strategy for r in recs)
+    assert all(r.world == 2 and r.strategy == strategy for r in recs)
     _close(_losses(recs), _losses(ref), RTOL)
-    vals = run.read_metrics("val")
-    assert vals and {"energy_mae", "force_mae", "loss"} <= set(vals[-1])
+    vals = val_records(run)
+    assert vals and {"energy_mae", "force_mae", "loss"} <= set(vals[-1].metrics())
     # the exported model loads with the models package and predicts finite energies
     from convergent.models.io import load_model
 
@@ -81,7 +82,7 @@ def test_molecular_strategy_matches_single(moldata, mol_reference, tmp_path, str
 
 def test_lm_pipeline_1f1b_matches_single(lm_reference, tmp_path):
     _, ref = lm_reference
-    assert ref[-1]["loss"] < ref[0]["loss"]
+    assert ref[-1].loss < ref[0].loss
     res, recs, _ = run_training(
         tmp_path,
         [*LM_BASE, "parallel.strategy=pipeline", "parallel.schedule=1f1b",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from convergent.trainrecords import TrainStep, ValRecord, read_train_records
+
 # multi-process tests pin the device they mean (gloo on CPU), on any machine
 MOL_BASE = [
     "train.device=cpu",
@@ -46,8 +48,9 @@ def mol_overrides(moldata: tuple[Path, Path], *extra: str) -> list[str]:
 
 def run_training(
     tmp: Path, overrides: list[str], nproc: int, name: str, **kw: Any
-) -> tuple[Any, list[dict[str, Any]], Any]:
-    """Launch a real torchrun job; returns (TrainResult, last record per step, run)."""
+) -> tuple[Any, list[TrainStep], Any]:
+    """Launch a real torchrun job; returns (TrainResult, last train step record per step,
+    run)."""
     from convergent.config import load_config
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
@@ -55,20 +58,18 @@ def run_training(
     cfg = load_config(None, overrides)
     run = open_run(cfg, tmp / name)
     result = launch_training(cfg, run, nproc=nproc, **kw)
-    return result, last_per_step(run.read_metrics("train_step")), run
+    steps, _ = read_train_records(run.metrics, last_attempt=True)
+    return result, steps, run
 
 
-def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last record of each step (a restarted job logs some steps twice)."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in records:
-        by_step[r["step"]] = r
-    return [by_step[s] for s in sorted(by_step)]
+def val_records(run: Any) -> list[ValRecord]:
+    """The run's validation records, as written (every attempt)."""
+    return read_train_records(run.metrics)[1]
 
 
 def clean_and_killed(
     tmp: Path, overrides: list[str], kill_step: int
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Any]:
+) -> tuple[list[TrainStep], list[TrainStep], Any]:
     """Run 2 ranks twice: uninterrupted, and with rank 1 SIGKILLed at the start of step
     index ``kill_step`` under ``--max-restarts 1`` (a checkpoint must precede it).
 
@@ -81,6 +82,6 @@ def clean_and_killed(
         env={"CONVERGENT_TRAIN_FAULT": f"rank=1,step={kill_step}"},
     )
     assert res.restarts == 1
-    raw = run.read_metrics("train_step")
-    assert min(r["step"] for r in raw if r["attempt"] == 1) == kill_step
+    raw, _ = read_train_records(run.metrics)
+    assert min(r.step for r in raw if r.attempt == 1) == kill_step
     return clean, faulty, run
