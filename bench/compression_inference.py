@@ -73,6 +73,7 @@ def train(name: str, overrides: list[str], steps: int, nproc: int = 2) -> tuple[
     from convergent.config import load_config
     from convergent.runs import open_run
     from convergent.train.launch import launch_training
+    from convergent.trainrecords import read_train_records
 
     run_dir = WORK / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -82,7 +83,7 @@ def train(name: str, overrides: list[str], steps: int, nproc: int = 2) -> tuple[
     t0 = time.time()
     res = launch_training(cfg, run, nproc=nproc)
     print(f"[train] {name}: {steps} steps in {time.time() - t0:.0f} s", file=sys.stderr)
-    return Path(res.final_dir), run.read_metrics("val")
+    return Path(res.final_dir), read_train_records(run.metrics)[1]
 
 
 # ----------------------------------------------------------------------------- Llama
@@ -386,7 +387,7 @@ def main() -> None:
         llama_int8_weight_mem_ratio=i8["weight_bytes"] / fp["weight_bytes"],
         surrogate_int8_mae_ratio=None, student_speedup=None, student_mae_ratio=None,
         llama_val_ppl_fp32=fp["ppl"],
-        llama_train_val_ppl=vals[-1]["perplexity"] if vals else None,
+        llama_train_val_ppl=vals[-1].perplexity if vals else None,
         llama_int8_decode_speed_ratio=i8["decode_tokens_per_s"] / fp["decode_tokens_per_s"],
         llama_pruned_ppl_ratio=llama["pruned50"]["ppl"] / llama["fp32-continued"]["ppl"],
         llama_pruned_ppl_ratio_before_recovery=llama["pruned50-before-recovery"]["ppl"] / fp["ppl"],

@@ -62,10 +62,10 @@ def test_text_lm_trains_with_ddp_and_serves_text_over_http(tmp_path):
         "checkpoint.interval=0", "metrics.tensorboard=false",
     ]
     res, recs, run = run_training(tmp_path, overrides, 2, "lm")
-    assert recs[-1]["loss"] < recs[0]["loss"] - 0.3  # it learned from the text
+    assert recs[-1].loss < recs[0].loss - 0.3  # it learned from the text
     vals = val_records(run)
     assert len(vals) == 2 and math.isfinite(vals[-1].perplexity)
-    assert vals[-1]["perplexity"] < 300  # below the uniform distribution's
+    assert vals[-1].perplexity < 300  # below the uniform distribution's
     final = Path(res.final_dir)
     assert (final / "tokenizer.json").is_file()
     cfg = json.loads((final / "config.json").read_text())
