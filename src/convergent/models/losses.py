@@ -96,7 +96,7 @@ def energy_force_loss(
     """
     sums = error_sums(energy, forces, batch)
     loss = loss_from_sums(sums, batch.n_molecules, batch.num_atoms, force_weight)
-    metrics = metrics_from_sums({k: float(v) for k, v in sums.items()}, force_weight)
+    metrics = metrics_from_sums({k: float(v.detach()) if torch.is_tensor(v) else float(v) for k, v in sums.items()}, force_weight)
     del metrics["loss"]
     if forces is None or batch.forces is None:
         metrics["force_mae"] = float("nan")
