@@ -12,8 +12,8 @@ PYTEST_ARGS ?=
 .PHONY: demo test test-all test-slurm bench install lint clean-demo help
 
 help:
-	@echo "make demo      run the converged loop on small data (runs/demo, about 6-9 min on 2 cores)"
-	@echo "make test      run the default test suite (about 12 min on 2 cores)"
+	@echo "make demo      run the converged loop on small data (runs/demo, about 3 min on 2 cores, install included)"
+	@echo "make test      run the default test suite (about 13 min on 2 cores, install included)"
 	@echo "make test-all  also run tests marked slow"
 	@echo "make test-slurm  the real-Slurm tests (starts a 2-node Slurm; root)"
 	@echo "make lint      ruff over src/ and tests/"
