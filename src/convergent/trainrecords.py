@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from convergent.fsutil import read_jsonl
 
@@ -175,12 +175,18 @@ class TrainStep(_Record):
         return None if any(v is None for v in vals.values()) else vals  # type: ignore[return-value]
 
 
-R = TypeVar("R", bound=_Record)
+class _Stepped(Protocol):
+    step: Any
+    attempt: int
+
+
+R = TypeVar("R", bound=_Stepped)
 
 
 def last_per_step(records: Iterable[R]) -> list[R]:
     """The record of the highest attempt of each step (the later one on ties), by step:
-    a restarted job logs the steps after its last checkpoint again."""
+    a restarted job logs the steps after its last checkpoint again. The one rule for every
+    stepped record (``runsdb.records.last_attempts`` applies it per kind)."""
     best: dict[int, R] = {}
     for r in records:
         if r.step not in best or r.attempt >= best[r.step].attempt:

@@ -277,12 +277,3 @@ class IndexBuilder:
             cols["inline.data"] = np.frombuffer(bytes(self._inline), np.uint8)
             cols["inlined"] = np.frombuffer(self._inlined, np.uint8).copy()
         return cols
-
-
-def build_index(schema: str, encoded: list[Encoded], offsets: list[int]) -> dict[str, np.ndarray]:
-    """The columnar index of a shard from its encoded records and frame offsets
-    (``offsets`` has one more entry than ``encoded``: where the index starts)."""
-    builder = IndexBuilder(schema)
-    for e, off in zip(encoded, offsets, strict=False):
-        builder.add(e, off)
-    return builder.columns(offsets[len(encoded)])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from convergent.fsutil import read_jsonl
+from convergent.trainrecords import last_per_step
 
 HEADER = ("kind", "step", "attempt", "time")
 
@@ -72,17 +73,10 @@ def read_records(path: str | Path, kind: str | None = None) -> list[MetricRecord
 def last_attempts(records: list[MetricRecord]) -> list[MetricRecord]:
     """For each (kind, step) the record of the highest attempt (the later line on ties);
     records without a step are kept as they are. Stepped records come out sorted by step."""
-    best: dict[tuple[str, int], MetricRecord] = {}
-    plain: list[MetricRecord] = []
-    for r in records:
-        if r.step is None:
-            plain.append(r)
-            continue
-        key = (r.kind, r.step)
-        if key not in best or r.attempt >= best[key].attempt:
-            best[key] = r
-    stepped = sorted(best.values(), key=lambda r: (r.kind, r.step or 0))
-    return plain + stepped
+    plain = [r for r in records if r.step is None]
+    kinds = sorted({r.kind for r in records if r.step is not None})
+    return plain + [r for kind in kinds for r in last_per_step(
+        x for x in records if x.kind == kind and x.step is not None)]
 
 
 def latest(path: str | Path, kind: str) -> list[MetricRecord]:
