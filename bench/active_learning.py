@@ -44,7 +44,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from _harness import Side, add_args, check_clean, interleave, stamp_png, write_result  # noqa: E402
+from _harness import Side, add_args, check_clean, interleave, spread, stamp_png, write_result  # noqa: E402
 
 WORK = ROOT / "data" / "active_learning"
 RESULTS = ROOT / "results"
@@ -219,13 +219,6 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
         if r["pipelined"]:
             curves["ours (uncertainty+diversity)" if r["strategy"] == "uncertainty" else "random"].append(r["curve"])
     plot_curves(curves, out)
-
-
-def spread(xs: list[float]) -> dict[str, Any]:
-    a = np.asarray([x for x in xs if x is not None], float)
-    if a.size == 0:
-        return {"median": None}
-    return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()), "values": xs}
 
 
 def main() -> None:
