@@ -154,11 +154,6 @@ def project(sizes_gpus: list[int], grad_bytes: float) -> list[dict]:
     return rows
 
 
-def med(xs: list[float]) -> dict:
-    """Median with its spread (min, max, IQR) over rounds."""
-    return spread(xs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="100mbit,1gbit,none")
@@ -235,10 +230,10 @@ def main() -> None:
             mc = statistics.median(comm)
             err = abs(pred - mc) / mc if mc > 0 else None
             entry["variants"][v] = {
-                "node_out_bytes_per_step": med(out_a),
+                "node_out_bytes_per_step": spread(out_a),
                 "node_out_bytes_theory": th[v].node_out_bytes,
                 "bytes_vs_theory": statistics.median(out_a) / th[v].node_out_bytes,
-                "step_s": med(step), "comm_s": med(comm), "model_comm_s": pred,
+                "step_s": spread(step), "comm_s": spread(comm), "model_comm_s": pred,
                 "model_rel_error": err,
                 "eval_loss": statistics.median(r["summary"][v]["eval_loss"] for r in rounds),
             }
