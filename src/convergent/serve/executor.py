@@ -96,11 +96,11 @@ class ProcessExecutor:
         self.in_qs = [ctx.Queue() for _ in specs]
         self.heartbeat_timeout = heartbeat_timeout
         hb_every = min(1.0, heartbeat_timeout / 4)
-        port = free_port()
+        rdzv_s = max(10.0, min(120.0, start_timeout / 2))
         self.procs = [
             ctx.Process(
                 target=stage_main,
-                args=(s, port, self.in_qs[i], self.out_q, hb_every),
+                args=(s, self.in_qs[i], self.out_q, hb_every, rdzv_s),
                 daemon=True,
                 name=f"serve-stage-{i}",
             )
@@ -128,7 +128,10 @@ class ProcessExecutor:
             if msg[0] == "error":
                 self.close(kill=True)
                 raise StageFailure(f"stage {msg[1]} failed to start: {_last_line(msg[2])}")
-            if msg[0] == "ready":
+            if msg[0] == "port":  # stage 0's rendezvous store: tell the others where
+                for q in self.in_qs[1:]:
+                    q.put(msg[1])
+            elif msg[0] == "ready":
                 ready += 1
                 self.kv_bytes += msg[2]
         self.last_beat = [time.monotonic()] * len(specs)

@@ -182,10 +182,32 @@ def _start_heartbeat(out_q, stage: int, interval: float) -> None:
     threading.Thread(target=beat, name="stage-heartbeat", daemon=True).start()
 
 
-def stage_main(spec: StageSpec, port: int, in_q, out_q, hb_interval: float = 1.0) -> None:
+def _join_pipeline(dist, spec: StageSpec, in_q, out_q, backend: str, timeout_s: float) -> None:
+    """The process group of the pipeline's stages. Stage 0 hosts the rendezvous store on a
+    port the kernel picks (no pick-then-bind race with other processes) and reports it;
+    the engine forwards it to the other stages as their first message."""
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_s)
+    p = spec.num_stages
+    if spec.stage == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, p, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        out_q.put(("port", store.port))
+    else:
+        port = in_q.get(timeout=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, p, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=spec.stage, world_size=p, timeout=timeout)
+
+
+def stage_main(
+    spec: StageSpec, in_q, out_q, hb_interval: float = 1.0, rdzv_timeout_s: float = 120.0
+) -> None:
     """Entry point of a stage process (``multiprocessing`` spawn target).
 
-    Messages to ``out_q``: ``("ready", stage, kv_bytes)``, ``("busy", stage, bid, t0, t1)``,
+    Messages to ``out_q``: ``("port", port)`` (stage 0's rendezvous store), ``("ready",
+    stage, kv_bytes)``, ``("busy", stage, bid, t0, t1)``,
     ``("result", bid, {rid: token}, t0, t1, {rid: logprob info})``, ``("error", stage,
     traceback)`` and, every ``hb_interval`` seconds from a side thread, ``("hb", stage)``
     (the engine's liveness check).
@@ -200,9 +222,8 @@ def stage_main(spec: StageSpec, port: int, in_q, out_q, hb_interval: float = 1.0
         p = spec.num_stages
         device_gpu = runner.device.type == "cuda"
         if p > 1:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(port)
-            dist.init_process_group("nccl" if device_gpu else "gloo", rank=spec.stage, world_size=p)
+            backend = "nccl" if device_gpu else "gloo"
+            _join_pipeline(dist, spec, in_q, out_q, backend, rdzv_timeout_s)
         out_q.put(("ready", spec.stage, runner.kv.nbytes))
         _start_heartbeat(out_q, spec.stage, hb_interval)
         hidden = runner.config.hidden_size
