@@ -16,7 +16,7 @@ the shared harness (``bench/_harness.py``): medians with min/max/IQR, never best
 git commit (+dirty: refused unless ``--allow-dirty``), versions, machine, load average
 before/after, each side's settings and the differences that remain between sides.
 
-    python bench/serve_dispatch.py --rounds 3 --requests 32
+    python bench/serve_dispatch.py --rounds 3 --requests 128
 """
 
 from __future__ import annotations
@@ -47,32 +47,40 @@ def _start(model, run_root, instances, policy, extra=()):
         "serve.torch_threads=1",
         f"serve.dispatch_policy={policy}",
         "serve.max_model_len=512",
-        "serve.kv_budget_bytes=67108864",
+        "serve.kv_budget_bytes=268435456",
         *extra,
     ]
     return start_server(model, run_root, *sets, instances=instances)
 
 
-def _trace(n, seed, skew):
+def _trace(n, seed, skew, rate=None):
+    """``[(prompt, max_tokens, arrival_s)]``. Uniform: short prompts, 24-48 tokens. Skewed:
+    20% long (40-word prompt, 160 tokens), the rest short (2 words, 16 tokens). ``rate``:
+    Poisson arrivals at that many requests/s (seeded); ``None``: all at t=0."""
     rng = random.Random(seed)
-    out = []
+    out, t = [], 0.0
     for i in range(n):
         if skew:
-            long = rng.random() < 0.15
-            out.append((("long " if long else "s ") * (40 if long else 2), 200 if long else 8))
+            long = rng.random() < 0.2
+            p, mt = ("long " if long else "s ") * (40 if long else 2), 160 if long else 16
         else:
-            out.append((f"prompt {i} " * rng.randint(2, 8), rng.randint(24, 48)))
+            p, mt = f"prompt {i} " * rng.randint(2, 8), rng.randint(24, 48)
+        out.append((p, mt, t))
+        if rate:
+            t += rng.expovariate(rate)
     return out
 
 
 async def _fire(base, trace, kill=None):
     import httpx
 
-    lat, toks, status = [], 0, {"ok": 0, "error": 0, "lost": 0}
+    lat, toks, status = [], 0, {"ok": 0, "errors": 0, "lost": 0}
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as c:
+        start = time.monotonic()
 
-        async def one(p, mt):
+        async def one(p, mt, at):
             nonlocal toks
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
             t0 = time.monotonic()
             try:
                 r = await c.post(
@@ -87,10 +95,10 @@ async def _fire(base, trace, kill=None):
                 toks += r.json()["usage"]["completion_tokens"]
                 lat.append(time.monotonic() - t0)
             else:
-                status["error"] += 1
+                status["errors"] += 1
 
         t0 = time.monotonic()
-        tasks = [asyncio.create_task(one(p, mt)) for p, mt in trace]
+        tasks = [asyncio.create_task(one(p, mt, at)) for p, mt, at in trace]
         at_kill = None
         if kill is not None:
             await asyncio.sleep(kill[0])
@@ -119,12 +127,14 @@ async def _fire(base, trace, kill=None):
     }
 
 
+MAX_OUTSTANDING = 64  # serve.dispatch_max_outstanding's default
 SETTINGS = {
+    "dispatch_max_outstanding": MAX_OUTSTANDING,
     "scheduler": "sequential",
     "torch_threads": 1,
     "pin_cpus": True,
     "max_model_len": 512,
-    "kv_budget_bytes": 67108864,
+    "kv_budget_bytes": 268435456,
 }
 
 
@@ -185,7 +195,8 @@ def _section(res) -> dict:
     return d
 
 
-def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
+def run(model, rounds: int = 3, n: int = 128, quick: bool = False, n_skew: int = 96,
+        skew_rate: float = 7.0) -> dict:
     """All four comparisons; returns the result dict (commit, provenance, sections)."""
     from _harness import provenance
 
@@ -194,7 +205,10 @@ def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
     prov = provenance()
     trace = _trace(n, 0, skew=False)
     same = ["same model, trace, client and settings; only the instance count differs",
-            "the 1-instance side uses one core, the 2-instance side two (that is the point)"]
+            "the 1-instance side uses one core, the 2-instance side two (that is the point)",
+            f"{n} requests at t=0: more than one instance admits "
+            f"(serve.dispatch_max_outstanding={MAX_OUTSTANDING}), so each instance runs "
+            "saturated, as when one adds instances; the rest wait at the dispatcher"]
     thr = interleave(
         "serve_dispatch.throughput",
         [Side("one_instance", lambda r: _served(model, run_root, 1, "load", trace),
@@ -203,7 +217,7 @@ def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
               {**SETTINGS, "instances": 2})],
         rounds=rounds, differences=same,
     )
-    skew = _trace(n, 1, skew=True)
+    skew = _trace(n_skew, 1, skew=True, rate=skew_rate)
     routing = interleave(
         "serve_dispatch.routing",
         [Side("load", lambda r: _served(model, run_root, 2, "load", skew, warmup=0),
@@ -211,8 +225,9 @@ def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
          Side("round_robin", lambda r: _served(model, run_root, 2, "round_robin", skew, warmup=0),
               {**SETTINGS, "instances": 2, "dispatch_policy": "round_robin"})],
         rounds=rounds,
-        differences=["only serve.dispatch_policy differs; same skewed trace (15% long: "
-                     "80-word prompt, 200 tokens; rest 2 words, 8 tokens), all at once"],
+        differences=[f"only serve.dispatch_policy differs; same skewed trace of {n_skew} "
+                     "requests (20% long: 40-word prompt, 160 tokens; the rest 2 words, "
+                     f"16 tokens), Poisson arrivals at {skew_rate} requests/s (seed 1)"],
     )
     over = _overhead(model, run_root, 20 if quick else 40)
     fo_settings = {**SETTINGS, "instances": 2, "dispatch_max_outstanding": 8,
@@ -235,6 +250,8 @@ def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
         "provenance": prov,
         "rounds": rounds,
         "requests": n,
+        "skew_requests": n_skew,
+        "skew_rate_per_s": skew_rate,
         "model": str(model),
         # headline keys (issue 22): read by the README and the issue checks
         "speedup_median": thr.ratio("two_instances", "one_instance", "tok_s"),
@@ -262,7 +279,7 @@ def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
         "failover": {
             **_section(failover),
             "lost_total": sum(x["lost"] for x in fo_rows),
-            "errors_total": sum(x["error"] for x in fo_rows),
+            "errors_total": sum(x["errors"] for x in fo_rows),
             "ok_total": sum(x["ok"] for x in fo_rows),
         },
     }
@@ -271,7 +288,9 @@ def run(model, rounds: int = 3, n: int = 32, quick: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_args(ap, default_out=str(ROOT / "bench" / "results" / "serve_dispatch.json"), rounds=3)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=128, help="throughput trace")
+    ap.add_argument("--skew-requests", type=int, default=96, help="routing trace")
+    ap.add_argument("--skew-rate", type=float, default=7.0, help="routing arrivals/s")
     ap.add_argument("--quick", action="store_true", help="fewer overhead probes")
     ap.add_argument("--model-dir", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -281,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mdir = args.model_dir or Path(tempfile.gettempdir()) / "convergent-serve-30m"
     ensure_random_model(mdir, "30m", seed=0)
-    res = run(mdir, args.rounds, args.requests, args.quick)
+    res = run(mdir, args.rounds, args.requests, args.quick, args.skew_requests, args.skew_rate)
     write_result(res, args)
     keys = ("speedup_median", "load_p99_s_median", "round_robin_p99_s_median",
             "overhead_per_request_s", "lost_total")
