@@ -28,6 +28,7 @@ bench/results/collectives.json and collectives.png beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -46,6 +47,9 @@ from convergent.train import commcost as cc  # noqa: E402
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
 CALIB = [65536, 262144, 1048576, 4194304]
+# the collectives the variants are made of, each calibrated on every group of its level at
+# once (commcost's measured phases); the scattered launch calibrates its own world ring
+PHASES = ["world_ar", "world_ag", "world_rs", "intra_rs", "intra_ag", "cross_ar", "cross_ag"]
 # top-k keeps 3% of each inter-node shard: at 1% the eval loss stayed ~7% above flat after
 # 30 and after 100 steps (error feedback delays too much mass); 3% sends 0.04x flat's bytes
 # (2 * 0.03 / 1.5); the loss gap shrinks as error feedback catches up (loss_check records it
@@ -70,12 +74,13 @@ PUBLISHED = {
 
 
 def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out: Path,
-           steps: int, warmup: int, calib: bool, port: int, eval_at: str = "") -> dict:
+           steps: int, warmup: int, calib: list[str] | None, port: int,
+           eval_at: str = "") -> dict:
     argv = [sys.executable, str(HERE / "collectives_worker.py"), "--variants",
             ",".join(variants), "--steps", str(steps), "--warmup", str(warmup),
             "--topk-ratio", str(RATIO), "--out", str(out)]
-    if calib:
-        argv += ["--calib", ",".join(map(str, CALIB))]
+    if calib is not None:
+        argv += ["--calib", ",".join(map(str, CALIB)), "--calib-phases", ",".join(calib)]
     if eval_at:
         argv += ["--eval-at", eval_at]
     procs = net.spawn(argv, placement, port=port, log_dir=out.parent)
@@ -101,30 +106,55 @@ def summarise(res: dict, warmup: int) -> dict:
     return out
 
 
-def fit(calib: dict) -> tuple[cc.Link, cc.Link]:
-    """α-β of the slow link and the fast path from 2-rank all-reduce timings
-    (2 steps of S/2 each)."""
-    links = []
-    calib = {k: v for k, v in calib.items() if k in ("slow", "fast")}
-    for level in ("slow", "fast"):
-        sizes = [float(k) for k in calib[level]]
-        links.append(cc.fit_link(sizes, list(calib[level].values()), steps=2, per_step=0.5))
-    return links[0], links[1]
+def median_timings(calibs: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """Sizes and, per size, the median over rounds of the calibration timings of ``key``."""
+    sizes = list(calibs[0][key])
+    return ([float(x) for x in sizes],
+            [statistics.median(c[key][x] for c in calibs) for x in sizes])
 
 
-def theory(net: cc.Net, units: list[float], topk_s: float = 0.0) -> dict[str, cc.Cost]:
-    """Bytes and α-β(-γ) time per variant; ``topk_s``: the calibrated top-k compute."""
+def calibrated_nets(rounds: list[dict], nodes: int = 2, per_node: int = 2) -> dict[str, cc.Net]:
+    """The α-β networks of one rate, fitted on the median calibration timings over rounds:
+    ``link`` from the one-pair-at-a-time all-reduces only (2 steps of S/2: the raw link
+    figures), ``phases`` with every measured phase and the hook's copy cost added, and
+    ``phases_scattered`` with the world ring measured under the scattered placement."""
+    cal = [r["calibration"] for r in rounds]
+    slow = cc.fit_link(*median_timings(cal, "slow"), steps=2, per_step=0.5)
+    fast = cc.fit_link(*median_timings(cal, "fast"), steps=2, per_step=0.5)
+    link = cc.Net(nodes, per_node, fast, slow)
+    measured = {}
+    for phase in PHASES:
+        level = phase.split("_")[0]
+        measured[phase] = cc.fit_phase(phase, link.group(level), *median_timings(cal, phase))
+    copy = cc.fit_link(*median_timings(cal, "copy"), steps=1, per_step=1.0)
+    phases = dataclasses.replace(link, measured=measured, copy_beta=copy.beta / cc.HOOK_PASSES)
+    scat = [r["calibration_scattered"] for r in rounds]
+    ring = cc.fit_phase("world_ar", link.world, *median_timings(scat, "world_ar"))
+    return {"link": link, "phases": phases,
+            "phases_scattered": dataclasses.replace(phases, measured={**measured,
+                                                                      "world_ar": ring})}
+
+
+def theory(net: cc.Net, units: list[float], topk_s: float = 0.0,
+           scattered: cc.Net | None = None) -> dict[str, cc.Cost]:
+    """Bytes and α-β(-γ) time per variant; ``topk_s``: the calibrated top-k compute;
+    ``scattered``: the network as calibrated under the scattered placement."""
     size = sum(units)
     rs = [True] * len(units)
     return {
         "flat": cc.flat_ring(net, size),
-        "flat_scattered": cc.flat_ring(net, size, scattered=True),
+        "flat_scattered": cc.flat_ring(scattered or net, size, scattered=True),
         "hier": cc.hierarchical(net, size),
         "hier_topk": cc.hierarchical_topk(net, size, RATIO) + cc.Cost(topk_s, 0.0),
         "fsdp": cc.fsdp(net, units, rs, rs_allreduce=True),  # gloo (measured)
         "fsdp_ring_rs": cc.fsdp(net, units, rs),  # NCCL-style ring reduce-scatter
         "hsdp": cc.hsdp(net, units, rs),
     }
+
+
+def link_fit(link: cc.Link) -> dict:
+    return {"alpha_s": link.alpha, "beta_s_per_byte": link.beta,
+            "bandwidth_Mbit_s": 8e-6 / link.beta if link.beta else None}
 
 
 def project(sizes_gpus: list[int], grad_bytes: float) -> list[dict]:
@@ -154,22 +184,9 @@ def project(sizes_gpus: list[int], grad_bytes: float) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rates", default="100mbit,1gbit,none")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--loss-steps", type=int, default=200)
-    add_args(ap, str(HERE / "results" / "collectives.json"), rounds=3)
-    args = ap.parse_args()
-    why = unavailable()
-    if why:
-        sys.exit(f"bench/collectives.py: {why}")
-    check_clean(args)
-
-    t_start = time.time()
-    prov = provenance()
-    rates = args.rates.split(",")
+def measure(args: argparse.Namespace, rates: list[str]) -> tuple[dict, dict]:
+    """Every round at every rate on the emulated network, then the loss check; the raw
+    results are also kept as raw.json in a temporary folder (``--reanalyse`` reads it)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench_coll_"))
     raw: dict[str, list[dict]] = {r: [] for r in rates}
     name = f"cvb{os.getpid() % 100000}"
@@ -184,42 +201,72 @@ def main() -> None:
                 d = tmp / f"{rnd}_{rate}"
                 d.mkdir()
                 res = launch(net, [0, 0, 1, 1], order, d / "c.json", args.steps,
-                             args.warmup, True, port)
+                             args.warmup, PHASES, port)
                 port += 1
                 ds = tmp / f"{rnd}_{rate}_s"
                 ds.mkdir()
                 sc = launch(net, [0, 1, 0, 1], ["local", "flat"], ds / "s.json", args.steps,
-                            args.warmup, False, port)
+                            args.warmup, ["world_ar"], port)
                 port += 1
                 summ = summarise(res, args.warmup)
                 ssum = summarise(sc, args.warmup)
                 summ["flat_scattered"] = ssum["flat"]
                 summ["local_scattered"] = ssum["local"]
                 raw[rate].append({"summary": summ, "calibration": res["calibration"],
+                                  "calibration_scattered": sc["calibration"],
                                   "units_bytes": res["units_bytes"]})
         net.shape("none")
         d = tmp / "loss"
         d.mkdir()
         checkpoints = sorted({n for n in (30, 100, args.loss_steps) if n <= args.loss_steps})
         conv = launch(net, [0, 0, 1, 1], ["flat", "hier_topk"], d / "l.json",
-                      args.loss_steps, 0, False, port, ",".join(map(str, checkpoints)))
+                      args.loss_steps, 0, None, port, ",".join(map(str, checkpoints)))
+    (tmp / "raw.json").write_text(json.dumps({"raw": raw, "conv": conv}))
+    print(f"raw results: {tmp / 'raw.json'}", flush=True)
+    return raw, conv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="100mbit,1gbit,none")
+    # the hierarchical variants settle over their first ~4 steps (new process groups'
+    # first transfers): 4 warm-up steps, the median of the next 8
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--loss-steps", type=int, default=200)
+    ap.add_argument("--reanalyse", default="",
+                    help="raw.json of an earlier run: fit and report again, measure nothing")
+    add_args(ap, str(HERE / "results" / "collectives.json"), rounds=3)
+    args = ap.parse_args()
+    why = unavailable()
+    if why:
+        sys.exit(f"bench/collectives.py: {why}")
+    check_clean(args)
+
+    t_start = time.time()
+    prov = provenance()
+    rates = args.rates.split(",")
+    if args.reanalyse:
+        saved = json.loads(Path(args.reanalyse).read_text())
+        raw, conv = saved["raw"], saved["conv"]
+    else:
+        raw, conv = measure(args, rates)
     units = raw[rates[0]][0]["units_bytes"]
     results: dict = {}
     errors = []
     for rate in rates:
         rounds = raw[rate]
         entry: dict = {"variants": {}}
-        slow, fast = zip(*(fit(r["calibration"]) for r in rounds), strict=True)
-        slow_l = cc.Link(statistics.median(x.alpha for x in slow),
-                         statistics.median(x.beta for x in slow))
-        fast_l = cc.Link(statistics.median(x.alpha for x in fast),
-                         statistics.median(x.beta for x in fast))
-        net = cc.Net(2, 2, fast_l, slow_l)
+        nets = calibrated_nets(rounds)
         topk_s = statistics.median(r["calibration"]["topk_compute_s"] for r in rounds)
-        th = theory(net, [float(u) for u in units], topk_s)
-        entry["fit"] = {"slow": {"alpha_s": slow_l.alpha, "beta_s_per_byte": slow_l.beta,
-                                 "bandwidth_Mbit_s": 8e-6 / slow_l.beta if slow_l.beta else None},
-                        "fast": {"alpha_s": fast_l.alpha, "beta_s_per_byte": fast_l.beta},
+        fl = [float(u) for u in units]
+        th = theory(nets["phases"], fl, topk_s, nets["phases_scattered"])
+        th_link = theory(nets["link"], fl, topk_s)
+        entry["fit"] = {"slow": link_fit(nets["link"].slow), "fast": link_fit(nets["link"].fast),
+                        "phases": {k: link_fit(v) for k, v in nets["phases"].measured.items()},
+                        "world_ar_scattered": link_fit(
+                            nets["phases_scattered"].measured["world_ar"]),
+                        "copy_s_per_byte": nets["phases"].copy_beta,
                         "topk_compute_s": topk_s}
         for v in ["flat", "flat_scattered", "hier", "hier_topk", "fsdp", "hsdp"]:
             ref = "local_scattered" if v == "flat_scattered" else "local"
@@ -235,6 +282,9 @@ def main() -> None:
                 "bytes_vs_theory": statistics.median(out_a) / th[v].node_out_bytes,
                 "step_s": spread(step), "comm_s": spread(comm), "model_comm_s": pred,
                 "model_rel_error": err,
+                # the same model on the one-pair link figures alone (no phase calibration)
+                "link_only_model_comm_s": th_link[v].seconds,
+                "link_only_model_rel_error": abs(th_link[v].seconds - mc) / mc if mc > 0 else None,
                 "eval_loss": statistics.median(r["summary"][v]["eval_loss"] for r in rounds),
             }
             errors.append((rate, v, err))

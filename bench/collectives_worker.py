@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -63,28 +64,77 @@ def batch(dim: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w
 
 
-def calibrate(nodes: list[list[int]], sizes: list[int], reps: int) -> dict:
-    """Median seconds of a 2-rank all-reduce per size, across nodes and inside one."""
+def _timed(run: bool, fn, reps: int) -> float:  # noqa: ANN001
+    """Median over ``reps`` (after one warm-up) of the slowest rank's seconds for ``fn``,
+    run by the ranks with ``run`` set while the others wait at the next barrier."""
+    ts = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if run:
+            fn()
+        ts.append(time.perf_counter() - t0 if run else None)
+    allv: list = [None] * dist.get_world_size()
+    dist.all_gather_object(allv, ts[1:])  # the first repetition warms the connections
+    return statistics.median(max(v[i] for v in allv if v[i] is not None) for i in range(reps))
+
+
+def _collective(kind: str, full: torch.Tensor, part: torch.Tensor, pg) -> None:  # noqa: ANN001
+    if kind == "ar":
+        dist.all_reduce(full, group=pg)
+    elif kind == "rs":
+        dist.reduce_scatter_tensor(part, full, group=pg)
+    else:
+        dist.all_gather_into_tensor(full, part, group=pg)
+
+
+def calibrate(nodes: list[list[int]], sizes: list[int], reps: int,
+              phases: list[str]) -> dict:
+    """Median seconds per size of (a) a 2-rank all-reduce across nodes (``slow``) and
+    inside one node (``fast``), one pair at a time: the raw link figures; (b) each
+    ``phase`` ``<level>_<collective>`` with every group of that level running it at once,
+    as the variants do (``world``: all ranks; ``intra``: one group per node; ``cross``:
+    one group per local rank, its ranks on different nodes; ``ar`` all-reduce, ``rs``
+    reduce-scatter of ``size`` bytes in, ``ag`` all-gather of ``size`` bytes out);
+    (c) ``copy``: the hierarchical hook's local passes over a bucket (copy in, scale,
+    copy back; its work buffers are kept across steps) on every rank at once."""
     rank = dist.get_rank()
+    L = len(nodes[0])
+    groups = {"intra": nodes, "cross": [[n[i] for n in nodes] for i in range(L)]}
+    mine: dict = {"world": None}
+    for level, gs in groups.items():
+        for g in gs:
+            pg = dist.new_group(sorted(g))
+            if rank in g:
+                mine[level] = (pg, len(g))
     pairs = {"slow": [nodes[0][0], nodes[1][0]], "fast": nodes[0][:2]}
-    groups = {k: dist.new_group(sorted(v)) for k, v in pairs.items()}
+    pair_groups = {k: dist.new_group(sorted(v)) for k, v in pairs.items()}
     out: dict = {}
     for level, members in pairs.items():
         out[level] = {}
         for size in sizes:
-            ts = []
-            for _ in range(reps + 1):
-                dist.barrier()
-                if rank in members:
-                    buf = torch.ones(size // 4)
-                    t0 = time.perf_counter()
-                    dist.all_reduce(buf, group=groups[level])
-                    ts.append(time.perf_counter() - t0)
-            box = [ts[1:] if ts else None]  # first repetition warms the connection
-            allv: list = [None] * dist.get_world_size()
-            dist.all_gather_object(allv, box[0])
-            out[level][str(size)] = statistics.median(
-                max(v[i] for v in allv if v) for i in range(reps))
+            buf = torch.ones(size // 4)
+            out[level][str(size)] = _timed(
+                rank in members, lambda b=buf, g=pair_groups[level]: dist.all_reduce(b, group=g),
+                reps)
+    for phase in phases:
+        level, kind = phase.split("_")
+        pg, p = mine[level] if level != "world" else (None, dist.get_world_size())
+        out[phase] = {}
+        for size in sizes:
+            n = size // 4 // p * p
+            out[phase][str(size)] = _timed(
+                True, partial(_collective, kind, torch.ones(n), torch.ones(n // p), pg), reps)
+    out["copy"] = {}
+    for size in sizes:
+        src, pad = torch.ones(size // 4), torch.zeros(size // 4)
+
+        def work(src: torch.Tensor = src, pad: torch.Tensor = pad) -> None:
+            pad.copy_(src)
+            pad.div_(4)
+            src.copy_(pad)
+
+        out["copy"][str(size)] = _timed(True, work, reps)
     return out
 
 
@@ -146,6 +196,7 @@ def main() -> None:
     ap.add_argument("--topk-ratio", type=float, default=0.01)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--calib", default="")  # comma-separated byte sizes
+    ap.add_argument("--calib-phases", default="")  # comma-separated <level>_<collective>
     ap.add_argument("--eval-at", default="")  # comma-separated step counts: eval loss there too
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -162,7 +213,8 @@ def main() -> None:
                                  mesh_dim_names=("replicate", "shard"))}
     result: dict = {"nodes": nodes, "world": world, "variants": {}}
     if args.calib:
-        result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 3)
+        result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 5,
+                                          [p for p in args.calib_phases.split(",") if p])
         n = sum(p.numel() for p in build(args.dim, args.layers).parameters())
         result["calibration"]["topk_compute_s"] = topk_compute(n // len(nodes[0]),
                                                                args.topk_ratio)

@@ -59,3 +59,59 @@ def test_allreduce_setting_is_validated() -> None:
         == "hierarchical"
     with pytest.raises(ConfigError, match="parallel.allreduce"):
         load_config(None, ["parallel.allreduce=butterfly"])
+
+
+def test_fit_phase_recovers_per_step_alpha_beta() -> None:
+    """Synthetic calibration timings of a phase (ring steps x (alpha + chunk * beta)) give
+    back its per-step alpha and beta: all-reduce over 4 ranks (6 steps of S/4),
+    reduce-scatter over 2 (1 step of S/2), all-gather over 2."""
+    sizes = [65536.0, 262144.0, 1048576.0, 4194304.0]
+    for phase, group, steps in (("world_ar", 4, 6), ("intra_rs", 2, 1), ("cross_ag", 2, 1)):
+        secs = [steps * (2e-3 + s / group * 7e-9) for s in sizes]
+        link = cc.fit_phase(phase, group, sizes, secs)
+        assert link.alpha == pytest.approx(2e-3, rel=1e-6), phase
+        assert link.beta == pytest.approx(7e-9, rel=1e-6), phase
+    # noisy timings: least squares lands near the truth, not on one point
+    noisy = [6 * (1e-3 + s / 4 * 5e-9) * f for s, f in zip(sizes, [1.1, 0.9, 1.05, 0.97],
+                                                            strict=True)]
+    link = cc.fit_phase("world_ar", 4, sizes, noisy)
+    assert link.beta == pytest.approx(5e-9, rel=0.1)
+    with pytest.raises(ValueError, match="collective"):
+        cc.fit_phase("world_bcast", 4, sizes, noisy)
+
+
+def test_measured_phases_replace_link_terms() -> None:
+    """A calibrated phase prices its collective (flows and sharing are in the
+    measurement); phases not measured fall back to the link-level alpha-beta terms."""
+    s = 4e6
+    rs, ag, car = cc.Link(3e-3, 4e-9), cc.Link(2e-3, 3e-9), cc.Link(1e-3, 2e-8)
+    net = cc.Net(2, 2, FAST, SLOW, measured={"intra_rs": rs, "intra_ag": ag, "cross_ar": car},
+                 copy_beta=1e-10)
+    want = rs.t(s / 2) + ag.t(s / 2) + 2 * car.t(s / 2 / 2) + cc.HOOK_PASSES * s * 1e-10
+    hier = cc.hierarchical(net, s)
+    assert hier.seconds == pytest.approx(want)
+    # bytes on the links do not depend on how the time was calibrated
+    assert hier.node_out_bytes == cc.hierarchical(cc.Net(2, 2, FAST, SLOW), s).node_out_bytes
+    # flat ring not measured here: the slow link's terms as before
+    assert cc.flat_ring(net, s).seconds == pytest.approx(6 * (1e-4 + s / 4 * 1e-8))
+    ring = cc.Link(5e-4, 6e-9)
+    meas = cc.Net(2, 2, FAST, SLOW, measured={"world_ar": ring})
+    assert cc.flat_ring(meas, s, scattered=True).seconds == pytest.approx(6 * ring.t(s / 4))
+    # HSDP per unit: 2 all-gathers + 1 reduce-scatter in the node, all-reduce of s/2 across
+    u = 1e6
+    want_u = 2 * ag.t(u / 2) + rs.t(u / 2) + 2 * car.t(u / 2 / 2)
+    assert cc.hsdp(net, [u], [True]).seconds == pytest.approx(want_u)
+
+
+def test_fit_link_weighs_relative_error() -> None:
+    """One timing 30% high at the largest size barely moves the relative-error fit at the
+    small sizes, where α dominates (an unweighted fit is pulled by the big absolute
+    residual: its α halves here)."""
+    sizes = [65536.0, 262144.0, 1048576.0, 4194304.0]
+    secs = [2 * (1e-3 + 0.5 * x * 8e-9) for x in sizes]
+    secs[-1] *= 1.3
+    link = cc.fit_link(sizes, secs, steps=2, per_step=0.5)
+    for x in sizes[:2]:
+        assert 2 * link.t(0.5 * x) == pytest.approx(2 * (1e-3 + 0.5 * x * 8e-9), rel=0.05)
+    assert link.alpha == pytest.approx(1e-3, rel=0.15)
+    assert cc.fit_link(sizes, [0.0] * 4, steps=2, per_step=0.5) == cc.Link(0.0, 0.0)

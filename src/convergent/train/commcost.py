@@ -22,6 +22,18 @@ FSDP per unit of ``s`` bytes: all-gather in forward, again in backward when resh
 reduce-scatter of gradients, each ``(P-1)`` ring steps of ``s/P``; HSDP shards inside
 the node and all-reduces the ``s/L`` gradient shards across nodes.
 
+Measured phases. On a real fabric each link level is a resource of its own; on the
+emulation four gloo ranks share two CPU cores, so a step's cost also depends on what the
+other ranks do meanwhile (both nodes reduce-scattering at once, two cross-node pairs
+sharing the veth, the kernel forwarding between namespaces). ``Net.measured`` holds, per
+phase ``<level>_<collective>`` (levels ``world`` / ``intra`` / ``cross``, collectives
+``ar`` all-reduce, ``rs`` reduce-scatter, ``ag`` all-gather), an α-β pair per ring step
+fitted from a calibration that runs that collective on every group of the level at once
+(:func:`fit_phase`); a phase found there replaces the link-level term (its flows and
+sharing are in the measurement), the rest fall back to ``fast`` / ``slow``. ``copy_beta``
+(s/byte) prices the hierarchical hook's local passes over the bucket (copy in, scale,
+copy back: :data:`HOOK_PASSES`).
+
 Variants for the converged-computing ideas: ``overlap`` (the fraction of communication
 hidden behind backward compute: sync-free notification lets buckets go as soon as
 ready) and ``isolation`` (``contention`` jobs sharing the slow links; a reconfigurable
@@ -31,7 +43,11 @@ network that isolates the job's links sets it to 1).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+LEVELS = ("world", "intra", "cross")
+COLLECTIVES = ("ar", "rs", "ag")
+HOOK_PASSES = 3  # copy in, scale, copy back: the hierarchical hook's passes over a bucket
 
 
 @dataclass(frozen=True)
@@ -55,10 +71,16 @@ class Net:
     slow: Link
     shared_egress: bool = True  # one egress per node (emulation) vs one NIC per rank
     contention: float = 1.0  # jobs sharing the slow links (1: isolated)
+    measured: dict[str, Link] = field(default_factory=dict, compare=False)  # per phase
+    copy_beta: float = 0.0  # s/byte of local buffer work in the hierarchical hook
 
     @property
     def world(self) -> int:
         return self.nodes * self.per_node
+
+    def group(self, level: str) -> int:
+        """Ranks in one group of ``level``."""
+        return {"world": self.world, "intra": self.per_node, "cross": self.nodes}[level]
 
     def slow_t(self, nbytes: float, flows: int) -> float:
         f = flows if self.shared_egress else 1
@@ -79,6 +101,31 @@ class Cost:
         return Cost(self.seconds * k, self.node_out_bytes * k)
 
 
+def ring_steps(kind: str, p: int) -> int:
+    """Ring steps of collective ``kind`` over ``p`` ranks; each moves ``size / p`` bytes
+    per rank (``size``: the all-reduced tensor, the reduce-scatter's input, the
+    all-gather's output)."""
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective {kind!r} (one of {COLLECTIVES})")
+    return 2 * (p - 1) if kind == "ar" else p - 1
+
+
+def collective(net: Net, level: str, kind: str, size: float, flows: int = 1) -> float:
+    """Seconds of one ``kind`` collective of ``size`` bytes on every group of ``level``
+    at once: the measured phase when calibrated, else ring steps on the level's link
+    (``flows`` of a node's ranks sharing its egress on the slow links)."""
+    p = net.group(level)
+    if p <= 1:
+        return 0.0
+    steps, chunk = ring_steps(kind, p), size / p
+    link = net.measured.get(f"{level}_{kind}")
+    if link is not None:
+        return steps * link.t(chunk)
+    if level == "intra" or (level == "world" and net.nodes == 1):
+        return steps * net.fast.t(chunk)
+    return steps * net.slow_t(chunk, flows)
+
+
 def flat_ring(net: Net, size: float, scattered: bool = False) -> Cost:
     """Ring all-reduce over every rank in rank order."""
     p = net.world
@@ -86,9 +133,8 @@ def flat_ring(net: Net, size: float, scattered: bool = False) -> Cost:
         return Cost(0.0, 0.0)
     crossing = net.per_node if scattered else 1  # ring edges leaving one node
     steps = 2 * (p - 1)
-    if net.nodes == 1:
-        return Cost(steps * net.fast.t(size / p), 0.0)
-    return Cost(steps * net.slow_t(size / p, crossing), crossing * steps * size / p)
+    out = 0.0 if net.nodes == 1 else crossing * steps * size / p
+    return Cost(collective(net, "world", "ar", size, crossing), out)
 
 
 def tree(net: Net, size: float) -> Cost:
@@ -100,10 +146,11 @@ def tree(net: Net, size: float) -> Cost:
     return Cost(lat + 2 * size * net.slow.beta * net.contention, 2 * size)
 
 
-def _intra(net: Net, size: float) -> float:
-    """Reduce-scatter (or all-gather) of ``size`` bytes inside a node."""
-    n = net.per_node
-    return (n - 1) * net.fast.t(size / n) if n > 1 else 0.0
+def _inner(net: Net, size: float) -> float:
+    """The hierarchical hook's node part: reduce-scatter of ``size`` bytes in the node,
+    all-gather back, and its local passes over the bucket."""
+    return (collective(net, "intra", "rs", size) + collective(net, "intra", "ag", size)
+            + HOOK_PASSES * size * net.copy_beta)
 
 
 def hierarchical(net: Net, size: float, slow_fraction: float = 1.0) -> Cost:
@@ -111,24 +158,24 @@ def hierarchical(net: Net, size: float, slow_fraction: float = 1.0) -> Cost:
 
     ``slow_fraction`` scales the slow-hop payload (fp16: 0.5; dense compressors)."""
     n, L = net.nodes, net.per_node
-    inner = 2 * _intra(net, size)
+    inner = _inner(net, size)
     if n == 1:
         return Cost(inner, 0.0)
     shard = size / L * slow_fraction
     steps = 2 * (n - 1)
-    t = steps * net.slow_t(shard / n, L)
+    t = collective(net, "cross", "ar", shard, L)
     return Cost(inner + t, L * steps * shard / n)
 
 
 def hierarchical_topk(net: Net, size: float, ratio: float, elem: int = 4) -> Cost:
     """Hierarchical with top-k (value + int32 index) all-gather on the slow hop."""
     n, L = net.nodes, net.per_node
-    inner = 2 * _intra(net, size)
+    inner = _inner(net, size)
     k = max(1, math.ceil(ratio * size / elem / L))
     payload = 8 * k
     if n == 1:
         return Cost(inner, 0.0)
-    t = (n - 1) * net.slow_t(payload, L)
+    t = collective(net, "cross", "ag", n * payload, L)
     return Cost(inner + t, (n - 1) * L * payload)
 
 
@@ -140,20 +187,25 @@ def fsdp(
     reduce-scatter as a full all-reduce (gloo does: ``2(P-1)`` steps, measured)."""
     p = net.world
     total = Cost(0.0, 0.0)
-    link = net.fast.t if net.nodes == 1 else (lambda b: net.slow_t(b, 1))
+    # a measured reduce-scatter already is whatever the backend does
+    rs_kind = "ar" if rs_allreduce and "world_rs" not in net.measured else "rs"
     for s, rs in zip(units, reshard, strict=True):
         steps = (2 if rs else 1) * (p - 1) + (2 if rs_allreduce else 1) * (p - 1)
         out = 0.0 if net.nodes == 1 else steps * s / p
-        total += Cost(steps * link(s / p), out)
+        t = (2 if rs else 1) * collective(net, "world", "ag", s) \
+            + collective(net, "world", rs_kind, s)
+        total += Cost(t, out)
     return total
 
 
 def hsdp(net: Net, units: list[float], reshard: list[bool]) -> Cost:
     """HSDP: shard inside the node, all-reduce gradient shards across nodes."""
     total = Cost(0.0, 0.0)
+    n, L = net.nodes, net.per_node
     for s, rs in zip(units, reshard, strict=True):
-        cross = hierarchical(net, s) + Cost(-2 * _intra(net, s), 0.0)  # slow hop only
-        total += Cost((3 if rs else 2) * _intra(net, s), 0.0) + cross
+        t = (2 if rs else 1) * collective(net, "intra", "ag", s) \
+            + collective(net, "intra", "rs", s) + collective(net, "cross", "ar", s / L, L)
+        total += Cost(t, 2 * (n - 1) * s / n if n > 1 else 0.0)
     return total
 
 
@@ -164,16 +216,29 @@ def exposed(cost: Cost, backward_s: float, overlap: float) -> float:
     return cost.seconds - hidden
 
 
+def fit_phase(phase: str, group: int, sizes: list[float], seconds: list[float]) -> Link:
+    """α-β per ring step of ``phase`` (``<level>_<collective>``) on groups of ``group``
+    ranks, from its calibration timings (``sizes`` as :func:`ring_steps` defines them)."""
+    kind = phase.split("_")[-1]
+    return fit_link(sizes, seconds, ring_steps(kind, group), 1 / group)
+
+
 def fit_link(sizes: list[float], seconds: list[float], steps: int, per_step: float) -> Link:
-    """Least-squares α, β from timings of a collective with ``steps`` latency terms and
-    ``per_step * size`` bytes per step on the measured link (e.g. 2-rank all-reduce:
-    steps=2, per_step=0.5)."""
-    n = len(sizes)
+    """α, β from timings of a collective with ``steps`` latency terms and ``per_step *
+    size`` bytes per step on the measured link (e.g. 2-rank all-reduce: steps=2,
+    per_step=0.5): least squares on the relative error (each timing weighted by
+    ``1/t^2``), so the small sizes, where α dominates, count as much as the large ones
+    and one noisy large timing does not set both terms; α, β clamped at 0."""
     xs = [per_step * s for s in sizes]
     ys = [t / steps for t in seconds]
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
-    beta = max(beta, 0.0)
+    ws = [1.0 / (y * y) if y > 0 else 0.0 for y in ys]
+    sw = sum(ws)
+    if sw == 0:
+        return Link(0.0, 0.0)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+    beta = max(sxy / sxx if sxx else 0.0, 0.0)
     alpha = max(my - beta * mx, 0.0)
     return Link(alpha, beta)

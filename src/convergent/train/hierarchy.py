@@ -152,6 +152,17 @@ class HierState:
     leader: bool = False
     leader_src: int = 0  # global rank of this node's leader
     slow_bytes: int = 0  # payload bytes this rank put on the slow hop, last bucket
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per hop, reused
+
+    def buffer(self, hop: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``numel``-element work buffer for ``hop``, kept across buckets and steps (the
+        hook is synchronous, so one per hop serves every bucket): fresh multi-MB
+        allocations each step cost page faults the collectives then pay for."""
+        t = self.scratch.get(hop)
+        if t is None or t.numel() < numel or t.dtype != like.dtype or t.device != like.device:
+            t = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self.scratch[hop] = t
+        return t[:numel]
 
     def state_dict(self) -> dict[str, Any]:
         """Top-k residuals by bucket index (restored when the shapes still match)."""
@@ -245,17 +256,19 @@ def hierarchical_hook(state, bucket):  # noqa: ANN001 - DDP checks annotations, 
         inner = list(zip(st.groups[:-1], st.sizes[:-1], strict=True))
         shards = math.prod(s for _, s in inner)
         n = buf.numel()
-        padded = torch.zeros(-(-n // shards) * shards, dtype=buf.dtype, device=buf.device)
+        padded = st.buffer(0, -(-n // shards) * shards, buf)
+        padded[n:].zero_()
         padded[:n].copy_(buf)
         padded.div_(world)
         cur = padded
-        for g, s in inner:  # reduce-scatter toward the slow hop
-            part = torch.empty(cur.numel() // s, dtype=cur.dtype, device=cur.device)
+        for hop, (g, s) in enumerate(inner, 1):  # reduce-scatter toward the slow hop
+            part = st.buffer(hop, cur.numel() // s, cur)
             dist.reduce_scatter_tensor(part, cur, group=g)
             cur = part
         _slow_allreduce(st, cur, bucket.index())
-        for g, s in reversed(inner):  # all-gather back out
-            whole = torch.empty(cur.numel() * s, dtype=cur.dtype, device=cur.device)
+        for hop in reversed(range(len(inner))):  # all-gather back out into the hop's input
+            g, s = inner[hop]
+            whole = st.buffer(hop, cur.numel() * s, cur)
             dist.all_gather_into_tensor(whole, cur, group=g)
             cur = whole
         buf.copy_(cur[:n])
