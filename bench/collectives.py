@@ -11,10 +11,19 @@ with top-k (3%, error feedback) on the inter-node hop, FSDP over all 4 ranks and
 the same model without communication (``local``, same launch).
 
 Each measured byte count stands next to its theoretical value (convergent.train.commcost,
-derivations in its docstring); the α-β model is fitted per bandwidth from a short
-calibration (2-rank all-reduces of 64 KiB-4 MiB across the link and inside a node),
-then predicts every variant's communication time (relative error reported), and is
-projected to 64-4096 GPUs with NVLink / InfiniBand figures.
+derivations in its docstring). The α-β model is fitted per bandwidth from a calibration
+run in each launch before the variants, never from the step times it predicts: (a) one
+pair at a time, 2-rank all-reduces of 64 KiB-4 MiB across the link and inside a node (the
+raw link figures; ``link_only_model_*`` is the model on these alone); (b) each collective
+the variants are made of (all-reduce, reduce-scatter, all-gather over all ranks, inside
+the nodes, across the nodes) run by every group of its level at once, as in the step:
+four gloo ranks share two cores and two cross-node pairs share the veth, so a
+collective's cost depends on what runs beside it; (c) the hierarchical hook's passes over
+the bucket and the top-k selection. Per phase, α and β per ring step come from least
+squares on the relative error over the four sizes (median timing over rounds); the model
+composes them by ring step counts per variant, predicts every variant's communication
+time (relative error reported) and is projected to 64-4096 GPUs with NVLink / InfiniBand
+figures (there the link-level terms are the stated datasheet assumptions).
 
 The variants of one round run inside one launch (their order rotates per round), so the
 rounds are driven here rather than by bench/_harness.py's ``interleave``; the harness
@@ -300,6 +309,7 @@ def main() -> None:
     valid = [e for _, _, e in errors if e is not None]
     data = {
         "description": __doc__.split("\n\n")[1].replace("\n", " "),
+        "cost_model": __doc__.split("\n\n")[2].replace("\n", " "),
         "inter_bytes_ratio_hier_vs_flat": ratio("hier", "flat"),
         "inter_bytes_ratio_hsdp_vs_fsdp": ratio("hsdp", "fsdp"),
         "inter_bytes_ratio_topk_vs_flat": ratio("hier_topk", "flat"),

@@ -7,8 +7,10 @@ top-k + error feedback on the inter-node hop), ``fsdp`` (FSDP2 over all ranks) a
 ``hsdp`` (FSDP2 sharded in the node, replicated across). Per step it records this
 rank's step time and, on each node's first rank, the byte counters of the node's
 inter-node link; barriers outside the timed region line steps up. With ``--calib``
-it first times all-reduces of several sizes between two ranks on different nodes
-(the slow link) and inside a node (the fast path), for the α-β fit. Rank 0 writes
+it first times, at several sizes, all-reduces between two ranks on different nodes
+(the slow link) and inside a node (the fast path), one pair at a time, then each
+collective of ``--calib-phases`` on every group of its level at once, the hook's
+buffer passes and the top-k selection, for the α-β fit. Rank 0 writes
 everything as JSON to ``--out``.
 """
 
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from convergent.train.compression import CommStats, register_compression
+from convergent.train.compression import CommStats, register_compression, topk_payload, topk_sum
 from convergent.train.hierarchy import discover_tiers, register_hierarchical
 
 
@@ -138,25 +140,17 @@ def calibrate(nodes: list[list[int]], sizes: list[int], reps: int,
     return out
 
 
-def topk_compute(n: int, ratio: float, reps: int = 5) -> float:
-    """Median seconds of the top-k hook's local work on an ``n``-element shard
-    (error-feedback add, selection, residual update, dense rebuild): the γ term."""
-    import math
+def topk_compute(n: int, ratio: float, groups: int, reps: int = 5) -> float:
+    """Seconds of the hierarchical top-k hook's local work on an ``n``-element shard, on
+    every rank at once (slowest rank, median over ``reps``): the same error-feedback
+    selection and dense rebuild of ``groups`` payloads as the hook (the γ term)."""
+    shard, residuals = torch.randn(n), {0: torch.randn(n) * 0.01}
 
-    k = max(1, math.ceil(ratio * n))
-    g, res = torch.randn(n), torch.randn(n) * 0.01
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        acc = g + res
-        top = acc.abs().topk(k, sorted=False).indices
-        new_res = acc.clone()
-        new_res[top] = 0.0
-        out = torch.zeros(n)
-        for _ in range(2):  # one payload per node
-            out.index_add_(0, top, acc[top])
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    def work() -> None:
+        payload, k = topk_payload(shard, residuals, 0, ratio)
+        shard.copy_(topk_sum([payload] * groups, k, n, shard.device))
+
+    return _timed(True, work, reps)
 
 
 def wrap(variant: str, dim: int, layers: int, tiers, meshes: dict, ratio: float):  # noqa: ANN001, ANN201
@@ -216,7 +210,7 @@ def main() -> None:
         result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 5,
                                           [p for p in args.calib_phases.split(",") if p])
         n = sum(p.numel() for p in build(args.dim, args.layers).parameters())
-        result["calibration"]["topk_compute_s"] = topk_compute(n // len(nodes[0]),
+        result["calibration"]["topk_compute_s"] = topk_compute(n // len(nodes[0]), len(nodes),
                                                                args.topk_ratio)
     eval_x, eval_y = batch(args.dim, 256, 999_999)
     for variant in args.variants.split(","):
