@@ -210,8 +210,8 @@ def main() -> None:
         result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 5,
                                           [p for p in args.calib_phases.split(",") if p])
         n = sum(p.numel() for p in build(args.dim, args.layers).parameters())
-        result["calibration"]["topk_compute_s"] = topk_compute(n // len(nodes[0]), len(nodes),
-                                                               args.topk_ratio)
+        result["calibration"]["topk_compute_s"] = topk_compute(
+            n // len(nodes[0]), args.topk_ratio, groups=len(nodes))
     eval_x, eval_y = batch(args.dim, 256, 999_999)
     for variant in args.variants.split(","):
         model, fwd = wrap(variant, args.dim, args.layers, tiers, meshes, args.topk_ratio)
