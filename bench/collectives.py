@@ -150,11 +150,13 @@ def theory(net: cc.Net, units: list[float], topk_s: float = 0.0,
     ``scattered``: the network as calibrated under the scattered placement."""
     size = sum(units)
     rs = [True] * len(units)
+    ddp = cc.local_passes(net, size, cc.DDP_PASSES)  # bucket copies (local has none)
+    flat_ddp = cc.local_passes(net, size, cc.DDP_PASSES + 1)  # + allreduce_hook's div_
     return {
-        "flat": cc.flat_ring(net, size),
-        "flat_scattered": cc.flat_ring(scattered or net, size, scattered=True),
-        "hier": cc.hierarchical(net, size),
-        "hier_topk": cc.hierarchical_topk(net, size, RATIO) + cc.Cost(topk_s, 0.0),
+        "flat": cc.flat_ring(net, size) + flat_ddp,
+        "flat_scattered": cc.flat_ring(scattered or net, size, scattered=True) + flat_ddp,
+        "hier": cc.hierarchical(net, size) + ddp,
+        "hier_topk": cc.hierarchical_topk(net, size, RATIO) + cc.Cost(topk_s, 0.0) + ddp,
         "fsdp": cc.fsdp(net, units, rs, rs_allreduce=True),  # gloo (measured)
         "fsdp_ring_rs": cc.fsdp(net, units, rs),  # NCCL-style ring reduce-scatter
         "hsdp": cc.hsdp(net, units, rs),

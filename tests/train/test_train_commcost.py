@@ -115,3 +115,14 @@ def test_fit_link_weighs_relative_error() -> None:
         assert 2 * link.t(0.5 * x) == pytest.approx(2 * (1e-3 + 0.5 * x * 8e-9), rel=0.05)
     assert link.alpha == pytest.approx(1e-3, rel=0.15)
     assert cc.fit_link(sizes, [0.0] * 4, steps=2, per_step=0.5) == cc.Link(0.0, 0.0)
+
+
+def test_local_passes_price_copies_without_bytes() -> None:
+    net = cc.Net(2, 2, FAST, SLOW, copy_beta=2e-11)
+    c = cc.local_passes(net, 4e6, cc.DDP_PASSES)
+    assert c.seconds == pytest.approx(cc.DDP_PASSES * 4e6 * 2e-11)
+    assert c.node_out_bytes == 0.0
+    # the hierarchical hook's passes are inside hierarchical(); none without a copy cost
+    bare = cc.Net(2, 2, FAST, SLOW)
+    assert cc.hierarchical(net, 4e6).seconds - cc.hierarchical(bare, 4e6).seconds \
+        == pytest.approx(cc.HOOK_PASSES * 4e6 * 2e-11)

@@ -31,8 +31,8 @@ phase ``<level>_<collective>`` (levels ``world`` / ``intra`` / ``cross``, collec
 fitted from a calibration that runs that collective on every group of the level at once
 (:func:`fit_phase`); a phase found there replaces the link-level term (its flows and
 sharing are in the measurement), the rest fall back to ``fast`` / ``slow``. ``copy_beta``
-(s/byte) prices the hierarchical hook's local passes over the bucket (copy in, scale,
-copy back: :data:`HOOK_PASSES`).
+(s/byte) prices local passes over a bucket: the hierarchical hook's (copy in, scale, copy
+back: :data:`HOOK_PASSES`) and DDP's own (:func:`local_passes`).
 
 Variants for the converged-computing ideas: ``overlap`` (the fraction of communication
 hidden behind backward compute: sync-free notification lets buckets go as soon as
@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 LEVELS = ("world", "intra", "cross")
 COLLECTIVES = ("ar", "rs", "ag")
 HOOK_PASSES = 3  # copy in, scale, copy back: the hierarchical hook's passes over a bucket
+DDP_PASSES = 2  # DDP copies gradients into its bucket and back (no gradient_as_bucket_view)
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,12 @@ def hsdp(net: Net, units: list[float], reshard: list[bool]) -> Cost:
             + collective(net, "intra", "rs", s) + collective(net, "cross", "ar", s / L, L)
         total += Cost(t, 2 * (n - 1) * s / n if n > 1 else 0.0)
     return total
+
+
+def local_passes(net: Net, size: float, passes: int) -> Cost:
+    """``passes`` local passes over ``size`` bytes at ``copy_beta`` (DDP's bucket copies:
+    :data:`DDP_PASSES`, plus the flat hook's scaling pass)."""
+    return Cost(passes * size * net.copy_beta, 0.0)
 
 
 def exposed(cost: Cost, backward_s: float, overlap: float) -> float:
