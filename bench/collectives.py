@@ -384,15 +384,21 @@ def plot(out: dict, path: Path) -> None:
     axes[0].set_ylabel("MB leaving a node per step")
     axes[0].set_title(f"inter-node bytes at {rate}")
     axes[0].legend()
+    pts = []
     for r, res in out["results"].items():
-        vs = res["variants"]
+        vs = {n: v for n, v in res["variants"].items() if v["comm_s"]["median"] > 0}
         axes[1].scatter([vs[n]["comm_s"]["median"] for n in vs],
                         [vs[n]["model_comm_s"] for n in vs], label=r)
-    lim = max(max(v["comm_s"]["median"] for v in res["variants"].values())
-              for res in out["results"].values())
-    axes[1].plot([0, lim], [0, lim], "k--", lw=0.8)
+        pts += [vs[n]["comm_s"]["median"] for n in vs]
+    if pts:  # log-log: the unshaped (ms) and 100 Mbit/s (s) points on one plot
+        lo, hi = min(pts) / 1.5, max(pts) * 1.5
+        axes[1].plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        for f in (0.85, 1.15):
+            axes[1].plot([lo, hi], [lo * f, hi * f], "k:", lw=0.6)
+        axes[1].set_xscale("log")
+        axes[1].set_yscale("log")
     axes[1].set_xlabel("measured comm s/step")
-    axes[1].set_ylabel("α-β model s/step")
+    axes[1].set_ylabel("α-β model s/step (dotted: ±15%)")
     axes[1].set_title("cost model vs measurement")
     axes[1].legend()
     rows = [r for r in out["projection"]["rows"] if "flat_ring_s" in r]
