@@ -8,7 +8,8 @@ link (interface counters) and the step time for: flat ring DDP (ranks node-conti
 flat with a scattered placement (ranks 0,2 on node A), hierarchical DDP, hierarchical
 with top-k (3%, error feedback) on the inter-node hop, FSDP over all 4 ranks and HSDP
 (shard in node, replicate across). Communication time = step time - the step time of
-the same model without communication (``local``, same launch).
+the same model without communication (the mean of ``local`` at the start and
+``local_end`` at the end of the same launch).
 
 Each measured byte count stands next to its theoretical value (convergent.train.commcost,
 derivations in its docstring). The α-β model is fitted per bandwidth from a calibration
@@ -163,6 +164,13 @@ def theory(net: cc.Net, units: list[float], topk_s: float = 0.0,
     }
 
 
+def reference(summary: dict, suffix: str = "") -> float:
+    """The launch's compute-only step time: the mean of ``local`` at its start and
+    ``local_end`` at its end (older raw results have only the first)."""
+    ends = [summary[k]["step_s"] for k in (f"local{suffix}", f"local_end{suffix}") if k in summary]
+    return statistics.fmean(ends)
+
+
 def link_fit(link: cc.Link) -> dict:
     return {"alpha_s": link.alpha, "beta_s_per_byte": link.beta,
             "bandwidth_Mbit_s": 8e-6 / link.beta if link.beta else None}
@@ -207,7 +215,8 @@ def measure(args: argparse.Namespace, rates: list[str]) -> tuple[dict, dict]:
             for rate in rates[rnd % len(rates):] + rates[: rnd % len(rates)]:
                 net.shape(rate)
                 k = rnd % len(VARIANTS)
-                order = ["local", *VARIANTS[k:], *VARIANTS[:k]]
+                # the compute reference at both ends of the launch (load drifts)
+                order = ["local", *VARIANTS[k:], *VARIANTS[:k], "local_end"]
                 print(f"round {rnd} rate {rate}: {order}", flush=True)
                 d = tmp / f"{rnd}_{rate}"
                 d.mkdir()
@@ -216,13 +225,14 @@ def measure(args: argparse.Namespace, rates: list[str]) -> tuple[dict, dict]:
                 port += 1
                 ds = tmp / f"{rnd}_{rate}_s"
                 ds.mkdir()
-                sc = launch(net, [0, 1, 0, 1], ["local", "flat"], ds / "s.json", args.steps,
-                            args.warmup, ["world_ar"], port)
+                sc = launch(net, [0, 1, 0, 1], ["local", "flat", "local_end"], ds / "s.json",
+                            args.steps, args.warmup, ["world_ar"], port)
                 port += 1
                 summ = summarise(res, args.warmup)
                 ssum = summarise(sc, args.warmup)
                 summ["flat_scattered"] = ssum["flat"]
                 summ["local_scattered"] = ssum["local"]
+                summ["local_end_scattered"] = ssum["local_end"]
                 raw[rate].append({"summary": summ, "calibration": res["calibration"],
                                   "calibration_scattered": sc["calibration"],
                                   "units_bytes": res["units_bytes"]})
@@ -280,10 +290,10 @@ def main() -> None:
                         "copy_s_per_byte": nets["phases"].copy_beta,
                         "topk_compute_s": topk_s}
         for v in ["flat", "flat_scattered", "hier", "hier_topk", "fsdp", "hsdp"]:
-            ref = "local_scattered" if v == "flat_scattered" else "local"
+            sfx = "_scattered" if v == "flat_scattered" else ""
             out_a = [r["summary"][v]["out_a"] for r in rounds]
             step = [r["summary"][v]["step_s"] for r in rounds]
-            comm = [r["summary"][v]["step_s"] - r["summary"][ref]["step_s"] for r in rounds]
+            comm = [r["summary"][v]["step_s"] - reference(r["summary"], sfx) for r in rounds]
             pred = th[v].seconds
             mc = statistics.median(comm)
             err = abs(pred - mc) / mc if mc > 0 else None

@@ -1,7 +1,8 @@
 """One rank of bench/collectives.py, started inside an emulated node's namespace.
 
 Runs, one after another in this process group, the requested variants on the same
-model and data: ``local`` (no communication: the compute reference), ``flat`` (DDP
+model and data: ``local`` / ``local_end`` (no communication: the compute reference, at
+both ends of a launch), ``flat`` (DDP
 ring all-reduce), ``hier`` (DDP hierarchical hook), ``hier_topk`` (hierarchical with
 top-k + error feedback on the inter-node hop), ``fsdp`` (FSDP2 over all ranks) and
 ``hsdp`` (FSDP2 sharded in the node, replicated across). Per step it records this
@@ -156,7 +157,7 @@ def topk_compute(n: int, ratio: float, groups: int, reps: int = 5) -> float:
 def wrap(variant: str, dim: int, layers: int, tiers, meshes: dict, ratio: float):  # noqa: ANN001, ANN201
     """Model prepared for ``variant`` and the module to call."""
     model = build(dim, layers)
-    if variant == "local":
+    if variant.startswith("local"):  # local, local_end: no communication
         return model, model
     if variant in ("flat", "hier", "hier_topk"):
         from torch.nn.parallel import DistributedDataParallel as DDP
