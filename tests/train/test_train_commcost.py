@@ -126,3 +126,11 @@ def test_local_passes_price_copies_without_bytes() -> None:
     bare = cc.Net(2, 2, FAST, SLOW)
     assert cc.hierarchical(net, 4e6).seconds - cc.hierarchical(bare, 4e6).seconds \
         == pytest.approx(cc.HOOK_PASSES * 4e6 * 2e-11)
+
+
+def test_burst_saving_is_capped_by_bucket_and_payload() -> None:
+    net = cc.Net(2, 2, FAST, SLOW)  # slow beta 1e-8 s/byte
+    assert cc.burst_saving(net, 1e6, 256e3).seconds == pytest.approx(-256e3 * 1e-8)
+    assert cc.burst_saving(net, 100e3, 256e3).seconds == pytest.approx(-100e3 * 1e-8)
+    assert cc.burst_saving(net, 1e6, 0.0).seconds == 0.0
+    assert cc.burst_saving(net, 1e6, 256e3).node_out_bytes == 0.0

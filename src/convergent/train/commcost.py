@@ -32,7 +32,8 @@ fitted from a calibration that runs that collective on every group of the level 
 (:func:`fit_phase`); a phase found there replaces the link-level term (its flows and
 sharing are in the measurement), the rest fall back to ``fast`` / ``slow``. ``copy_beta``
 (s/byte) prices local passes over a bucket: the hierarchical hook's (copy in, scale, copy
-back: :data:`HOOK_PASSES`) and DDP's own (:func:`local_passes`).
+back: :data:`HOOK_PASSES`) and DDP's own (:func:`local_passes`); :func:`burst_saving`
+takes off what a token-bucket shaper's refilled bucket lets through at line rate.
 
 Variants for the converged-computing ideas: ``overlap`` (the fraction of communication
 hidden behind backward compute: sync-free notification lets buckets go as soon as
@@ -214,6 +215,14 @@ def local_passes(net: Net, size: float, passes: int) -> Cost:
     """``passes`` local passes over ``size`` bytes at ``copy_beta`` (DDP's bucket copies:
     :data:`DDP_PASSES`, plus the flat hook's scaling pass)."""
     return Cost(passes * size * net.copy_beta, 0.0)
+
+
+def burst_saving(net: Net, first_egress_bytes: float, credit: float) -> Cost:
+    """A token-bucket shaper (``tc tbf``) that has been idle lets up to its bucket
+    (``credit`` bytes, at most the configured burst) leave at line rate: the first
+    ``min(credit, first_egress_bytes)`` bytes a step pushes through a node's egress skip
+    the slow link's ``beta`` (one flow's s/byte: the shaped rate)."""
+    return Cost(-min(max(credit, 0.0), first_egress_bytes) * net.slow.beta, 0.0)
 
 
 def exposed(cost: Cost, backward_s: float, overlap: float) -> float:
