@@ -308,7 +308,7 @@ def main() -> None:
                         "world_ar_scattered": link_fit(
                             nets["phases_scattered"].measured["world_ar"]),
                         "copy_s_per_byte": nets["phases"].copy_beta,
-                        "topk_compute_s": topk_s}
+                        "topk_compute_s": topk_s, "tbf_credit_bytes": credit}
         for v in ["flat", "flat_scattered", "hier", "hier_topk", "fsdp", "hsdp"]:
             sfx = "_scattered" if v == "flat_scattered" else ""
             out_a = [r["summary"][v]["out_a"] for r in rounds]
