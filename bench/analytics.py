@@ -187,17 +187,17 @@ def _fp_row(r: dict) -> tuple:
 
 def _naive_group_dups(item, tol: float) -> list[str]:
     """Dropped keys of one composition group (the same vectorised match as the engine)."""
-    from convergent.analytics.dedup import _match_task
+    from convergent.analytics.dedup import ROW, match_rows
 
     _, rows = item
-    keys = [r[1] for r in rows]
-    piece = {"idx": np.arange(len(rows), dtype=np.int64), "hash": np.array([r[2] for r in rows], np.uint64),
-             "comp": np.array([r[0] for r in rows], np.uint64), "fp": np.stack([r[3] for r in rows]),
-             "n": np.array([r[4] for r in rows], np.int32)}
-    order = np.argsort(keys)  # keep the lowest key, like the engine keeps the lowest index
-    piece = {k: v[order] if k != "idx" else v for k, v in piece.items()}
-    keys = [keys[i] for i in order]
-    return [keys[int(i)] for i in _match_task([piece], tol)["drop"]]
+    rows = sorted(rows, key=lambda r: r[1])  # keep the lowest key, like the engine keeps the lowest index
+    piece = np.zeros(len(rows), ROW)
+    piece["idx"] = np.arange(len(rows))
+    piece["hash"] = [r[2] for r in rows]
+    piece["comp"] = [r[0] for r in rows]
+    piece["fp"] = np.stack([r[3] for r in rows])
+    piece["n"] = [r[4] for r in rows]
+    return [rows[int(i)][1] for i in match_rows(piece, tol)["drop"]]
 
 
 def run_naive(cmd: str, src: Path, out: Path, client, partitions: int, tol: float) -> None:

@@ -93,6 +93,27 @@ def test_dedup_finds_every_planted_duplicate_and_nothing_else(client, tmp_path):
     assert res0["dropped_near"] == 0 and res0["dropped_exact"] == res["dropped_exact"]
 
 
+@pytest.mark.parametrize("on_cluster", [True, False])
+def test_dedup_spills_by_partition_and_still_finds_every_duplicate(client, tmp_path, on_cluster):
+    """Memory-bounded dedup: many small partitions shuffled through per-worker spill files
+    find exactly the planted duplicates (none of the distinct records dropped)."""
+    base = distinct_records(200, seed=3)
+    recs, planted = plant_duplicates(base, seed=4)
+    src = _write(tmp_path / "src", recs, shard_bytes=4096)
+    assert len(read_manifest(src).shards) >= 4
+    eng = Engine(client if on_cluster else None, progress=False)
+    res = dedup_dataset(src, tmp_path / "kept", tolerance=0.01, engine=eng, partition_records=20)
+    assert res["partitions"] >= len(recs) // 20
+    assert res["largest_partition"] < len(recs)  # no task saw the whole dataset
+    assert 1 <= res["spill_files"] <= eng.workers  # one spill file per worker process, not per task
+    assert res["spill_bytes"] > len(recs) * 128
+    assert not list((tmp_path / "kept").glob(".spill-*"))  # the scratch is gone
+    table = [json.loads(x) for x in (tmp_path / "kept" / "dropped.jsonl").read_text().splitlines()]
+    assert {t["key"]: (t["reason"], t["duplicate_of"]) for t in table} == planted
+    assert sorted(open_dataset(tmp_path / "kept").keys()) == sorted(r["key"] for r in base)
+    _ok(tmp_path / "kept")
+
+
 def test_filter_matches_a_direct_evaluation(client, demo_like, tmp_path):
     where = "max_force < 3 and n_atoms <= 6 and 'H' in elements"
     eng = Engine(client, progress=False)

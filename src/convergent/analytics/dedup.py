@@ -1,12 +1,16 @@
 """`data dedup`: exact duplicates by structure hash, near duplicates by geometry fingerprint.
 
-Three Dask stages:
+Three Dask stages, with a disk-backed shuffle between the first two:
 
 1. **scan** (one task per shard): per record its global index, structure hash,
    composition hash and fingerprint (:func:`~convergent.analytics.derived.fingerprint`,
    32 floats), bucketed by composition hash into ``P`` partitions (P grows with the
-   dataset, so one partition's arrays stay bounded).
-2. **match** (one task per partition): exact duplicates (same structure hash) and,
+   dataset: ``records / partition_records``) and appended to the worker's spill file
+   (:mod:`~convergent.analytics.spill`); the task returns only where its blocks are.
+2. **match** (one task per partition): reads its blocks back from the spill files, so a
+   worker holds one shard's or one partition's rows at a time, whatever the dataset's
+   size (a partition holds whole compositions: one composition larger than
+   ``partition_records`` makes its partition that large). Exact duplicates (same structure hash) and,
    within a composition, near duplicates: ``max |fp_a - fp_b| <= tolerance`` (Å).
    Candidates come from a hash join on grid cells of 4 fingerprint values (see
    :func:`_near`; no pair is missed), then all 32 values are checked. The first record
@@ -27,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from convergent.analytics import derived
+from convergent.analytics import derived, spill
 from convergent.analytics.engine import (
     Engine,
     OutSpec,
@@ -49,10 +53,14 @@ DROPPED = "dropped.jsonl"
 _MASK = np.uint64(2**62 - 1)
 
 
-def _scan_task(task: ShardTask, parts: int) -> list[dict[str, np.ndarray]]:
+ROW = np.dtype([("idx", "<i8"), ("hash", "<u8"), ("comp", "<u8"), ("n", "<i4"),
+                ("fp", "<f4", (derived.FP_LEN,))])  # one record in the spill files
+
+
+def _scan_task(task: ShardTask, parts: int, directory: str, run: str) -> list[spill.Block]:
+    """Stage 1: fingerprint a shard's records; spill them by partition (composition hash)."""
     v = ShardView(task)
     n = v.n
-    gidx = np.arange(task.start, task.start + n, dtype=np.int64)
     sh = np.zeros(n, np.uint64)
     comp = np.zeros(n, np.uint64)
     fp = np.zeros((n, derived.FP_LEN), np.float32)
@@ -64,17 +72,24 @@ def _scan_task(task: ShardTask, parts: int) -> list[dict[str, np.ndarray]]:
         comp[i] = derived.composition_hash(r)
         fp[i] = derived.fingerprint(r["numbers"], r["positions"])
     v.close()
-    groups = shard_groups((comp & _MASK).astype(np.int64), parts)
-    return [{"idx": gidx[g], "hash": sh[g], "comp": comp[g], "fp": fp[g], "n": nat[g]} for g in groups]
+    rows = np.zeros(n, ROW)
+    rows["idx"] = np.arange(task.start, task.start + n, dtype=np.int64)
+    rows["hash"], rows["comp"], rows["n"], rows["fp"] = sh, comp, nat, fp
+    del sh, comp, fp, nat
+    groups = shard_groups((rows["comp"] & _MASK).astype(np.int64), parts)
+    return spill.append(directory, run, [rows[g] for g in groups])
 
 
-def _match_task(pieces: list[dict[str, np.ndarray]], tol: float) -> dict[str, np.ndarray]:
-    """Dropped global indices of one partition, each with its reason and kept partner."""
-    idx = np.concatenate([p["idx"] for p in pieces])
-    hs = np.concatenate([p["hash"] for p in pieces])
-    comp = np.concatenate([p["comp"] for p in pieces])
-    fp = np.concatenate([p["fp"] for p in pieces]).astype(np.float64)
-    nat = np.concatenate([p["n"] for p in pieces])
+def _match_part(part: int, tol: float, blocks: list[spill.Block]) -> dict[str, np.ndarray]:
+    """Stage 2: read partition ``part`` back from the spill files and match it."""
+    return match_rows(spill.read(blocks, ROW), tol)
+
+
+def match_rows(rows: np.ndarray, tol: float) -> dict[str, np.ndarray]:
+    """Dropped global indices among ``rows`` (:data:`ROW`), each with its reason and kept
+    partner: exact duplicates (same structure hash), then near ones (:func:`_near`)."""
+    idx, hs, comp, nat = rows["idx"], rows["hash"], rows["comp"], rows["n"]
+    fp = rows["fp"].astype(np.float64)
     # exact: equal structure hash -> all but the lowest index of each run are dropped
     o = np.lexsort((idx, hs))
     same = np.zeros(idx.size, bool)
@@ -191,15 +206,24 @@ def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tole
         raise DataError(f"{src}: data dedup needs a molecular dataset, not {m.schema!r}")
     spec = OutSpec(str(out), m.schema, m.compression, shard_bytes)
     prepare_outputs({OUT: spec}, overwrite, [src])
-    parts = max(engine.workers, -(-m.records // max(1, partition_records)), 1)
+    parts = max(2 * engine.workers, -(-m.records // max(1, partition_records)), 1)
     run = new_run()
+    scratch = spill.spill_dir(out, run)
     try:
-        match = _match(engine, tasks, parts, tolerance)
+        scratch.mkdir()
+        scanned = engine.map(_scan_task, tasks, parts, str(scratch), run, label="dedup: scan")
+        spilled = spill.usage(scratch)
+        per_part = [([s[p] for s in scanned],) for p in range(parts)]
+        largest = max(sum(b.rows for b in blocks) for (blocks,) in per_part)
+        res = engine.map(_match_part, list(range(parts)), tolerance, label="dedup: match", per_task=per_part)
+        spill.remove(scratch)
+        match = {k: np.concatenate([r[k] for r in res]) for k in ("drop", "keep", "exact", "dist")}
         order = np.argsort(match["drop"])
         drop = match["drop"][order]
         per = [(drop[slice(*np.searchsorted(drop, [t.start, t.start + t.info.records]))],) for t in tasks]
         engine.map(_write_task, tasks, run, spec, label="dedup: write", per_task=per)
     except BaseException:
+        spill.remove(scratch)
         engine.abort(run, {OUT: spec})
         raise
     keys = _keys(tasks, np.concatenate([drop, match["keep"]]))
@@ -214,48 +238,8 @@ def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tole
     n_exact = int(match["exact"].sum())
     return {"input": str(src), "output": str(out), "read": m.records, "kept": man.records,
             "dropped_exact": n_exact, "dropped_near": int(drop.size) - n_exact,
-            "tolerance": tolerance, "table": str(Path(out) / DROPPED), "partitions": parts}
-
-
-def _match(engine: Engine, tasks: list[ShardTask], parts: int, tol: float) -> dict[str, np.ndarray]:
-    """Stages 1 and 2 (scan, match); on a cluster the pieces move worker to worker."""
-    if engine.client is None:
-        scanned = engine.map(_scan_task, tasks, parts, label="dedup: scan")
-        res = [_match_task([s[p] for s in scanned], tol) for p in range(parts)]
-    else:
-        client = engine.client
-        tasks = engine.with_cache(tasks)
-        placed = engine.placed = engine._placement(tasks)
-        scanned = [client.submit(_scan_task, t, parts, pure=False, workers=placed.get(k),
-                                 allow_other_workers=False if placed.get(k) else None)
-                   for k, t in enumerate(tasks)]
-        _progress(engine, scanned, "dedup: scan")
-        pieces = [[client.submit(_pick, s, p, pure=False) for s in scanned] for p in range(parts)]
-        futs = [client.submit(_match_task, pc, tol, pure=False) for pc in pieces]
-        _progress(engine, futs, "dedup: match")
-        res = client.gather(futs)
-        del scanned, pieces
-    cat = {k: np.concatenate([r[k] for r in res]) for k in ("drop", "keep", "exact", "dist")}
-    return cat
-
-
-def _pick(scanned: list[dict[str, np.ndarray]], p: int) -> dict[str, np.ndarray]:
-    return scanned[p]
-
-
-def _progress(engine: Engine, futs: list[Any], label: str) -> None:
-    from rich.console import Console
-    from rich.progress import Progress
-
-    err = Console(stderr=True)
-    with Progress(transient=True, console=err, disable=not (engine.progress and err.is_terminal)) as bar:
-        t = bar.add_task(label, total=len(futs))
-        from distributed import as_completed
-
-        for f in as_completed(futs, loop=engine.client.loop):
-            if f.status == "error":
-                f.result()
-            bar.advance(t)
+            "tolerance": tolerance, "table": str(Path(out) / DROPPED), "partitions": parts,
+            "spill_files": spilled[0], "spill_bytes": spilled[1], "largest_partition": largest}
 
 
 def _keys(tasks: list[ShardTask], wanted: np.ndarray) -> dict[int, str]:

@@ -173,6 +173,11 @@ _PROC_TAG = secrets.token_hex(3)
 os.register_at_fork(after_in_child=lambda: globals().__setitem__("_PROC_TAG", secrets.token_hex(3)))
 
 
+def proc_tag() -> str:
+    """A short tag naming this worker process's files (new after a fork)."""
+    return _PROC_TAG
+
+
 def sink(run: str, name: str, spec: OutSpec) -> DatasetWriter:
     """This process's writer for output ``name`` of ``run`` (created on first use)."""
     with _SINK_LOCK:
@@ -266,9 +271,12 @@ class Engine:
     def map(self, fn: Callable[..., Any], tasks: Sequence[ShardTask], *args: Any,
             label: str = "working", per_task: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
         """``[fn(task, *args, *per_task[k]) for k, task in enumerate(tasks)]`` on the cluster
-        (or here); results in task order."""
+        (or here); results in task order. Shard tasks read through the cache and run where
+        it holds their shard; other items (e.g. partition numbers) run anywhere."""
         extra = per_task if per_task is not None else [()] * len(tasks)
-        tasks = self.with_cache(tasks)
+        shards = all(isinstance(t, ShardTask) for t in tasks)  # else: no locality (e.g. partitions)
+        if shards:
+            tasks = self.with_cache(tasks)
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -290,10 +298,12 @@ class Engine:
                 return out
             from distributed import as_completed
 
-            self.placed = self._placement(tasks)
+            placed = self._placement(tasks) if shards else {}
+            if shards:
+                self.placed = placed
             futs = []
             for k, task in enumerate(tasks):
-                ws = self.placed.get(k)
+                ws = placed.get(k)
                 futs.append(self.client.submit(fn, task, *args, *extra[k], pure=False, workers=ws,
                                                allow_other_workers=False if ws else None,
                                                key=f"{label.replace(' ', '-')}-{secrets.token_hex(4)}-{k}"))
