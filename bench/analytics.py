@@ -9,10 +9,13 @@ Three sides run the same work on the same dataset:
              ``groupby`` for dedup, one output shard file per partition (and split).
 
 Each measurement runs in a fresh subprocess (fresh cluster) so its peak RSS is its own;
-sides are interleaved within each round (bench/_harness.py, ``--rounds``), and the median
-over rounds is reported with its spread (min/max/IQR). Files and bytes written per stage are counted from the output directories.
-Peak memory per worker is also measured on a quarter of the dataset (same shards) to
-show it does not grow with the dataset.
+``dask`` and ``single`` are interleaved within each round (bench/_harness.py,
+``--rounds``); ``naive``, several times slower, runs ``--naive-rounds`` interleaved rounds
+of its own after them (its ratio is a floor of 1.5, not a close call). Medians over rounds
+are reported with their spread (min/max/IQR). Files and bytes written per stage are
+counted from the output directories; dedup's spill files (its disk-backed shuffle) are
+reported as intermediate files and bytes. Peak RSS per worker is measured at two dataset
+sizes (a quarter of the dataset, the same shards, and the whole) to show it does not grow.
 
     python bench/analytics.py                 # generate (cached in bench/data/) and run
     python bench/analytics.py --records 100000 --rounds 1 --allow-dirty  # a quick look
@@ -43,6 +46,7 @@ DATA = ROOT / "data"
 RESULTS = ROOT / "results" / "analytics.json"
 COMMANDS = ("stats", "dedup", "split")
 SIDES = ("dask", "single", "naive")
+PAIRED = ("dask", "single")  # interleaved in the main rounds; naive in rounds of its own
 ELEMENTS = np.array([1, 6, 7, 8])
 SHARD_BYTES = 2**30  # output shards roll at 1 GiB: one shard per worker and output at this size
 
@@ -260,6 +264,7 @@ def measure(side: str, cmd: str, src: Path, out: Path, workers: int, tol: float,
     if out.exists():
         shutil.rmtree(out)
     client = cluster = None
+    spill = {}
     if side in ("dask", "naive"):
         from distributed import Client
 
@@ -283,7 +288,8 @@ def measure(side: str, cmd: str, src: Path, out: Path, workers: int, tol: float,
             out.mkdir(parents=True)
             (out / "stats.json").write_text(json.dumps(st))
         elif cmd == "dedup":
-            dedup_dataset(src, out, tol, eng, shard_bytes=SHARD_BYTES)
+            r = dedup_dataset(src, out, tol, eng, shard_bytes=SHARD_BYTES)
+            spill = {"intermediate_files": r["spill_files"], "intermediate_bytes": r["spill_bytes"]}
         else:
             split_dataset(src, out, "molecule", "train=0.8,val=0.1,test=0.1", 0, eng, shard_bytes=SHARD_BYTES)
     wall = time.perf_counter() - t0
@@ -299,7 +305,7 @@ def measure(side: str, cmd: str, src: Path, out: Path, workers: int, tol: float,
         peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]
     shutil.rmtree(out, ignore_errors=True)
     return {"wall_s": wall, "files": files, "files_per_output": per_output, "bytes": nbytes,
-            "peak_rss_mib_per_worker": peaks, "cpu_s": cpu}
+            "peak_rss_mib_per_worker": peaks, "cpu_s": cpu, **spill}
 
 
 def _warm() -> None:
@@ -334,6 +340,11 @@ def _child(side: str, cmd: str, src: Path, args) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def _growth(by_records: dict[str, float | None]) -> float | None:
+    small, big = list(by_records.values())
+    return big / small if small and big else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--records", type=int, default=1_000_000)
@@ -341,6 +352,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--naive-partitions", type=int, default=100)
+    ap.add_argument("--naive-rounds", type=int, default=1,
+                    help="rounds of the (slow) naive dask.bag side, after the main rounds")
     ap.add_argument("--commands", default=",".join(COMMANDS))
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "CMD"), help=argparse.SUPPRESS)
     ap.add_argument("--src", type=Path, help=argparse.SUPPRESS)
@@ -372,20 +385,40 @@ def main() -> None:
         "naive": {"engine": "dask.bag on a LocalCluster", **common,
                   "partitions": args.naive_partitions},
     }
-    sides = [Side(f"{c}_{s}", lambda r, c=c, s=s: _child(s, c, src, args),
-                  {"command": c, **side_settings[s]}) for c in commands for s in SIDES]
-    res = interleave("analytics", sides, rounds=args.rounds, differences=[
+
+    def side(c: str, s: str) -> Side:
+        return Side(f"{c}_{s}", lambda r: _child(s, c, src, args), {"command": c, **side_settings[s]})
+
+    res = interleave("analytics", [side(c, s) for c in commands for s in PAIRED], rounds=args.rounds,
+                     differences=[
         "single is one process (1 core of 2); dask and naive use a LocalCluster of "
         f"{args.workers} single-threaded workers (cluster start-up not timed)",
         f"naive (dask.bag) writes one output shard per partition ({args.naive_partitions} "
-        "partitions), ours per-worker sinks; same records, tolerance and split fractions"])
+        "partitions), ours per-worker sinks; same records, tolerance and split fractions",
+        f"naive runs {args.naive_rounds} interleaved round(s) of its own after the "
+        f"{args.rounds} dask/single rounds; speedup_vs_naive_dask = its median / dask's median"])
+    if args.naive_rounds > 0:
+        naive = interleave("analytics-naive", [side(c, "naive") for c in commands], rounds=args.naive_rounds)
+        res.settings.update(naive.settings)
+        res.per_round.update(naive.per_round)
+        res.provenance["naive_finished_utc"] = naive.provenance["finished_utc"]
+        res.provenance["load_avg_after"] = naive.provenance["load_avg_after"]
+        res.summarise()
+    else:
+        res.per_round.update({f"{c}_naive": [] for c in commands})
+    # peak RSS per worker at a quarter of the dataset (same code, same shards): does it grow?
+    quarter_m = read_manifest(quarter)
     quarter_peaks = {c: _child("dask", c, quarter, args).get("peak_rss_mib_per_worker")
                      for c in commands}
 
     summary = {}
     for c in commands:
         runs = {s: res.per_round[f"{c}_{s}"] for s in SIDES}
-        d = {s: res.summary[f"{c}_{s}"].get("wall_s", {}) for s in SIDES}
+        d = {s: res.summary.get(f"{c}_{s}", {}).get("wall_s", {}) for s in SIDES}
+
+        def last(s: str, key: str, runs=runs) -> object:
+            return runs[s][-1].get(key) if runs[s] else None
+
         cpu = {s: [x.get("cpu_s") for x in runs[s] if x.get("cpu_s")] for s in SIDES}
 
         def busiest(xs: list[dict]) -> float:  # median over rounds of the busiest process
@@ -402,13 +435,18 @@ def main() -> None:
             "cpu_s": cpu,
             "cpu_bound_speedup_vs_single": (busiest(cpu["single"]) / busiest(cpu["dask"])
                                             if cpu["single"] and cpu["dask"] else None),
-            "files_written": {s: runs[s][-1].get("files") for s in SIDES},
-            "files_per_output_dataset": {s: runs[s][-1].get("files_per_output") for s in SIDES},
-            "bytes_written": {s: runs[s][-1].get("bytes") for s in SIDES},
-            "peak_rss_mib_per_worker": {s: max((x.get("peak_rss_mib_per_worker") or [0])[-1]
-                                               for x in runs[s]) for s in SIDES},
+            "files_written": {s: last(s, "files") for s in SIDES},
+            "files_per_output_dataset": {s: last(s, "files_per_output") for s in SIDES},
+            "bytes_written": {s: last(s, "bytes") for s in SIDES},
+            "peak_rss_mib_per_worker": {s: max(((x.get("peak_rss_mib_per_worker") or [0])[-1]
+                                                for x in runs[s]), default=None) for s in SIDES},
             "peak_rss_mib_per_worker_quarter_dataset": (quarter_peaks[c] or [None])[-1],
+            "intermediate_files": last("dask", "intermediate_files") or 0,
+            "intermediate_bytes": last("dask", "intermediate_bytes") or 0,
         }
+        full = summary[c]["peak_rss_mib_per_worker"]["dask"]
+        summary[c]["peak_rss_mib_per_worker_by_records"] = {
+            str(quarter_m.records): (quarter_peaks[c] or [None])[-1], str(m.records): full}
     import dask
     import distributed
 
@@ -424,6 +462,11 @@ def main() -> None:
         "cpu_bound_speedup_vs_single": min(x for x in cb if x is not None) if any(x is not None for x in cb) else None,
         "files_per_stage_max": max(summary[c]["files_per_output_dataset"]["dask"] or 0 for c in commands),
         "workers": args.workers,
+        # peak RSS of the busiest worker, dask side, at a quarter of the records and at all of
+        # them, per command; growth = ratio (1.0: flat)
+        "peak_rss_mib_per_worker": {c: summary[c]["peak_rss_mib_per_worker_by_records"] for c in commands},
+        "peak_rss_growth_max": max((_growth(summary[c]["peak_rss_mib_per_worker_by_records"]) or 0)
+                                   for c in commands),
         "targets": {"speedup_vs_single": 1.8, "speedup_vs_naive_dask": 1.5, "files_per_stage_max": 2 * args.workers},
         "dataset": {"records": m.records, "shards": len(m.shards), "bytes": m.bytes,
                     "shard_mib": args.shard_mib},

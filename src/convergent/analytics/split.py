@@ -243,22 +243,35 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
     report = {"input": str(src), "output": str(out), "by": mode, "seed": seed,
               "requested": targets, "records": {n: mans[n].records for n in names},
               "groups": len(gkeys) if mode != "random" else m.records,
-              "leakage": leakage(out, names, mode, written, molmap)}
+              "leakage": leakage(out, names, mode, written, molmap, engine)}
     atomic_write_text(Path(out) / REPORT, json.dumps(report, indent=1) + "\n")
     return report
 
 
-def leakage(out: str | os.PathLike[str], names: list[str], mode: str,
-            written: list[dict[str, list[int]]], molmap: dict[str, str]) -> dict[str, Any]:
-    """Groups, molecules and scaffolds found in more than one split, from what was written
-    (write tasks' group lists and the output datasets' molecule ids)."""
-    from convergent.data.reader import open_dataset
+def _molecules_task(task: ShardTask) -> list[str]:
+    """The distinct molecule ids of one written shard (from its index)."""
+    from convergent.data import format as fmt
 
+    rd = ShardReader(Path(task.dataset), task.info)
+    col = "molecule_id" if fmt.SCHEMA_NAMES[rd.meta.schema] == "molecular" else "key"
+    return sorted(set(strings(rd.meta.index, col)))
+
+
+def leakage(out: str | os.PathLike[str], names: list[str], mode: str,
+            written: list[dict[str, list[int]]], molmap: dict[str, str],
+            engine: Engine | None = None) -> dict[str, Any]:
+    """Groups, molecules and scaffolds found in more than one split, from what was written
+    (write tasks' group lists, and the output datasets' molecule ids read back by one task
+    per written shard)."""
     groups: dict[str, set[int]] = {n: set() for n in names}
     for w in written:
         for n, g in w.items():
             groups[n].update(g)
-    mols = {n: set(open_dataset(Path(out) / n).molecule_ids()) for n in names}
+    mols: dict[str, set[str]] = {n: set() for n in names}
+    tasks, _ = plan([Path(out) / n for n in names])
+    for t, ids in zip(tasks, (engine or Engine(progress=False)).map(
+            _molecules_task, tasks, label="split: leakage check"), strict=True):
+        mols[names[t.input_no]].update(ids)
     rep: dict[str, Any] = {}
 
     def overlap(sets: dict[str, set]) -> int:
