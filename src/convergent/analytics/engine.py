@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -157,6 +158,8 @@ def _expand(cache_dir: str) -> str:
 
 def worker_name() -> str:
     """This Dask worker's name ("local" outside a worker)."""
+    if "distributed" not in sys.modules:  # not imported: not in a worker (and no import cost here)
+        return "local"
     try:
         from distributed import get_worker
 
