@@ -145,8 +145,8 @@ def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, nat: np.ndarray,
     # a pair found with offset o is found again from its partner with -o: half suffices
     first = np.array([next((x for x in o if x), 0) for o in offsets])
     ii, jj = [], []
-    for off in offsets[first >= 0]:
-        q = key(cells + off)
+    for off in offsets[first >= 0]:  # one neighbour cell at a time: candidates are checked at once,
+        q = key(cells + off)         # only confirmed pairs are kept (memory: one offset's candidates)
         lo = np.searchsorted(sk, q, "left")
         hit = (lo < n) & (sk[np.minimum(lo, n - 1)] == q)
         lo = lo[hit]
@@ -155,21 +155,19 @@ def _near(idx: np.ndarray, comp: np.ndarray, fp: np.ndarray, nat: np.ndarray,
         i = np.repeat(src, cnt)
         start = np.repeat(lo - np.concatenate([[0], np.cumsum(cnt)[:-1]]), cnt)
         j = order[np.arange(i.size) + start]
-        m = i != j
-        ii.append(np.minimum(i[m], j[m]))
-        jj.append(np.maximum(i[m], j[m]))
+        m = (i != j) & (comp[i] == comp[j])
+        i, j = np.minimum(i[m], j[m]), np.maximum(i[m], j[m])
+        ok = np.concatenate([np.abs(fp[i[c: c + _CHUNK]] - fp[j[c: c + _CHUNK]]).max(axis=1) <= tol
+                             for c in range(0, i.size, _CHUNK)]) if i.size else np.zeros(0, bool)
+        ii.append(i[ok])
+        jj.append(j[ok])
     if not ii:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
     code = np.unique(np.concatenate(ii) * n + np.concatenate(jj))
     i, j = code // n, code % n
     swap = idx[i] > idx[j]  # i: the earlier record of the pair
     i, j = np.where(swap, j, i), np.where(swap, i, j)
-    ok = comp[i] == comp[j]
-    i, j = i[ok], j[ok]
-    dd = np.concatenate([np.abs(fp[i[c: c + _CHUNK]] - fp[j[c: c + _CHUNK]]).max(axis=1)
-                         for c in range(0, i.size, _CHUNK)]) if i.size else np.zeros(0)
-    ok = dd <= tol
-    i, j, dd = i[ok], j[ok], dd[ok]
+    dd = np.abs(fp[i] - fp[j]).max(axis=1) if i.size else np.zeros(0)
     # greedy in global-index order: a record is dropped if near an earlier kept one
     o = np.lexsort((idx[i], idx[j]))
     dropped: set[int] = set()
