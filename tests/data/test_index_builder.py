@@ -7,8 +7,9 @@ import tracemalloc
 
 import numpy as np
 
+from convergent.data.indexbuild import IndexBuilder
 from convergent.data.reader import open_dataset
-from convergent.data.records import IndexBuilder, encode_bytes, encode_molecular
+from convergent.data.records import encode_bytes, encode_molecular
 from convergent.data.writer import DatasetWriter
 
 
@@ -81,5 +82,60 @@ def test_writer_keeps_no_record_bodies_and_reads_back(tmp_path):
         recs = list(ds)
         assert [r["key"] for r in recs] == [f"r{i:05d}" for i in range(2000)]
         assert all(r["payload"] == p for r, p in zip(recs, payloads, strict=True))
+    finally:
+        ds.close()
+
+
+def test_spilled_columns_equal_the_reference(tmp_path):
+    """A tiny spill threshold: every column goes through the spill file many times, and the
+    streamed index is byte-identical to packing the reference columns."""
+    from convergent.data.index import pack_index
+
+    rng = np.random.default_rng(2)
+    for schema, make, enc_fn in [("molecular", _molecular, encode_molecular),
+                                 ("bytes", _bytes, lambda r: encode_bytes(r, 256))]:
+        encoded = [enc_fn(make(i, rng)) for i in range(500)]
+        offsets = list(np.cumsum(rng.integers(10, 1000, len(encoded) + 1)))
+        b = IndexBuilder(schema, spill_dir=tmp_path, name=schema, spill_bytes=700)
+        for e, off in zip(encoded, offsets, strict=False):
+            b.add(e, int(off))
+        assert b.spill_path and (tmp_path / b.spill_path).exists()
+        assert len(b.cols["key.utf8"].chunks) > 10  # spilled many times
+        want = _reference(schema, encoded, offsets)
+        assert b"".join(b.stream(int(offsets[-1]))) == pack_index(want)
+        got = b.columns(int(offsets[-1]))
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+        b.close()
+        assert not any(tmp_path.iterdir()), "the spill file was left behind"
+
+
+def test_writer_index_memory_does_not_grow_with_the_shard(tmp_path):
+    """Molecular records into one large shard: the index spills beside it, the memory the
+    writer holds stays near the spill threshold, the shard reads back whole and no spill
+    file remains."""
+    from convergent.data import indexbuild
+
+    rng = np.random.default_rng(3)
+    recs = [_molecular(i, rng) for i in range(12000)]
+    old = indexbuild.SPILL_BYTES
+    indexbuild.SPILL_BYTES = 64 * 1024
+    try:
+        # check_unique off, as analytics' per-worker sinks run (the key set is its own cost)
+        with DatasetWriter(tmp_path / "ds", schema="molecular", shard_bytes=2**30,
+                           compression="none", check_unique=False) as w:
+            tracemalloc.start()
+            w.write_many(recs[:1000])
+            after_1k = tracemalloc.get_traced_memory()[0]
+            w.write_many(recs[1000:])
+            after_12k = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+    finally:
+        indexbuild.SPILL_BYTES = old
+    assert after_12k - after_1k < 256 * 1024, (after_1k, after_12k)
+    assert not [p for p in (tmp_path / "ds").iterdir() if p.name.endswith(".tmp")]
+    ds = open_dataset(tmp_path / "ds")
+    try:
+        assert [r["key"] for r in ds] == [r["key"] for r in recs]
     finally:
         ds.close()

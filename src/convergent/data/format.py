@@ -187,8 +187,14 @@ def pack_header(schema: int, codec: int) -> bytes:
 
 def pack_trailer(header: bytes, index: bytes, index_offset: int, count: int) -> bytes:
     """The 40-byte trailer, whose CRC covers header, index and the trailer fields."""
-    fields = struct.pack("<QQQ", index_offset, len(index), count)
-    crc = crc32(header, index, fields)
+    return trailer_from_crc(crc32(header, index), len(index), index_offset, count)
+
+
+def trailer_from_crc(crc: int, index_len: int, index_offset: int, count: int) -> bytes:
+    """:func:`pack_trailer` for an index that was streamed: ``crc`` is the running CRC-32
+    of header + index (``zlib.crc32`` continued piece by piece)."""
+    fields = struct.pack("<QQQ", index_offset, index_len, count)
+    crc = zlib.crc32(fields, crc) & 0xFFFFFFFF
     return fields + struct.pack("<II8s", crc, FORMAT_VERSION, END_MAGIC)
 
 

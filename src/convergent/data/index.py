@@ -3,7 +3,7 @@
 ``pack_index`` writes u32 JSON length | JSON table | 8-byte aligned arrays; ``unpack_index``
 returns read-only views. Strings and byte strings are two columns each (``<name>.off``
 offsets and the concatenated ``<name>.utf8`` / ``<name>.data``). Which columns a shard
-carries is decided by its record schema (:class:`convergent.data.records.IndexBuilder`).
+carries is decided by its record schema (:class:`convergent.data.indexbuild.IndexBuilder`).
 """
 
 from __future__ import annotations
@@ -16,20 +16,26 @@ import numpy as np
 from convergent.errors import DataError
 
 
-def pack_index(columns: dict[str, np.ndarray]) -> bytes:
-    """Serialise named numpy arrays: u32 JSON length, JSON table, 8-byte aligned data."""
-    table, blobs, pos = [], [], 0
-    for name, arr in columns.items():
-        arr = np.ascontiguousarray(arr)
-        data = arr.tobytes()
-        table.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape),
-                      "offset": pos, "nbytes": len(data)})
-        pad = (-len(data)) % 8
-        blobs.append(data + b"\0" * pad)
-        pos += len(data) + pad
+def index_head(columns: list[tuple[str, str, int, int]]) -> bytes:
+    """The index's head for ``(name, dtype str, count, nbytes)`` columns: u32 JSON length
+    and the JSON table, padded to 8 bytes; each column's data follows, padded to 8."""
+    table, pos = [], 0
+    for name, dtype, count, nbytes in columns:
+        table.append({"name": name, "dtype": dtype, "shape": [count], "offset": pos,
+                      "nbytes": nbytes})
+        pos += nbytes + (-nbytes) % 8
     head = json.dumps(table, separators=(",", ":")).encode()
     head += b" " * ((-(4 + len(head))) % 8)
-    return struct.pack("<I", len(head)) + head + b"".join(blobs)
+    return struct.pack("<I", len(head)) + head
+
+
+def pack_index(columns: dict[str, np.ndarray]) -> bytes:
+    """Serialise named 1-D numpy arrays: :func:`index_head`, then 8-byte aligned data
+    (the writer streams the same layout from :class:`convergent.data.indexbuild.IndexBuilder`)."""
+    arrays = {name: np.ascontiguousarray(arr).reshape(-1) for name, arr in columns.items()}
+    blobs = [a.tobytes() + b"\0" * ((-a.nbytes) % 8) for a in arrays.values()]
+    head = index_head([(n, a.dtype.str, a.size, a.nbytes) for n, a in arrays.items()])
+    return head + b"".join(blobs)
 
 
 def unpack_index(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:

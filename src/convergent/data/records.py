@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import struct
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,66 +213,3 @@ def decode_plain_bytes_frames(view: memoryview, offsets: np.ndarray, local: list
             continue
         out.append({"key": key, "payload": view[oi:bi].tobytes()})
     return out
-
-
-class IndexBuilder:
-    """The index columns of a shard being written, accumulated compactly: packed bytes and
-    typed arrays, no per-record objects and no frame bodies, so a writer's memory is about
-    the size of the index it will write (not of the records)."""
-
-    def __init__(self, schema: str) -> None:
-        self.schema = schema
-        self.n = 0
-        self.inline_bytes = 0
-        self._offsets = array("Q")
-        self._key, self._key_off = bytearray(), array("Q", [0])
-        if schema == "molecular":
-            self._mid, self._mid_off = bytearray(), array("Q", [0])
-            self._n_atoms, self._energy = array("i"), array("d")
-            self._charge, self._mult = array("i"), array("i")
-        else:
-            self._size, self._inlined = array("Q"), array("B")
-            self._inline, self._inline_off = bytearray(), array("Q", [0])
-
-    def add(self, e: Encoded, offset: int) -> None:
-        """Record ``e``'s index fields; its frame starts at byte ``offset`` of the shard."""
-        self._offsets.append(offset)
-        self._key += e.key.encode()
-        self._key_off.append(len(self._key))
-        if self.schema == "molecular":
-            self._mid += e.molecule_id.encode()
-            self._mid_off.append(len(self._mid))
-            self._n_atoms.append(e.n_atoms)
-            self._energy.append(e.energy)
-            self._charge.append(e.charge)
-            self._mult.append(e.multiplicity)
-        else:
-            self._size.append(e.size)
-            self._inlined.append(e.payload is not None)
-            self._inline += e.payload or b""
-            self._inline_off.append(len(self._inline))
-            self.inline_bytes += len(e.payload or b"")
-        self.n += 1
-
-    def columns(self, end_offset: int) -> dict[str, np.ndarray]:
-        """The shard's columnar index; ``end_offset``: where the index starts (after the
-        last frame)."""
-        cols: dict[str, np.ndarray] = {
-            "offsets": np.concatenate([np.frombuffer(self._offsets, np.uint64),
-                                       np.asarray([end_offset], np.uint64)]),
-            "key.off": np.frombuffer(self._key_off, np.uint64).copy(),
-            "key.utf8": np.frombuffer(bytes(self._key), np.uint8),
-        }
-        if self.schema == "molecular":
-            cols["molecule_id.off"] = np.frombuffer(self._mid_off, np.uint64).copy()
-            cols["molecule_id.utf8"] = np.frombuffer(bytes(self._mid), np.uint8)
-            cols["n_atoms"] = np.frombuffer(self._n_atoms, np.intc).astype(np.int32)
-            cols["energy"] = np.frombuffer(self._energy, np.float64).copy()
-            cols["charge"] = np.frombuffer(self._charge, np.intc).astype(np.int32)
-            cols["multiplicity"] = np.frombuffer(self._mult, np.intc).astype(np.int32)
-        else:
-            cols["size"] = np.frombuffer(self._size, np.uint64).copy()
-            cols["inline.off"] = np.frombuffer(self._inline_off, np.uint64).copy()
-            cols["inline.data"] = np.frombuffer(bytes(self._inline), np.uint8)
-            cols["inlined"] = np.frombuffer(self._inlined, np.uint8).copy()
-        return cols

@@ -16,6 +16,7 @@ import copy
 import os
 import secrets
 import tempfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -25,7 +26,7 @@ import numpy as np
 import xxhash
 
 from convergent.data import format as fmt
-from convergent.data.index import pack_index
+from convergent.data.indexbuild import IndexBuilder
 from convergent.data.manifest import (
     Manifest,
     ShardInfo,
@@ -34,7 +35,7 @@ from convergent.data.manifest import (
     write_manifest,
 )
 from convergent.data.reader import Dataset, open_dataset
-from convergent.data.records import Encoded, IndexBuilder, encode_bytes, encode_molecular
+from convergent.data.records import Encoded, encode_bytes, encode_molecular
 from convergent.errors import DataError
 from convergent.fsutil import file_mode, fsync_dir
 
@@ -54,7 +55,8 @@ class _OpenShard:
         self.hash = xxhash.xxh3_64()
         self.header = fmt.pack_header(schema, codec)
         self.pos = 0
-        self.index = IndexBuilder(schema_name)  # the index columns, compact (no bodies)
+        # the index columns, compact (no bodies), spilled beside the shard past a few MiB
+        self.index = IndexBuilder(schema_name, spill_dir=directory, name=name)
         self._write(self.header)
 
     def _write(self, data: bytes) -> None:
@@ -74,9 +76,12 @@ class _OpenShard:
     def seal(self) -> ShardInfo:
         """Write index + trailer, fsync, rename to the final name; return its manifest entry."""
         index_offset = self.pos
-        index = pack_index(self.index.columns(index_offset))
-        self._write(index)
-        self._write(fmt.pack_trailer(self.header, index, index_offset, self.n))
+        crc, index_len = zlib.crc32(self.header), 0
+        for piece in self.index.stream(index_offset):  # spilled columns read back in pieces
+            self._write(piece)
+            crc, index_len = zlib.crc32(piece, crc), index_len + len(piece)
+        self._write(fmt.trailer_from_crc(crc, index_len, index_offset, self.n))
+        self.index.close()
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
@@ -85,6 +90,7 @@ class _OpenShard:
         return ShardInfo(self.name, self.n, self.pos, self.hash.hexdigest())
 
     def abort(self) -> None:
+        self.index.close()
         with contextlib.suppress(Exception):
             self.fh.close()
         with contextlib.suppress(FileNotFoundError):
