@@ -105,8 +105,9 @@ def test_report_shows_baseline_next_to_model_with_parity_elements_and_outliers(t
     assert c_row.startswith(f"| C | 1 | {0.5 / 3:.4g} | 1 |")
     # worst structure first: methane, error +0.40 eV, +80 meV/atom, baseline +0.500
     worst = md.split("## Worst held-out structures")[1].splitlines()
-    assert worst[3].startswith("| methane-0 | CH4 | 5 | +0.400 | +80.0 | +0.500 |")
-    assert worst[4].startswith("| water-0 | H2O | 3 |")
+    assert worst[3].startswith("| methane | methane-0 | CH4 | 5 | +0.400 | +80.0 | +0.500 |")
+    assert worst[4].startswith("| water | water-0 | H2O | 3 |")
+    assert len([w for w in worst if w.startswith("| ")]) == 2 + 3  # header, rule, one per molecule
     for png in ("parity.png", "force_parity.png", "element_errors.png"):
         assert (run.report / png).stat().st_size > 1000 and f"]({png})" in md
 

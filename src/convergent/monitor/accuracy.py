@@ -199,6 +199,7 @@ class Outlier:
     """One held-out structure with a large model energy error."""
 
     key: str
+    molecule_id: str
     formula: str
     n_atoms: int
     error: float  # model - reference (eV)
@@ -207,20 +208,29 @@ class Outlier:
 
 
 def outliers(p: HeldoutPredictions, k: int = 8) -> list[Outlier]:
-    """The ``k`` structures with the largest |model energy error|, largest first."""
+    """The ``k`` structures with the largest |model energy error|, largest first, at most
+    one per molecule (the frames of one molecule tend to share their error)."""
     a = p.arrays()
     err = a["pred"] - a["true"]
     size = np.where(np.isfinite(err), np.abs(err), -1.0)
-    order = [int(i) for i in np.argsort(-size, kind="stable")[:k] if size[i] >= 0]
+    order, seen = [], set()
+    for i in np.argsort(-size, kind="stable").tolist():
+        mol = p.molecule_ids[i] if i < len(p.molecule_ids) and p.molecule_ids[i] else i
+        if size[i] < 0 or len(order) == k:
+            break
+        if mol not in seen:
+            seen.add(mol)
+            order.append(i)
     sl = p.atom_slices()
     ft, fp = forces_array(p.forces_true), forces_array(p.forces_pred)
     have_f = bool(sl) and len(ft) == len(fp) == sum(p.n_atoms)
     out = []
     for i in order:
         key = p.keys[i] if i < len(p.keys) else str(i)
-        form = formula(np.asarray(p.numbers)[sl[i]]) if sl else (p.molecule_ids[i] if i < len(p.molecule_ids) else "?")
+        form = formula(np.asarray(p.numbers)[sl[i]]) if sl else "?"
         fm = float(np.nanmean(np.abs(fp[sl[i]] - ft[sl[i]]))) if have_f else None
         be = float(a["base"][i] - a["true"][i]) if np.isfinite(a["base"][i]) else None
-        out.append(Outlier(key, form, int(a["n"][i]), float(err[i]), be,
+        mol = p.molecule_ids[i] if i < len(p.molecule_ids) else ""
+        out.append(Outlier(key, mol, form, int(a["n"][i]), float(err[i]), be,
                            fm if fm is not None and math.isfinite(fm) else None))
     return out

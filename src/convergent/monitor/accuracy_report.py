@@ -153,10 +153,10 @@ def accuracy_sections(p: HeldoutPredictions, report_dir: Path,
                  for r in rows], ""]
     worst = outliers(p)
     if worst:
-        md += ["## Worst held-out structures (largest surrogate energy error)",
-               "| structure | formula | atoms | surrogate error (eV) | (meV/atom) | baseline error (eV) | force MAE (eV/Å) |",
-               "| --- | --- | --- | --- | --- | --- | --- |",
-               *[f"| {o.key} | {o.formula} | {o.n_atoms} | {o.error:+.3f} | {o.error / o.n_atoms * 1e3:+.1f} | "
+        md += ["## Worst held-out structures (largest surrogate energy error, one per molecule)",
+               "| molecule | structure | formula | atoms | surrogate error (eV) | (meV/atom) | baseline error (eV) | force MAE (eV/Å) |",
+               "| --- | --- | --- | --- | --- | --- | --- | --- |",
+               *[f"| {o.molecule_id} | {o.key} | {o.formula} | {o.n_atoms} | {o.error:+.3f} | {o.error / o.n_atoms * 1e3:+.1f} | "
                  f"{f'{o.baseline_error:+.3f}' if o.baseline_error is not None else 'n/a'} | "
                  f"{fmt(o.force_mae) if o.force_mae is not None else 'n/a'} |" for o in worst], ""]
     figs = {
