@@ -126,3 +126,14 @@ def test_report_refuses_unreadable_predictions_by_name(tmp_path):
     (run.path / PREDICTIONS).write_text("[1, 2")
     with pytest.raises(RunDirError, match="predictions.json: unreadable predictions"):
         build_report(run.path)
+
+
+def test_outliers_keep_the_worst_frame_of_each_molecule():
+    from convergent.monitor.accuracy import HeldoutPredictions, outliers
+
+    rec = HeldoutPredictions(
+        n_atoms=[2, 2, 2, 2], energy_true=[0.0, 0.0, 0.0, None], energy_pred=[0.5, -0.9, 0.1, 5.0],
+        keys=["a-0", "a-1", "b-0", "c-0"], molecule_ids=["a", "a", "b", "c"])
+    worst = outliers(rec, k=5)
+    assert [(o.key, o.error) for o in worst] == [("a-1", -0.9), ("b-0", 0.1)]  # c unlabelled
+    assert rec.summary().baseline_energy_mae is None and rec.summary().baseline_over_model is None
