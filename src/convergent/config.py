@@ -195,10 +195,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
+    path: str | Path | None = None, overrides: list[str] | None = None,
+    preset: dict[str, Any] | None = None,
 ) -> ConvergentConfig:
-    """Load defaults <- YAML file (optional) <- ``--set`` overrides, validated."""
-    data = read_yaml(path) if path is not None else {}
+    """Load defaults <- ``preset`` (a command's own defaults, e.g. the demo's) <- YAML file
+    (optional) <- ``--set`` overrides, validated."""
+    data = _merge(preset or {}, read_yaml(path) if path is not None else {})
     source = str(path) if path is not None else "config"
     data = _merge(data, parse_overrides(overrides))
     try:

@@ -96,3 +96,17 @@ def test_cli_screen_writes_predictions_and_selection(setup, tmp_path):
     assert main(["screen", "--data", str(tmp_path / "s.extxyz"), "--out", str(out / "x"),
                  "--model", str(dirs[0])]) == 0
     assert main(["screen", "--data", str(root / "ds"), "--model", str(tmp_path / "nope")]) == 2
+
+
+def test_keep_atoms_returns_each_atoms_forces_in_structure_order(setup):
+    root, recs, dirs = setup
+    res = predict_dataset(dirs[0], root / "ds", batch_atoms=20, keep_atoms=True)
+    from convergent.models.io import load_model
+
+    _, f = energy_and_forces(load_model(dirs[0])[0], collate_records(recs), False)
+    assert res.numbers.tolist() == np.concatenate([r["numbers"] for r in recs]).tolist()
+    assert np.allclose(res.forces_pred, f.detach().double().numpy(), atol=1e-5)
+    assert np.array_equal(res.forces_true, np.zeros((len(res.numbers), 3)))
+    # per-structure force MAE agrees with the kept per-atom forces
+    assert res.force_mae_total == pytest.approx(float(np.abs(res.forces_pred).mean()), rel=1e-6)
+    assert predict_dataset(dirs[0], root / "ds").numbers.size == 0  # off by default

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -16,6 +17,8 @@ RUN_DIR_OPT = typer.Option(None, "--run-dir", help="Run directory (default runs/
 RESUME_OPT = typer.Option(False, "--resume", help="Continue an existing run directory.")
 
 
-def config_from_cli(config: Path | None, sets: list[str] | None) -> ConvergentConfig:
-    """Load the config named on the command line with its ``--set`` overrides."""
-    return load_config(config, sets)
+def config_from_cli(config: Path | None, sets: list[str] | None,
+                    preset: dict[str, Any] | None = None) -> ConvergentConfig:
+    """Load the config named on the command line with its ``--set`` overrides (over the
+    command's ``preset`` defaults, if it has its own)."""
+    return load_config(config, sets, preset)

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         resume: bool = RESUME_OPT,
     ) -> None:
         """Simulate -> dataset -> DDP training -> screening -> report, on small data."""
-        from convergent.demo import run_demo
+        from convergent.demo import DEMO_PRESET, run_demo
 
-        cfg = config_from_cli(config, sets)
+        cfg = config_from_cli(config, sets, DEMO_PRESET)
         run_demo(cfg, run_dir=run_dir, resume=resume)

@@ -1,7 +1,8 @@
 """The run report: ``report/report.md`` with PNG plots and a bottleneck diagnosis.
 
 Built only from files in the run directory (config.yaml, stages.json, metrics.jsonl,
-screen/predictions.json), so ``convergent report RUN_DIR`` can rebuild it at any time.
+screen/predictions.json: the held-out predictions with the per-element baseline's,
+:mod:`convergent.monitor.accuracy`), so ``convergent report RUN_DIR`` can rebuild it at any time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 from convergent.accounting import collect_slurm, usage_table
 from convergent.errors import RunDirError
 from convergent.fsutil import atomic_write_text
+from convergent.monitor.accuracy import HeldoutPredictions
+from convergent.monitor.accuracy_report import accuracy_sections
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 from convergent.runs import RunDir
@@ -49,29 +52,6 @@ def plot_losses(steps: list[TrainStep], vals: list[ValRecord], out: Path) -> str
     return save_png(fig, out)
 
 
-def plot_parity(pred: dict[str, Any], out: Path) -> str | None:
-    """Predicted vs reference energy per atom (eV/atom), and the error distribution."""
-    if not pred or not pred.get("energy_true"):
-        return None
-    plt = pyplot()
-    n = np.asarray(pred["n_atoms"], dtype=float)
-    true = np.asarray(pred["energy_true"]) / n
-    est = np.asarray(pred["energy_pred"]) / n
-    ref = pred.get("reference", "reference")
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9.2, 4.0))
-    ax.scatter(true, est, s=6, alpha=0.6)
-    lo, hi = float(min(true.min(), est.min())), float(max(true.max(), est.max()))
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-    ax.set_xlabel(f"{ref} energy (eV/atom)")
-    ax.set_ylabel("surrogate energy (eV/atom)")
-    ax.set_title("parity, held-out molecules")
-    ax2.hist((est - true) * 1e3, bins=40)
-    ax2.set_xlabel(f"surrogate - {ref} (meV/atom)")
-    ax2.set_ylabel("structures")
-    ax2.set_title("energy error")
-    return save_png(fig, out)
-
-
 def plot_stage_times(stages: dict[str, Any], out: Path) -> str | None:
     """Wall seconds of each finished stage."""
     timed = [(k, v["wall_s"]) for k, v in stages.items() if "wall_s" in v]
@@ -98,11 +78,6 @@ def plot_breakdown(steps: list[TrainStep], out: Path) -> str | None:
     ax.set_ylabel("ms per step")
     ax.legend(loc="upper right", fontsize=8)
     return save_png(fig, out)
-
-
-def _load_predictions(run: RunDir) -> dict[str, Any]:
-    path = run.path / PREDICTIONS
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _dataset_stats(path: Path) -> list[str]:
@@ -142,11 +117,10 @@ def build_report(run_dir: str | Path) -> Path:
     # a resumed job replays steps: keep the last attempt of each (runsdb.records)
     steps = [TrainStep.from_metric(r) for r in latest(run.metrics, "train_step")]
     vals = [ValRecord.from_metric(r) for r in latest(run.metrics, "val")]
-    pred = _load_predictions(run)
+    pred = HeldoutPredictions.load(run.path / PREDICTIONS)
 
     figs = {
         "Loss curves": plot_losses(steps, vals, run.report / "loss.png"),
-        "Parity (held-out molecules)": plot_parity(pred, run.report / "parity.png"),
         "Time per stage": plot_stage_times(stages, run.report / "stages.png"),
         "Training step breakdown": plot_breakdown(steps, run.report / "step_breakdown.png"),
     }
@@ -174,19 +148,17 @@ def build_report(run_dir: str | Path) -> Path:
             ("median samples/s", fmt(float(np.median([r.samples_per_s or 0 for r in steps])), ".1f")),
             ("median MFU", fmt(float(np.median([r.mfu or 0 for r in steps])), ".2%")),
         ]), ""]
-    if pred:
-        sps = pred.get("seconds_per_structure")
+    if pred is not None:
+        sps = pred.seconds_per_structure
         ref_s = sim.get("mean_calc_s")
         speedup = ref_s / sps if sps and ref_s else None
-        md += ["## Screening (held-out molecules)", md_table([
-            ("structures", str(len(pred.get("energy_true", [])))),
-            ("energy MAE (eV)", fmt(pred.get("energy_mae"))),
-            ("energy MAE (meV/atom)", fmt(pred.get("energy_mae_per_atom", 0) * 1e3)),
-            ("force MAE (eV/Å)", fmt(pred.get("force_mae"))),
+        lines, acc_figs = accuracy_sections(pred, run.report, [
             ("surrogate time per structure (s)", fmt(sps)),
-            (f"{pred.get('reference', 'reference')} time per structure (s)", fmt(ref_s)),
+            (f"{pred.reference} time per structure (s)", fmt(ref_s)),
             ("speed-up of the surrogate", f"{speedup:.0f}x" if speedup else "n/a"),
-        ]), ""]
+        ])
+        md += lines
+        figs.update(acc_figs)
     collect_slurm(run.path)  # Slurm's record of each job the run's stages name
     cost = usage_table(run.path)
     if cost:

@@ -49,6 +49,11 @@ class PredictionResult:
     indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # largest per-atom force spread of each structure (eV/Å, NaN for one model)
     force_std_max: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # per atom, structures in order (filled only with ``keep_atoms``): atomic numbers,
+    # ensemble-mean predicted forces and reference forces (eV/Å; NaN rows without labels)
+    numbers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    forces_pred: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    forces_true: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -125,13 +130,14 @@ def predict_records(
     batch_atoms: int = 2048,
     device: str = "cpu",
     indices: Sequence[int] | None = None,
+    keep_atoms: bool = False,
 ) -> PredictionResult:
     """Predict energies/forces of in-memory ``records`` with every model (atom-budget batches)."""
     n_atoms = [len(r["numbers"]) for r in records]
     keys = [str(r.get("key", i)) for i, r in enumerate(records)]
     mids = [str(r.get("molecule_id", "") or "") for r in records]
     return _predict(models, lambda idx: [records[i] for i in idx], n_atoms, keys, mids,
-                    batch_atoms, device, indices)
+                    batch_atoms, device, indices, keep_atoms)
 
 
 def _predict(
@@ -143,8 +149,10 @@ def _predict(
     batch_atoms: int,
     device: str,
     indices: Sequence[int] | None,
+    keep_atoms: bool = False,
 ) -> PredictionResult:
-    """Core loop: ``fetch(positions) -> records``; only one batch is in memory at a time."""
+    """Core loop: ``fetch(positions) -> records``; only one batch is in memory at a time.
+    ``keep_atoms`` also keeps every atom's number and predicted/reference forces."""
     t0 = time.perf_counter()
     s = len(n_atoms_list)
     n_atoms = np.asarray(n_atoms_list, dtype=np.int64)
@@ -153,6 +161,7 @@ def _predict(
     f_std_max = np.full(s, np.nan)
     f_mae = np.full(s, np.nan)
     e_true = np.full(s, np.nan)
+    per_atom_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * s
     for idx in batches_by_atom_budget(n_atoms, batch_atoms):
         recs = fetch(idx)
         batch = collate_records(recs).to(device)
@@ -180,6 +189,8 @@ def _predict(
         if batch.forces is not None:
             err = np.abs(fa.mean(0) - batch.forces.cpu().double().numpy()).mean(1)
             f_mae[idx] = np.bincount(seg, weights=err, minlength=len(idx)) / counts
+        if keep_atoms:
+            _keep_atoms(per_atom_rows, idx, batch, fa.mean(0), counts)
     e_std = e_all.std(0, ddof=1) if len(models) > 1 else np.full(s, np.nan)
     return PredictionResult(
         keys=keys,
@@ -194,7 +205,29 @@ def _predict(
         seconds=time.perf_counter() - t0,
         indices=np.asarray(indices if indices is not None else np.arange(s), np.int64),
         force_std_max=f_std_max,
+        **(_stack_atoms(per_atom_rows) if keep_atoms else {}),
     )
+
+
+def _keep_atoms(rows: list[Any], idx: Sequence[int], batch: Any, f_pred: np.ndarray,
+                counts: np.ndarray) -> None:
+    """Store each structure's (numbers, predicted forces, reference forces) in ``rows``."""
+    z = batch.numbers.cpu().numpy()
+    f_true = (batch.forces.cpu().double().numpy() if batch.forces is not None
+              else np.full(f_pred.shape, np.nan))
+    start = np.concatenate([[0], np.cumsum(counts)])
+    for k, i in enumerate(idx):
+        a, b = start[k], start[k + 1]
+        rows[i] = (z[a:b], f_pred[a:b], f_true[a:b])
+
+
+def _stack_atoms(rows: list[Any]) -> dict[str, np.ndarray]:
+    """The per-atom fields of PredictionResult from per-structure rows (structure order)."""
+    if not rows:
+        return {}
+    return {"numbers": np.concatenate([r[0] for r in rows]).astype(np.int64),
+            "forces_pred": np.concatenate([r[1] for r in rows]),
+            "forces_true": np.concatenate([r[2] for r in rows])}
 
 
 def read_structures(path: str | Path) -> list[dict[str, Any]]:
@@ -231,11 +264,13 @@ def predict_dataset(
     device: str = "cpu",
     indices: Sequence[int] | None = None,
     quantize: str = "none",
+    keep_atoms: bool = False,
 ) -> PredictionResult:
     """Predict every structure of a dataset directory or structure file.
 
     ``model_dirs``: one saved model or several (ensemble -> uncertainty). ``indices``
-    restricts to a subset of the dataset (e.g. the validation split).
+    restricts to a subset of the dataset (e.g. the validation split). ``keep_atoms`` keeps
+    per-atom numbers and forces (for parity plots and errors per element).
     """
     models = load_ensemble(model_dirs, device, quantize)
     p = Path(dataset_path)
@@ -247,7 +282,7 @@ def predict_dataset(
         keys = [all_keys[i] for i in idx]
         mids = [all_mids[i] for i in idx]
         return _predict(models, lambda pos: [ds[int(idx[j])] for j in pos], counts.tolist(),
-                        keys, mids, batch_atoms, device, idx)
+                        keys, mids, batch_atoms, device, idx, keep_atoms)
     records = read_structures(p)
     sel = list(range(len(records))) if indices is None else [int(i) for i in indices]
-    return predict_records(models, [records[i] for i in sel], batch_atoms, device, sel)
+    return predict_records(models, [records[i] for i in sel], batch_atoms, device, sel, keep_atoms)
