@@ -224,7 +224,8 @@ def main() -> None:
     ap.add_argument("--surrogate-steps", type=int, default=400, help="per committee member")
     ap.add_argument("--recovery-steps", type=int, default=100, help="pruned Llama fine-tune")
     ap.add_argument("--committee", type=int, default=3, help="committee members (seeds)")
-    ap.add_argument("--student-steps", type=int, default=400, help="same budget as a member")
+    ap.add_argument("--student-steps", type=int, default=1600,
+                    help="surrogate student steps (cheaper per step than a member)")
     ap.add_argument("--augment", type=int, default=2, help="displaced copies per structure")
     ap.add_argument("--skip-surrogate", action="store_true")
     args = ap.parse_args()

@@ -30,9 +30,13 @@ import numpy as np
 import torch
 from _harness import Side, interleave
 
-SURROGATE = ["train.global_batch_atoms=256", "train.lr=2e-3", "model.hidden=64", "model.layers=2",
-             "model.heads=4"]
-STUDENT = ["model.hidden=32", "model.layers=1", "model.heads=2"]
+# force_weight 0.05 (not the trainer's 10): at 10 the force term outweighs the per-atom
+# energy term ~250x and 400 steps learn forces but barely beat the linear baseline on energy
+SURROGATE = ["train.global_batch_atoms=256", "train.lr=2e-3", "train.force_weight=0.05",
+             "model.hidden=64", "model.layers=2", "model.heads=4"]
+# the student: ~6x cheaper per structure than a member (~18x than the committee of 3), so it
+# gets 4x a member's steps (--student-steps): at 400 steps it stops at ~2x the committee's MAE
+STUDENT = ["model.hidden=32", "model.layers=2", "model.heads=2"]
 DATA_NOTE = ("GFN2-xTB (tblite) on the NCI compounds shipped with RDKit: neutral, H/C/N/O/F, "
              "<= 20 atoms, 8 conformers each (ETKDGv3 + MMFF94, rattled); split by compound, "
              "20 % held out (seed 0)")
@@ -98,11 +102,9 @@ class Baseline:
         err = np.abs(self.pred - self.true)
         return {"energy_mae_eV": float(err.mean()), "energy_mae_per_atom_eV": float((err / self.n).mean()),
                 "force_mae_eV_per_A": self.force_mae,
-                "spearman_conformers_mean_vs_labels": self.ranks(self.pred, self.true)[
-                    "spearman_conformers_mean"],
                 "note": "E = sum over atoms of a per-element energy (least squares on the "
                         "training labels); its forces are zero, so its force MAE is the mean |F| "
-                        "of the labels; its residual ranking is constant (undefined)"}
+                        "of the labels; it ranks no conformers (constant per compound)"}
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
