@@ -164,6 +164,12 @@ def surrogates(args: argparse.Namespace, work: Path, train: Callable, out: dict,
     ts = teacher_dataset(members, tr, work / "teacher-set", augment=args.augment, sigma=0.05)
     student, _ = train("student", [f"train.dataset={ts.path}", f"train.val_dataset={va}",
                                    *SURROGATE, *STUDENT], args.student_steps)
+    evaluate(members, student, ts, tr, va, args, out, table, rounds)
+
+
+def evaluate(members: list[Path], student: Path, ts: Any, tr: Path, va: Path,
+             args: argparse.Namespace, out: dict, table: dict, rounds: dict) -> None:
+    """The surrogate rows of the table and the top-level ratios (trained models given)."""
     # quality and speed: INT8 vs fp32 (member 0); the committee vs its student
     sides = {"fp32": ([members[0]], "none"), "int8": ([members[0]], "int8"),
              "committee": (members, "none"), "student": ([student], "none")}

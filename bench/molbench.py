@@ -175,7 +175,9 @@ def smiles_conformers(smiles: str, n: int, seed: int) -> list[Any]:
 
 
 def xtb_nci_dataset(max_atoms: int = 20, n_conf: int = 8, seed: int = 0) -> list[dict[str, Any]]:
-    """The cached GFN2-xTB dataset of small NCI compounds (built on first use, ~2 min)."""
+    """The cached GFN2-xTB dataset of small NCI compounds (built on first use: ~4 min on 2
+    busy cores with ``OMP_NUM_THREADS=1``, far longer without it on a loaded machine, where
+    tblite's OpenMP threads spin; resumable by chunks of compounds)."""
     path = DATA / f"xtb_nci_{max_atoms}_{n_conf}_{seed}.extxyz"
     if not path.exists():
         import ase.io
