@@ -18,20 +18,16 @@ the trained one as teacher (``text.teacher``: CE mixed with the softened teacher
 distribution), against the same architecture trained on the labels alone for the same
 steps (``student-scratch``, quality only).
 
-Surrogate: the molecular surrogate trained by ``convergent train`` on an EMT-labelled
-set of small molecules (ASE's EMT: fast and deterministic; the reference labels of
-this bench), fp32 vs weight-only INT8 on held-out molecules: energy/force MAE,
-Spearman rank agreement of predicted energies per atom, structures/s through
-``screen``'s prediction path. Dynamic INT8 is not run on it: its forces are
-autograd (-dE/dx) and torch's dynamic INT8 kernels have no backward.
+Surrogate (bench/compression_surrogate.py): a committee of molecular surrogates (seeds
+0..K-1, the shape of an active-learning committee) trained by ``convergent train`` on
+GFN2-xTB labels of NCI conformers; on held-out compounds, against a per-element linear
+baseline: fp32 vs weight-only INT8 (member 0), and the committee vs one smaller student
+distilled from it (committee-mean labels on the training structures and displaced
+copies): energy/force MAE, Spearman rankings, structures/s through ``screen``'s
+prediction path. Dynamic INT8 is not run on it: its forces are autograd (-dE/dx) and
+torch's dynamic INT8 kernels have no backward. Usage::
 
-Student: a committee of surrogates (seeds 0..K-1, the shape of an active-learning
-committee) is distilled (:mod:`convergent.compress.distill`: committee-mean labels on the
-training structures and displaced copies) into one smaller surrogate trained by
-``convergent train``; speed (structures/s, all committee members vs the student) and
-energy MAE against the held-out labels. Usage::
-
-    PYTHONPATH=src python bench/compression_inference.py [--steps 300] [--rounds 3]
+    PYTHONPATH=src python bench/compression_inference.py [--steps 900] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -40,16 +36,22 @@ import argparse
 import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+# tblite's OpenMP threads on a shared 2-core machine make a GFN2 label ~40x slower (spinning
+# threads); the xTB labels of the surrogate set are computed one thread per process
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from compression_surrogate import STUDENT, SURROGATE, surrogates  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 WORK = ROOT / "data" / "compression_inference"
@@ -202,171 +204,28 @@ def pruned_llama(final: Path, steps: int) -> dict[str, Path]:
 
 QUALITY_ONLY = ("pruned50-before-recovery", "student-scratch")
 LLAMA_STUDENT = ["model.hidden=96", "model.layers=2", "model.heads=4"]
+LLAMA_KD = ["text.kd_alpha=0.5", "text.kd_temperature=1.0"]  # the config defaults, recorded
 
 
 def student_llama(final: Path, steps: int) -> dict[str, Path]:
     """A smaller Llama distilled from the trained one (``text.teacher``), and the same
     architecture trained from the labels alone for the same steps (the control)."""
-    kd, _ = train("llama-student", [*LLAMA, *LLAMA_STUDENT, f"text.teacher={final}"], steps)
+    kd, _ = train("llama-student", [*LLAMA, *LLAMA_STUDENT, *LLAMA_KD, f"text.teacher={final}"], steps)
     plain, _ = train("llama-student-scratch", [*LLAMA, *LLAMA_STUDENT], steps)
     return {"student-kd": kd, "student-scratch": plain}
-
-
-# ----------------------------------------------------------------------------- surrogate
-
-NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "N2",
-         "CH3CN", "CH3NH2", "CH3CHO", "HCOOH", "CH2NH2"]
-
-
-def emt_dataset(n_train: int = 400, n_val: int = 120) -> tuple[Path, Path]:
-    """Perturbed small molecules labelled by ASE's EMT; val molecules differ from train's."""
-    from ase.build import molecule
-    from ase.calculators.emt import EMT
-
-    from convergent.data.writer import write_records
-
-    out = WORK / "emt"
-    if (out / "val").exists():
-        return out / "train", out / "val"
-    rng = np.random.default_rng(0)
-    names = [n for n in NAMES if _ok(n)]
-
-    def recs(pool: list[str], n: int, tag: str) -> list[dict]:
-        rows = []
-        for i in range(n):
-            atoms = molecule(pool[i % len(pool)])
-            atoms.positions += rng.normal(0.0, 0.1, atoms.positions.shape)
-            atoms.calc = EMT()
-            rows.append({"key": f"{tag}{i}", "molecule_id": pool[i % len(pool)],
-                         "numbers": atoms.numbers.astype(np.int64),
-                         "positions": atoms.positions.astype(np.float64),
-                         "energy": float(atoms.get_potential_energy()),
-                         "forces": atoms.get_forces().astype(np.float64)})
-        return rows
-
-    k = len(names) * 3 // 4
-    write_records(out / "train", recs(names[:k], n_train, "t"), compression="none")
-    write_records(out / "val", recs(names[k:], n_val, "v"), compression="none")
-    return out / "train", out / "val"
-
-
-def _ok(name: str) -> bool:
-    from ase.build import molecule
-
-    try:
-        molecule(name)
-        return True
-    except KeyError:
-        return False
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).statistic)
-
-
-def surrogate_table(final: Path, val: Path, rounds: int) -> tuple[dict, dict]:
-    from convergent.compress.qcheckpoint import load_surrogate
-    from convergent.compress.quant import weight_bytes
-    from convergent.screen.predict import predict_dataset
-
-    torch.set_num_threads(1)
-    preds: dict[str, Any] = {}
-
-    def side(method: str):
-        def run(r: int) -> dict:
-            res = predict_dataset([final], val, 2048, "cpu", quantize=method)
-            preds[method] = res
-            return {"structures_per_s": len(res) / res.seconds}
-        return run
-
-    methods = ["none", "int8"]
-    h = interleave("compression_inference.surrogate",
-                   [Side(m, side(m), {"quantize": m}) for m in methods], rounds, warmup=1)
-    ref = preds["none"]
-    table = {}
-    for m in methods:
-        p = preds[m]
-        table[m] = {"energy_mae_eV": p.energy_mae, "force_mae_eV_per_A": p.force_mae_total,
-                    "spearman_vs_fp32": spearman(ref.energy_pred / ref.n_atoms, p.energy_pred / p.n_atoms),
-                    "structures_per_s": h.median(m, "structures_per_s"),
-                    "weight_bytes": weight_bytes(load_surrogate(final, quantize_method=m))}
-    return table, h.to_dict()
-
-
-SURROGATE = ["train.global_batch_atoms=256", "train.lr=2e-3", "model.hidden=64", "model.layers=2",
-             "model.heads=4"]
-STUDENT = ["model.hidden=32", "model.layers=1", "model.heads=2"]
-
-
-def student_table(members: list[Path], student: Path, val: Path, rounds: int) -> tuple[dict, dict]:
-    """The committee (ensemble mean) against its distilled student, on held-out labels."""
-    from convergent.screen.predict import predict_dataset
-
-    torch.set_num_threads(1)
-    preds: dict[str, Any] = {}
-    dirs = {"committee": members, "student": [student]}
-
-    def side(name: str):
-        def run(r: int) -> dict:
-            res = predict_dataset(dirs[name], val, 2048, "cpu")
-            preds[name] = res
-            return {"structures_per_s": len(res) / res.seconds}
-        return run
-
-    h = interleave("compression_inference.student",
-                   [Side(n, side(n), {"models": [str(d) for d in dirs[n]]}) for n in dirs],
-                   rounds, warmup=1)
-    c, st = preds["committee"], preds["student"]
-    table = {n: {"energy_mae_eV": preds[n].energy_mae, "force_mae_eV_per_A": preds[n].force_mae_total,
-                 "structures_per_s": h.median(n, "structures_per_s"),
-                 "parameters": sum(p.numel() for d in dirs[n] for p in _load(d).parameters())}
-             for n in dirs}
-    table["student"]["spearman_vs_committee"] = spearman(c.energy_pred / c.n_atoms,
-                                                          st.energy_pred / st.n_atoms)
-    return table, h.to_dict()
-
-
-def _load(d: Path) -> torch.nn.Module:
-    from convergent.compress.qcheckpoint import load_surrogate
-
-    return load_surrogate(d)
-
-
-def surrogates(args: argparse.Namespace, out: dict, table: dict, rounds: dict) -> None:
-    """Committee members (seeds), INT8 of member 0, teacher set, student."""
-    import shutil
-
-    from convergent.compress.distill import teacher_dataset
-
-    tr, va = emt_dataset()
-    members = [train(f"member{k}", [f"train.dataset={tr}", f"train.val_dataset={va}",
-                                    *SURROGATE, f"train.seed={k}"], args.surrogate_steps)[0]
-               for k in range(args.committee)]
-    sur, sur_rounds = surrogate_table(members[0], va, args.rounds)
-    out["surrogate_int8_mae_ratio"] = sur["int8"]["energy_mae_eV"] / sur["none"]["energy_mae_eV"]
-    table["surrogate"], rounds["surrogate"] = sur, sur_rounds
-    shutil.rmtree(WORK / "teacher-set", ignore_errors=True)
-    ts = teacher_dataset(members, tr, WORK / "teacher-set", augment=args.augment, sigma=0.05)
-    student, _ = train("student", [f"train.dataset={ts.path}", f"train.val_dataset={va}",
-                                   *SURROGATE, *STUDENT], args.student_steps)
-    st, st_rounds = student_table(members, student, va, args.rounds)
-    st["teacher_set"] = {"structures": ts.structures, "augment": args.augment, "sigma_A": 0.05,
-                         "committee_energy_std_mean_eV": ts.energy_std_mean}
-    out["student_speedup"] = st["student"]["structures_per_s"] / st["committee"]["structures_per_s"]
-    out["student_mae_ratio"] = st["student"]["energy_mae_eV"] / st["committee"]["energy_mae_eV"]
-    table["student"], rounds["student"] = st, st_rounds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_args(ap, "bench/results/compression_inference.json", rounds=3)
-    ap.add_argument("--steps", type=int, default=300, help="Llama training steps")
+    ap.add_argument("--steps", type=int, default=900, help="Llama (teacher) training steps")
+    ap.add_argument("--llama-student-steps", type=int, default=300,
+                    help="steps of the small Llama, distilled and from scratch alike")
     ap.add_argument("--surrogate-steps", type=int, default=400, help="per committee member")
     ap.add_argument("--recovery-steps", type=int, default=100, help="pruned Llama fine-tune")
     ap.add_argument("--committee", type=int, default=3, help="committee members (seeds)")
-    ap.add_argument("--student-steps", type=int, default=400, help="same budget as a member")
+    ap.add_argument("--student-steps", type=int, default=1600,
+                    help="surrogate student steps (cheaper per step than a member)")
     ap.add_argument("--augment", type=int, default=2, help="displaced copies per structure")
     ap.add_argument("--skip-surrogate", action="store_true")
     args = ap.parse_args()
@@ -378,7 +237,7 @@ def main() -> None:
     prov = provenance()
     final, vals = train("llama", LLAMA, args.steps)
     extra = pruned_llama(final, args.recovery_steps)
-    extra.update(student_llama(final, args.steps))
+    extra.update(student_llama(final, args.llama_student_steps))
     llama, llama_rounds = llama_table(final, extra, args.rounds)
     fp, i8 = llama["fp32"], llama["int8"]
     out.update(
@@ -400,10 +259,11 @@ def main() -> None:
     table: dict[str, Any] = {"llama": llama}
     rounds: dict[str, Any] = {"llama": llama_rounds}
     if not args.skip_surrogate:
-        surrogates(args, out, table, rounds)
+        surrogates(args, WORK, train, out, table, rounds)
     out["table"] = table
     out["provenance"] = prov
-    out["settings"] = {"llama": LLAMA, "llama_student": LLAMA_STUDENT, "common": COMMON, "steps": args.steps,
+    out["settings"] = {"llama": LLAMA, "llama_student": LLAMA_STUDENT, "llama_kd": LLAMA_KD, "common": COMMON, "steps": args.steps,
+                       "llama_student_steps": args.llama_student_steps,
                        "surrogate": SURROGATE, "student": STUDENT, "committee": args.committee,
                        "student_steps": args.student_steps, "augment": args.augment,
                        "recovery_steps": args.recovery_steps,
@@ -415,8 +275,8 @@ def main() -> None:
         "Speed: CPU, 1 torch thread per process; medians over interleaved rounds.",
         "int8 = weight-only per-channel (torch._weight_int8pack_mm); int8-dynamic = "
         "torch.ao quantize_dynamic (per-channel weights, activations per tensor).",
-        "Surrogate labels are ASE EMT (not xTB/DFT); int8-dynamic is not applicable to "
-        "its autograd forces.",
+        "Surrogate labels: GFN2-xTB (tblite) on NCI conformers, held-out compounds; "
+        "int8-dynamic is not applicable to the surrogate's autograd forces.",
         "FP8/INT4: no CPU kernel in this torch build; not measured.",
     ]
     out["wall_s"] = time.time() - t0

@@ -26,7 +26,29 @@ import torch
 
 from convergent.errors import InputError
 
-__all__ = ["TeacherSet", "committee_predict", "teacher_dataset"]
+__all__ = ["TeacherSet", "committee_predict", "kd_loss", "teacher_dataset"]
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+            temperature: float, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed (over tokens) distillation loss of a language model and its summed hard CE.
+
+    ``(1 - alpha) * CE(targets) + alpha * T^2 * KL(softmax(t/T) || softmax(s/T))``
+    (Hinton et al. 2015): the ``T^2`` keeps the soft term's gradient on the scale of the
+    hard one's for any ``T``. Logits ``[..., V]`` of the same positions and vocabulary
+    (the teacher's prediction for the same next token); ``targets`` ``[...]``.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise InputError(f"student logits {tuple(student_logits.shape)} and teacher logits "
+                         f"{tuple(teacher_logits.shape)} differ (same tokenizer and positions needed)")
+    v = student_logits.shape[-1]
+    s = student_logits.float().reshape(-1, v)
+    t = teacher_logits.detach().float().reshape(-1, v)
+    ce = torch.nn.functional.cross_entropy(s, targets.reshape(-1), reduction="sum")
+    kl = torch.nn.functional.kl_div(torch.log_softmax(s / temperature, -1),
+                                    torch.log_softmax(t / temperature, -1),
+                                    log_target=True, reduction="sum")
+    return (1 - alpha) * ce + alpha * temperature * temperature * kl, ce
 
 
 @dataclass

@@ -90,20 +90,16 @@ class TextLMTask(LMTask):
         teacher = self._teacher_model()
         if teacher is None:
             return super().loss(model, mb, dp_world)
+        from convergent.compress.distill import kd_loss
+
         x, y = mb.data
-        logits = model(x).float()
-        flat = logits.reshape(-1, logits.shape[-1])
-        ce = torch.nn.functional.cross_entropy(flat, y.reshape(-1), reduction="sum")
+        logits = model(x)
         teacher.to(x.device)
         with torch.no_grad():
-            t_logits = teacher(x).float().reshape(-1, flat.shape[-1])
-        T, a = self.cfg.text.kd_temperature, self.cfg.text.kd_alpha
-        kl = torch.nn.functional.kl_div(
-            torch.log_softmax(flat / T, -1), torch.log_softmax(t_logits / T, -1),
-            log_target=True, reduction="sum",
-        )
-        loss = ((1 - a) * ce + a * T * T * kl) / mb.norm["tokens"] * dp_world
-        return loss, {"ce_sum": ce.detach(), "tokens": torch.tensor(float(mb.units))}
+            t_logits = teacher(x)
+        loss, ce = kd_loss(logits, t_logits, y, self.cfg.text.kd_temperature, self.cfg.text.kd_alpha)
+        return loss / mb.norm["tokens"] * dp_world, {"ce_sum": ce.detach(),
+                                                     "tokens": torch.tensor(float(mb.units))}
 
     def llama_config(self) -> Any:
         init = self.cfg.text.init_from
