@@ -7,21 +7,10 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from ase.data import chemical_symbols
+
+from convergent.elements import formula, symbol  # noqa: F401 (analytics calls derived.formula/symbol)
 
 FP_LEN = 32  # fingerprint length: sorted distances, resampled to this many when longer
-
-
-def symbol(z: int) -> str:
-    return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z{z}"
-
-
-def formula(numbers: np.ndarray) -> str:
-    """Hill-ordered formula (C, H first, then alphabetical), e.g. ``CH4O``."""
-    zs, counts = np.unique(numbers, return_counts=True)
-    d = {symbol(int(z)): int(c) for z, c in zip(zs, counts, strict=True)}
-    order = [s for s in ("C", "H") if s in d and "C" in d] + sorted(k for k in d if not ("C" in d and k in ("C", "H")))
-    return "".join(f"{s}{d[s] if d[s] > 1 else ''}" for s in order)
 
 
 def force_norms(rec: dict[str, Any]) -> np.ndarray:

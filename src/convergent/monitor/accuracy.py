@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from convergent.elements import formula, symbol
 from convergent.errors import RunDirError
 from convergent.fsutil import atomic_write_text
 
@@ -27,23 +28,6 @@ def _floats(xs: Any) -> list[float | None]:
 
 def _array(xs: Any) -> np.ndarray:
     return np.asarray([np.nan if x is None else x for x in xs], dtype=np.float64)
-
-
-SYMBOLS = ("X H He Li Be B C N O F Ne Na Mg Al Si P S Cl Ar K Ca Sc Ti V Cr Mn Fe Co Ni Cu Zn "
-           "Ga Ge As Se Br Kr Rb Sr Y Zr Nb Mo Tc Ru Rh Pd Ag Cd In Sn Sb Te I Xe").split()
-
-
-def symbol(z: int) -> str:
-    return SYMBOLS[z] if 0 < z < len(SYMBOLS) else f"Z{z}"
-
-
-def formula(numbers: np.ndarray) -> str:
-    """Hill formula (C, H, then alphabetical) of one structure's atomic numbers."""
-    u, c = np.unique(np.asarray(numbers, dtype=np.int64), return_counts=True)
-    counts = {symbol(int(z)): int(n) for z, n in zip(u, c, strict=True)}
-    order = [s for s in ("C", "H") if s in counts and "C" in counts]
-    order += sorted(s for s in counts if s not in order)
-    return "".join(s + (str(counts[s]) if counts[s] > 1 else "") for s in order)
 
 
 @dataclass

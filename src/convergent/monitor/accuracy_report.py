@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from convergent.elements import symbol
 from convergent.monitor.accuracy import (
     HeldoutPredictions,
     element_errors,
     forces_array,
     outliers,
-    symbol,
 )
 from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 

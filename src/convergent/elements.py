@@ -1,0 +1,22 @@
+"""Element symbols and Hill formulas of atomic numbers (ASE's table), for every layer."""
+
+from __future__ import annotations
+
+import numpy as np
+from ase.data import chemical_symbols
+
+__all__ = ["formula", "symbol"]
+
+
+def symbol(z: int) -> str:
+    """The element symbol of atomic number ``z`` (``Z<z>`` outside the table)."""
+    return chemical_symbols[z] if 0 <= z < len(chemical_symbols) else f"Z{z}"
+
+
+def formula(numbers: np.ndarray) -> str:
+    """Hill-ordered formula (C, H first when there is carbon, then alphabetical), e.g. ``CH4O``."""
+    zs, counts = np.unique(np.asarray(numbers, dtype=np.int64), return_counts=True)
+    d = {symbol(int(z)): int(c) for z, c in zip(zs, counts, strict=True)}
+    order = [s for s in ("C", "H") if s in d and "C" in d]
+    order += sorted(k for k in d if k not in order)
+    return "".join(f"{s}{d[s] if d[s] > 1 else ''}" for s in order)
