@@ -271,7 +271,8 @@ class ReferenceEnergies:
 def fit_reference_energies(
     records: Iterable[Mapping[str, Any]], limit: int | None = None, ridge: float = 1e-6
 ) -> ReferenceEnergies:
-    """Fit ``E ≈ Σ_atoms ref[Z]`` by (ridge-regularised) least squares over records.
+    """Fit ``E ≈ Σ_atoms ref[Z]`` by (ridge-regularised; ``ridge=0``: plain) least squares
+    over records.
 
     Returns the per-element energies and a per-atom ``scale``: the RMS force (eV/Å·Å ->
     eV) when forces are present, else the std of the per-atom residual (floor 0.01 eV).
@@ -304,11 +305,13 @@ def fit_reference_energies(
         for z, cnt in c.items():
             a[row, col[z]] = cnt
     y = np.asarray(energies)
-    # Ridge toward the mean energy per atom keeps collinear compositions well defined.
     n_atoms = a.sum(1)
-    mu = float((y / n_atoms).mean())
-    lam = ridge * max(1.0, float((a * a).sum() / len(y)))
-    coef = np.linalg.solve(a.T @ a + lam * np.eye(len(elements)), a.T @ (y - n_atoms * mu)) + mu
+    if ridge == 0:  # plain least squares (minimum-norm where compositions are collinear)
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    else:  # ridge toward the mean energy per atom keeps collinear compositions well defined
+        mu = float((y / n_atoms).mean())
+        lam = ridge * max(1.0, float((a * a).sum() / len(y)))
+        coef = np.linalg.solve(a.T @ a + lam * np.eye(len(elements)), a.T @ (y - n_atoms * mu)) + mu
     resid = (y - a @ coef) / n_atoms
     if n_force:
         scale = math.sqrt(sq_force / n_force)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from convergent.errors import InputError
+from convergent.models.molecular import fit_reference_energies
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,9 @@ def fit_element_baseline(numbers: Sequence[Sequence[int] | np.ndarray],
     ok = np.isfinite(y)
     if not ok.any():
         raise InputError("baseline fit: no labelled structure (every energy is missing)")
-    comps = [np.asarray(numbers[i], dtype=np.int64) for i in np.flatnonzero(ok)]
-    elements = sorted({int(z) for c in comps for z in c})
-    col = {z: k for k, z in enumerate(elements)}
-    a = np.zeros((len(comps), len(elements)))
-    for row, c in enumerate(comps):
-        np.add.at(a[row], [col[int(z)] for z in c], 1.0)
-    coef, *_ = np.linalg.lstsq(a, y[ok], rcond=None)
-    return ElementBaseline({z: float(coef[col[z]]) for z in elements}, structures=len(comps))
+    ref = fit_reference_energies(({"numbers": z, "energy": e} for z, e in zip(numbers, y, strict=True)),
+                                 ridge=0.0)
+    return ElementBaseline(ref.energies, structures=int(ok.sum()))
 
 
 def fit_on_dataset(path: str | Path) -> ElementBaseline:
