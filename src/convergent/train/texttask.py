@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from convergent.compress.distill import kd_loss
 from convergent.train.lmtask import LMTask
 from convergent.train.taskapi import MicroBatch, Task
 
@@ -90,8 +91,6 @@ class TextLMTask(LMTask):
         teacher = self._teacher_model()
         if teacher is None:
             return super().loss(model, mb, dp_world)
-        from convergent.compress.distill import kd_loss
-
         x, y = mb.data
         logits = model(x)
         teacher.to(x.device)
