@@ -1,4 +1,4 @@
-"""Accuracy at equal training budget: our Transformer vs SchNet and PaiNN (schnetpack).
+"""Accuracy at equal training budget: our Transformer vs SchNet, PaiNN (schnetpack) and MACE.
 
 Data (``--dataset``): GFN2-xTB energies/forces (tblite). ``nci`` (default): the NCI
 compounds shipped with RDKit that are neutral, H/C/N/O/F and <= 20 atoms, 8 structures
@@ -6,8 +6,11 @@ each (ETKDGv3 + MMFF94 embeddings with their own seeds, so torsions differ, then
 rattled). ``g2``: 62 rattled G2 molecules, 25 each (too few compounds for a headline;
 it also writes bench/data/xtb_pretrained for bench/transfer.py).
 
-Sides are the models (``--models``; default ours, schnet, painn; ``ours_softmax``,
-``ours_vectors`` and ``ours_bf16`` are optional variants of ours). Rounds are folds of a
+Sides are the models (``--models``; default ours, schnet, painn, and mace when mace-torch
+imports, else the JSON says why it was left out; ``ours_softmax``, ``ours_vectors`` and
+``ours_bf16`` are optional variants of ours). MACE is mace-torch's own ``ScaleShiftMACE``
+(bench/molbench_mace.py; ``--mace-dtype float64`` for the precision MACE recommends,
+``--mace-hidden-irreps`` for its width) trained by the same loop as the others. Rounds are folds of a
 molecule-wise ``--folds``-fold cross-validation (molecules shuffled with seed 0): round r
 trains every side on fold r's training molecules and tests it on fold r's held-out
 molecules, sides interleaved (ours, schnet, painn, ours, schnet, painn, ...), all in
@@ -51,8 +54,10 @@ from molbench import (  # noqa: E402
     xtb_dataset,
     xtb_nci_dataset,
 )
+from molbench_mace import MACE_DEFAULTS, MacePotential, mace_available  # noqa: E402
 
-PEERS = ("schnet", "painn")
+PEERS = ("schnet", "painn", "mace")
+SPK_PEERS = ("schnet", "painn")
 BATCH_ATOMS = 256
 DATASETS = {
     "nci": (xtb_nci_dataset, "GFN2-xTB (tblite) on the NCI compounds shipped with RDKit: neutral, "
@@ -62,8 +67,10 @@ DATASETS = {
 }
 
 
-def build(name: str, args: argparse.Namespace, ref: Any, seed: int) -> tuple[Any, int, Any]:
-    """A fresh potential for side ``name`` (initialised with ``seed``)."""
+def build(name: str, args: argparse.Namespace, ref: Any, seed: int,
+          train: list[dict[str, Any]]) -> tuple[Any, int, Any]:
+    """A fresh potential for side ``name`` (initialised with ``seed``; MACE takes its
+    average neighbour count from the ``train`` records)."""
     from convergent.models.config import ModelConfig
     from convergent.models.molecular import build_model, count_parameters
 
@@ -76,6 +83,10 @@ def build(name: str, args: argparse.Namespace, ref: Any, seed: int) -> tuple[Any
         model = build_model(cfg)
         model.set_reference(ref)
         return OurPotential(model), count_parameters(model), cfg
+    if name == "mace":
+        pot = MacePotential(args.cutoff, ref, train, dtype=getattr(torch, args.mace_dtype),
+                            hidden_irreps=args.mace_hidden_irreps)
+        return pot, sum(p.numel() for p in pot.parameters()), pot.settings
     pot = SpkPotential(name, args.hidden, args.layers, args.cutoff, ref)
     return pot, sum(p.numel() for p in pot.parameters()), None
 
@@ -119,7 +130,7 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
         fold = r
         train, test, ref = folds.get(fold)
         seed = args.seed
-        pot, n_params, cfg = build(name, args, ref, seed)
+        pot, n_params, cfg = build(name, args, ref, seed, train)
         tinfo = train_for(pot, train, args.budget, lr=args.lr, batch_atoms=BATCH_ATOMS,
                           force_weight=args.force_weight, seed=seed, autocast=autocast,
                           sched_fn=schedule(args.warmup), ema_decay=args.ema)
@@ -132,6 +143,9 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
                    train_wall_seconds=tinfo["wall_seconds"],
                    train_structures_per_cpu_second=tinfo["structures_per_cpu_second"],
                    diverged_at_step=tinfo["diverged_at_step"])
+        if name == "mace":  # the per-fold values of its settings (the rest are in settings)
+            row.update(mace_avg_num_neighbors=cfg["avg_num_neighbors"],
+                       mace_atomic_inter_scale=cfg["atomic_inter_scale"])
         if autocast is not None:
             row["energy_mae_eval_fp32"] = evaluate(pot, test)["energy_mae"]
         if name == "ours" and fold == 0 and args.dataset == "g2" and args.save_pretrained:
@@ -161,14 +175,32 @@ def main() -> None:
                     help="loss = per-atom energy MSE + this x force MSE")
     ap.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights (0 = off)")
     ap.add_argument("--warmup", type=float, default=0.0, help="LR warm-up, fraction of the budget")
-    ap.add_argument("--models", default="ours,schnet,painn",
-                    help="sides: ours, schnet, painn, ours_softmax, ours_vectors, ours_bf16")
+    ap.add_argument("--models", default=None,
+                    help="sides: ours, schnet, painn, mace, ours_softmax, ours_vectors, ours_bf16 "
+                         "(default ours,schnet,painn plus mace when mace-torch imports)")
+    ap.add_argument("--mace-dtype", default="float32", choices=("float32", "float64"),
+                    help="MACE's dtype (it recommends float64 for MD and accuracy; float32 "
+                         "is the others' precision and about twice as fast on this CPU)")
+    ap.add_argument("--mace-hidden-irreps", default=MACE_DEFAULTS["hidden_irreps"],
+                    help="MACE's hidden irreps (its own default 128x0e+128x1o is large for a "
+                         "CPU budget)")
     ap.add_argument("--no-save-pretrained", dest="save_pretrained", action="store_false")
     args = ap.parse_args()
     if not 1 <= args.rounds <= args.folds:
         sys.exit(f"error: --rounds {args.rounds} must be between 1 and --folds {args.folds}")
-    names = args.models.split(",")
-    if set(PEERS) & set(names) and importlib.util.find_spec("schnetpack") is None:
+    mace_ok, mace_info = mace_available()
+    skipped: dict[str, str] = {}
+    if args.models is None:
+        names = ["ours", "schnet", "painn"]
+        if mace_ok:
+            names.append("mace")
+        else:
+            skipped["mace"] = f"{mace_info}; run: .venv/bin/pip install -e '.[mace]'"
+    else:
+        names = args.models.split(",")
+    if "mace" in names and not mace_ok:
+        sys.exit(f"error: --models names mace but {mace_info}; run: .venv/bin/pip install -e '.[mace]'")
+    if set(SPK_PEERS) & set(names) and importlib.util.find_spec("schnetpack") is None:
         sys.exit("error: --models names a schnetpack peer but schnetpack is not installed; "
                  "run: .venv/bin/pip install -e '.[bench]'")
     check_clean(args)
@@ -190,6 +222,15 @@ def main() -> None:
         "ours_bf16": {"model": "convergent MolecularTransformer", "autocast": "bf16 (CPU)"},
         "schnet": {"model": "schnetpack SchNet + Atomwise", "n_rbf": 20, "cutoff_fn": "cosine"},
         "painn": {"model": "schnetpack PaiNN + Atomwise", "n_rbf": 20, "cutoff_fn": "cosine"},
+        "mace": {"model": f"mace-torch {mace_info if mace_ok else '(absent)'} ScaleShiftMACE, "
+                          "trained by bench/molbench.py:train_for (not mace_run_train)",
+                 **MACE_DEFAULTS, "hidden_irreps": args.mace_hidden_irreps,
+                 "r_max": args.cutoff, "dtype": args.mace_dtype,
+                 "forces": "-dE/dx by autograd (MACE's own output)",
+                 "inputs": "MACE's input dict built from our batches, neighbours from "
+                           "convergent.models.atoms.neighbor_list (not mace.data.AtomicData)",
+                 "ignored_common": "hidden, layers (MACE's width and depth are hidden_irreps "
+                                   "and num_interactions)"},
     }
     sides = [Side(n, side_runner(n, args, folds), {**common, **settings.get(n, {"model": n})})
              for n in names]
@@ -202,6 +243,14 @@ def main() -> None:
         f"the budget ({args.budget} thread-CPU s) is small for this 2-core shared machine: "
         "every model is under-trained; compare models within this run, not with other budgets",
     ]
+    if "mace" in names:
+        differences.append(
+            f"mace is MACE's own model (ScaleShiftMACE, {args.mace_hidden_irreps}, "
+            f"{MACE_DEFAULTS['num_interactions']} interactions, max_ell {MACE_DEFAULTS['max_ell']}, "
+            f"correlation {MACE_DEFAULTS['correlation']}, {MACE_DEFAULTS['num_bessel']} Bessel + "
+            f"polynomial cutoff p={MACE_DEFAULTS['num_polynomial_cutoff']}) in {args.mace_dtype}, "
+            "but trained by our loop under this protocol: not MACE's own recipe (mace_run_train's "
+            "weighted energy/force loss, AMSGrad at lr 0.01, SWA/stage two, float64)")
     if "ours_bf16" in names:
         differences.append("ours_bf16 trains and evaluates under bf16 autocast (the others fp32)")
     res = interleave("model_accuracy", sides, rounds=args.rounds, differences=differences)
@@ -211,6 +260,8 @@ def main() -> None:
                          "molecules": len({r["molecule_id"] for r in recs}),
                          "split": f"molecule-wise {args.folds}-fold CV (molecules shuffled, seed 0); "
                                   f"round r = fold r, folds 0..{args.rounds - 1} run"}
+    if skipped:
+        res.extra["skipped_sides"] = skipped
     res.extra["command"] = " ".join(["python", "bench/model_accuracy.py", *sys.argv[1:]])
     if "ours" in names:
         peers = [p for p in PEERS if p in names]
