@@ -131,6 +131,7 @@ class MacePotential:
                          "dtype": str(self.dtype).removeprefix("torch.")}
         with warnings.catch_warnings():  # e3nn compiles its kernels with torch.jit.script,
             warnings.simplefilter("ignore", DeprecationWarning)  # deprecated in torch 2.13
+            warnings.filterwarnings("ignore", "The TorchScript type system", UserWarning)
             self.net = self._build(modules, o3, s, ref).to(self.dtype)
         index = torch.full((119,), -1, dtype=torch.long)
         index[torch.tensor(self.zs)] = torch.arange(len(self.zs))
