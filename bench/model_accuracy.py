@@ -58,6 +58,7 @@ from molbench_mace import MACE_DEFAULTS, MacePotential, mace_available  # noqa: 
 
 PEERS = ("schnet", "painn", "mace")
 SPK_PEERS = ("schnet", "painn")
+SIDES = ("ours", "ours_softmax", "ours_vectors", "ours_bf16", *PEERS)
 BATCH_ATOMS = 256
 DATASETS = {
     "nci": (xtb_nci_dataset, "GFN2-xTB (tblite) on the NCI compounds shipped with RDKit: neutral, "
@@ -157,6 +158,12 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
     return run
 
 
+def fail(msg: str) -> None:
+    """Bad input: one line on stderr, exit code 2, before any work."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_args(ap, default_out="bench/results/model_accuracy.json", rounds=3)
@@ -187,7 +194,7 @@ def main() -> None:
     ap.add_argument("--no-save-pretrained", dest="save_pretrained", action="store_false")
     args = ap.parse_args()
     if not 1 <= args.rounds <= args.folds:
-        sys.exit(f"error: --rounds {args.rounds} must be between 1 and --folds {args.folds}")
+        fail(f"--rounds {args.rounds} must be between 1 and --folds {args.folds}")
     mace_ok, mace_info = mace_available()
     skipped: dict[str, str] = {}
     if args.models is None:
@@ -198,10 +205,13 @@ def main() -> None:
             skipped["mace"] = f"{mace_info}; run: .venv/bin/pip install -e '.[mace]'"
     else:
         names = args.models.split(",")
+        unknown = [n for n in names if n not in SIDES]
+        if unknown:
+            fail(f"--models: unknown side(s) {', '.join(unknown)}; known: {', '.join(SIDES)}")
     if "mace" in names and not mace_ok:
-        sys.exit(f"error: --models names mace but {mace_info}; run: .venv/bin/pip install -e '.[mace]'")
+        fail(f"--models names mace but {mace_info}; run: .venv/bin/pip install -e '.[mace]'")
     if set(SPK_PEERS) & set(names) and importlib.util.find_spec("schnetpack") is None:
-        sys.exit("error: --models names a schnetpack peer but schnetpack is not installed; "
+        fail("--models names a schnetpack peer but schnetpack is not installed; "
                  "run: .venv/bin/pip install -e '.[bench]'")
     check_clean(args)
     torch.set_num_threads(1)
