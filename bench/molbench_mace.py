@@ -53,11 +53,14 @@ def mace_import() -> Any:
     loads its constants with a plain ``torch.load`` while mace imports it); the variable
     is put back as it was afterwards, so no later ``torch.load`` in the bench unpickles
     arbitrary objects."""
+    import contextlib
+    import io
     import logging
 
     key = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
     before = os.environ.get(key)
-    with warnings.catch_warnings():
+    # it also prints (to stdout) that the CUDA-only cuequivariance kernels are absent
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         prev = logging.root.manager.disable
         logging.disable(logging.WARNING)

@@ -11,6 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from molbench_mace import mace_available  # noqa: E402
 
+KEY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # `import mace` sets it for the whole process
+ENV_BEFORE = os.environ.get(KEY)
 OK, WHY = mace_available()
 pytestmark = pytest.mark.skipif(not OK, reason=WHY)
 
@@ -94,3 +96,8 @@ def test_mace_rejects_an_element_outside_its_training_set(xtb_records):
     pot = MacePotential(5.0, fit_reference_energies(water), water, hidden_irreps="8x0e")
     with pytest.raises(ValueError, match=r"element\(s\) \[6\]"):
         pot.predict(collate_records([xtb_records[4]]), training=False)
+
+
+def test_importing_mace_leaves_torch_load_safe():
+    """mace's import switches torch.load's weights_only off process-wide; ours puts it back."""
+    assert os.environ.get(KEY) == ENV_BEFORE
