@@ -7,26 +7,33 @@ rotates per round), it measures per training step the bytes leaving node A on th
 link (interface counters) and the step time for: flat ring DDP (ranks node-contiguous),
 flat with a scattered placement (ranks 0,2 on node A), hierarchical DDP, hierarchical
 with top-k (3%, error feedback) on the inter-node hop, FSDP over all 4 ranks and HSDP
-(shard in node, replicate across). Communication time = step time - the step time of
-the same model without communication (the mean of ``local`` at the start and
-``local_end`` at the end of the same launch).
+(shard in node, replicate across). Communication time, per step: the slowest rank's
+step minus the slowest rank's step of the same model without communication, run just
+before it (paired: the same moment and load), the median over the timed steps.
 
 Each measured byte count stands next to its theoretical value (convergent.train.commcost,
 derivations in its docstring). The α-β model is fitted per bandwidth from a calibration
 run in each launch before the variants, never from the step times it predicts: (a) one
 pair at a time, 2-rank all-reduces of 64 KiB-4 MiB across the link and inside a node (the
-raw link figures; ``link_only_model_*`` is the model on these alone); (b) each collective
-the variants are made of (all-reduce, reduce-scatter, all-gather over all ranks, inside
-the nodes, across the nodes) run by every group of its level at once, as in the step:
-four gloo ranks share two cores and two cross-node pairs share the veth, so a
+raw link figures, plain least squares; ``link_only_model_*`` is the model on these
+alone); (b) each collective the variants are made of (all-reduce, reduce-scatter,
+all-gather over all ranks, inside the nodes, across the nodes), issued asynchronously and
+waited for as DDP hooks and FSDP2 do, run by every group of its level at once, as in the
+step: four gloo ranks share two cores and two cross-node pairs share the veth, so a
 collective's cost depends on what runs beside it; (c) the hierarchical hook's passes over
-the bucket and the top-k selection. Per phase, α and β per ring step come from least
-squares on the relative error over the four sizes (median timing over rounds); the model
-composes them by ring step counts per variant (a DDP step's first slow-link bytes, up to
-tbf's 256 KiB bucket refilled at the shaped rate while the step computed, go at line
-rate), predicts every variant's communication
-time (relative error reported) and is projected to 64-4096 GPUs with NVLink / InfiniBand
-figures (there the link-level terms are the stated datasheet assumptions).
+the bucket and the top-k selection; (d) per level, the synchronisation cost of a
+collective that waits for every rank's compute (a 4-byte all-reduce after backward,
+paired against the same step without it): on an oversubscribed CPU ranks stop
+overlapping their compute there. Per phase, α and β per ring step come per size regime
+(between adjacent calibration sizes: a token bucket passes small messages at line rate
+and large ones at the shaped rate; median timing over rounds); the model composes them
+by ring step counts per variant, adds DDP's bucket copies and the synchronisation points
+(DDP: one after backward, top-k: one more before its inter-node all-gather; FSDP / HSDP:
+two per unit), and takes off the bytes tbf's 256 KiB bucket, refilled at the shaped rate
+while the slow link idled, lets through at line rate; it predicts every variant's
+communication time (relative error reported) and is projected to 64-4096 GPUs with
+NVLink / InfiniBand figures (there the link-level terms are the stated datasheet
+assumptions).
 
 The variants of one round run inside one launch (their order rotates per round), so the
 rounds are driven here rather than by bench/_harness.py's ``interleave``; the harness
@@ -60,6 +67,10 @@ from convergent.train import commcost as cc  # noqa: E402
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
 CALIB = [65536, 262144, 1048576, 4194304]
+# link figures by plain least squares (the variants move 0.25-4 MiB per collective); the
+# phases α-β per size regime (commcost.Regimes: through adjacent calibration sizes)
+FIT = "absolute"
+PHASE_FIT = "regimes"
 TBF_BURST = 256 * 1024  # scripts/netemu.sh: tbf ... burst 256kb (tc's kb: 1024 bytes)
 # the collectives the variants are made of, each calibrated on every group of its level at
 # once (commcost's measured phases); the scattered launch calibrates its own world ring
@@ -115,6 +126,11 @@ def summarise(res: dict, warmup: int) -> dict:
         out[v] = {"out_a": statistics.median(s["tx"] for s in a),
                   "out_b": statistics.median(s["tx"] for s in b),
                   "step_s": statistics.median(max(r["s"] for r in st) for st in steps),
+                  # per step: the slowest rank's step minus the slowest rank's paired
+                  # no-communication step just before it
+                  "paired_comm_s": statistics.median(
+                      max(r["s"] for r in st) - max(r["ref_s"] for r in st) for st in steps)
+                  if steps and steps[0][0].get("ref_s") is not None else None,
                   "eval_loss": ranks[0]["eval_loss"],
                   "last_loss": statistics.fmean(r["steps"][-1]["loss"] for r in ranks)}
     return out
@@ -133,47 +149,76 @@ def calibrated_nets(rounds: list[dict], nodes: int = 2, per_node: int = 2) -> di
     figures), ``phases`` with every measured phase and the hook's copy cost added, and
     ``phases_scattered`` with the world ring measured under the scattered placement."""
     cal = [r["calibration"] for r in rounds]
-    slow = cc.fit_link(*median_timings(cal, "slow"), steps=2, per_step=0.5)
-    fast = cc.fit_link(*median_timings(cal, "fast"), steps=2, per_step=0.5)
+    slow = cc.fit_link(*median_timings(cal, "slow"), steps=2, per_step=0.5, weight=FIT)
+    fast = cc.fit_link(*median_timings(cal, "fast"), steps=2, per_step=0.5, weight=FIT)
     link = cc.Net(nodes, per_node, fast, slow)
     measured = {}
     for phase in PHASES:
         level = phase.split("_")[0]
-        measured[phase] = cc.fit_phase(phase, link.group(level), *median_timings(cal, phase))
+        measured[phase] = cc.fit_phase(phase, link.group(level), *median_timings(cal, phase),
+                                       weight=PHASE_FIT)
     copy = cc.fit_link(*median_timings(cal, "copy"), steps=1, per_step=1.0)
-    phases = dataclasses.replace(link, measured=measured, copy_beta=copy.beta / cc.HOOK_PASSES)
+    sync = ({lv: statistics.median(c["sync_s"][lv] for c in cal) for lv in cal[0]["sync_s"]}
+            if "sync_s" in cal[0] else {})
+    phases = dataclasses.replace(link, measured=measured, copy_beta=copy.beta / cc.HOOK_PASSES,
+                                 sync=sync)
     scat = [r["calibration_scattered"] for r in rounds]
-    ring = cc.fit_phase("world_ar", link.world, *median_timings(scat, "world_ar"))
+    ring = cc.fit_phase("world_ar", link.world, *median_timings(scat, "world_ar"),
+                        weight=PHASE_FIT)
     return {"link": link, "phases": phases,
             "phases_scattered": dataclasses.replace(phases, measured={**measured,
                                                                       "world_ar": ring})}
 
 
 def theory(net: cc.Net, units: list[float], topk_s: float = 0.0,
-           scattered: cc.Net | None = None, credit: float = 0.0) -> dict[str, cc.Cost]:
+           scattered: cc.Net | None = None, compute_s: float = 0.0, burst: float = 0.0,
+           wire_beta: float = 0.0) -> dict[str, cc.Cost]:
     """Bytes and α-β(-γ) time per variant; ``topk_s``: the calibrated top-k compute;
-    ``scattered``: the network as calibrated under the scattered placement; ``credit``:
-    the tbf bucket refilled while a DDP step computes (bytes its first slow-link step
-    sends at line rate; FSDP / HSDP interleave transfers with compute and get none here)."""
+    ``scattered``: the network as calibrated under the scattered placement;
+    ``compute_s``: the no-communication step; ``burst``: the token bucket's size (0:
+    unshaped); ``wire_beta``: the shaped link's s/byte.
+
+    tbf refills its bucket at the shaped rate while the slow link idles, up to ``burst``:
+    in a DDP step from the end of one step's slow hop to the next one's (the compute,
+    then the hook's work before its inter-node phase); HSDP's first cross-node
+    all-reduce after the forward pass and the first unit's backward. That credit leaves
+    at line rate (:func:`convergent.train.commcost.burst_saving`)."""
     size = sum(units)
     rs = [True] * len(units)
     ddp = cc.local_passes(net, size, cc.DDP_PASSES)  # bucket copies (local has none)
     flat_ddp = cc.local_passes(net, size, cc.DDP_PASSES + 1)  # + allreduce_hook's div_
     L, n = net.per_node, net.nodes
     k = math.ceil(RATIO * size / 4 / L)
+    before_hop = cc.collective(net, "intra", "rs", size) + cc.HOOK_PASSES * size * net.copy_beta
+    backward = 2 / 3 * compute_s  # backward ~ twice the forward's matmuls
+    idle = {"flat": compute_s, "flat_scattered": compute_s, "hier": compute_s + before_hop,
+            "hier_topk": compute_s + before_hop + topk_s,
+            "hsdp": compute_s - backward + backward / len(units)
+            + sum(cc.collective(net, "intra", "ag", u) for u in units)
+            + cc.collective(net, "intra", "ag", units[-1]) + cc.collective(net, "intra", "rs", units[-1])}
     first = {"flat": size / net.world, "flat_scattered": L * size / net.world,
-             "hier": L * size / L / n, "hier_topk": L * 8 * k}  # egress bytes, 1st step
-    burst = {v: cc.burst_saving(net, b, credit) for v, b in first.items()}
+             "hier": L * size / L / n, "hier_topk": L * 8 * k,
+             "hsdp": 2 * (n - 1) * units[-1] / n}  # egress bytes of the first slow step
+    saving = {v: cc.burst_saving(net, b, min(burst, idle[v] / wire_beta) if wire_beta else 0.0)
+              for v, b in first.items()}
+    # synchronisation points after compute: DDP's one bucket after backward (the
+    # hierarchical hook's later collectives follow one another, except top-k's inter-node
+    # all-gather, which waits for every rank's top-k selection); FSDP / HSDP per unit the
+    # forward all-gather and the gradient reduce-scatter (backward all-gathers are
+    # prefetched one unit ahead)
+    ddp_sync = {lv: cc.sync_points(net, lv, 1) for lv in ("world", "intra")}
+    fsdp_sync = {lv: cc.sync_points(net, lv, 2 * len(units)) for lv in ("world", "intra")}
     return {
-        "flat": cc.flat_ring(net, size) + flat_ddp + burst["flat"],
+        "flat": cc.flat_ring(net, size) + flat_ddp + saving["flat"] + ddp_sync["world"],
         "flat_scattered": cc.flat_ring(scattered or net, size, scattered=True) + flat_ddp
-        + burst["flat_scattered"],
-        "hier": cc.hierarchical(net, size) + ddp + burst["hier"],
+        + saving["flat_scattered"] + ddp_sync["world"],
+        "hier": cc.hierarchical(net, size) + ddp + saving["hier"] + ddp_sync["intra"],
         "hier_topk": cc.hierarchical_topk(net, size, RATIO) + cc.Cost(topk_s, 0.0) + ddp
-        + burst["hier_topk"],
-        "fsdp": cc.fsdp(net, units, rs, rs_allreduce=True),  # gloo (measured)
+        + saving["hier_topk"] + ddp_sync["intra"] + cc.sync_points(net, "cross", 1),
+        "fsdp": cc.fsdp(net, units, rs, rs_allreduce=True) + fsdp_sync["world"],  # gloo
         "fsdp_ring_rs": cc.fsdp(net, units, rs),  # NCCL-style ring reduce-scatter
-        "hsdp": cc.hsdp(net, units, rs),
+        "hsdp": cc.hsdp(net, units, rs) + saving["hsdp"]
+        + fsdp_sync["intra"],
     }
 
 
@@ -182,6 +227,14 @@ def reference(summary: dict, suffix: str = "") -> float:
     ``local_end`` at its end (older raw results have only the first)."""
     ends = [summary[k]["step_s"] for k in (f"local{suffix}", f"local_end{suffix}") if k in summary]
     return statistics.fmean(ends)
+
+
+def comm_time(summary: dict, variant: str, suffix: str = "") -> float:
+    """A round's communication time of ``variant``: the median over steps of its step
+    minus the paired no-communication step (older raw results: the step minus the
+    launch's compute reference)."""
+    paired = summary[variant].get("paired_comm_s")
+    return paired if paired is not None else summary[variant]["step_s"] - reference(summary, suffix)
 
 
 def link_fit(link: cc.Link) -> dict:
@@ -294,26 +347,29 @@ def main() -> None:
         nets = calibrated_nets(rounds)
         topk_s = statistics.median(r["calibration"]["topk_compute_s"] for r in rounds)
         fl = [float(u) for u in units]
-        # tbf refills its bucket at the shaped rate while a step computes (the measured
-        # compute-only step), up to the configured burst; unshaped: no bucket. The
-        # calibration's repetitions are a barrier apart: at 100 Mbit/s that refills a
-        # few tens of KB (the step's credit dominates), at 1 Gbit/s up to the whole
-        # bucket, so there the credit counts up to ~2 ms twice (left in, stated).
+        # tbf's credit: see theory(); unshaped: no bucket. The calibration's repetitions
+        # are a barrier apart: at 100 Mbit/s that refills a few tens of KB (the step's
+        # credit dominates), at 1 Gbit/s up to the whole bucket, so there the credit
+        # counts up to ~2 ms twice (left in, stated).
         compute = statistics.median(reference(r["summary"]) for r in rounds)
-        credit = 0.0 if rate == "none" else min(TBF_BURST, compute / nets["link"].slow.beta)
-        th = theory(nets["phases"], fl, topk_s, nets["phases_scattered"], credit)
+        shaped = rate != "none"
+        wire = nets["link"].slow.beta
+        th = theory(nets["phases"], fl, topk_s, nets["phases_scattered"], compute,
+                    TBF_BURST if shaped else 0.0, wire)
         th_link = theory(nets["link"], fl, topk_s)
         entry["fit"] = {"slow": link_fit(nets["link"].slow), "fast": link_fit(nets["link"].fast),
                         "phases": {k: link_fit(v) for k, v in nets["phases"].measured.items()},
                         "world_ar_scattered": link_fit(
                             nets["phases_scattered"].measured["world_ar"]),
                         "copy_s_per_byte": nets["phases"].copy_beta,
-                        "topk_compute_s": topk_s, "tbf_credit_bytes": credit}
+                        "topk_compute_s": topk_s, "compute_s": compute,
+                        "tbf_burst_bytes": TBF_BURST if shaped else 0,
+                        "sync_s_per_point": nets["phases"].sync}
         for v in ["flat", "flat_scattered", "hier", "hier_topk", "fsdp", "hsdp"]:
             sfx = "_scattered" if v == "flat_scattered" else ""
             out_a = [r["summary"][v]["out_a"] for r in rounds]
             step = [r["summary"][v]["step_s"] for r in rounds]
-            comm = [r["summary"][v]["step_s"] - reference(r["summary"], sfx) for r in rounds]
+            comm = [comm_time(r["summary"], v, sfx) for r in rounds]
             pred = th[v].seconds
             mc = statistics.median(comm)
             err = abs(pred - mc) / mc if mc > 0 else None

@@ -83,12 +83,15 @@ def _timed(run: bool, fn, reps: int) -> float:  # noqa: ANN001
 
 
 def _collective(kind: str, full: torch.Tensor, part: torch.Tensor, pg) -> None:  # noqa: ANN001
+    """One collective issued as DDP's hooks and FSDP2 issue theirs: asynchronously (gloo
+    runs it on its own thread), then waited for."""
     if kind == "ar":
-        dist.all_reduce(full, group=pg)
+        work = dist.all_reduce(full, group=pg, async_op=True)
     elif kind == "rs":
-        dist.reduce_scatter_tensor(part, full, group=pg)
+        work = dist.reduce_scatter_tensor(part, full, group=pg, async_op=True)
     else:
-        dist.all_gather_into_tensor(full, part, group=pg)
+        work = dist.all_gather_into_tensor(full, part, group=pg, async_op=True)
+    work.wait()
 
 
 def calibrate(nodes: list[list[int]], sizes: list[int], reps: int,
@@ -154,6 +157,39 @@ def topk_compute(n: int, ratio: float, groups: int, reps: int = 5) -> float:
     return _timed(True, work, reps)
 
 
+def sync_cost(dim: int, layers: int, batch_n: int, groups: dict, reps: int = 12) -> dict:
+    """Per level (``world``, ``intra``, ``cross``): what joining one 4-byte all-reduce of
+    that level right after backward adds to a training step of the benchmark model (no
+    gradient bytes move): on an oversubscribed CPU the ranks stop overlapping their
+    compute at a synchronisation point (the optimizer steps run all at once afterwards,
+    ranks wait to be scheduled). Median over ``reps`` of the slowest rank's step minus the
+    slowest rank's plain step run just before it (paired, as the variants are)."""
+    model = build(dim, layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x, y = batch(dim, batch_n, 7)
+    tiny = torch.ones(1)
+    out = {}
+    for level, pg in groups.items():
+        diffs = []
+        for i in range(reps + 2):
+            times = []
+            for sync in (False, True):
+                dist.barrier()
+                t0 = time.perf_counter()
+                nn.functional.mse_loss(model(x), y).backward()
+                if sync:
+                    dist.all_reduce(tiny, group=pg)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - t0)
+            allv: list = [None] * dist.get_world_size()
+            dist.all_gather_object(allv, times)
+            if i >= 2:  # two warm-up pairs
+                diffs.append(max(v[1] for v in allv) - max(v[0] for v in allv))
+        out[level] = statistics.median(diffs)
+    return out
+
+
 def wrap(variant: str, dim: int, layers: int, tiers, meshes: dict, ratio: float):  # noqa: ANN001, ANN201
     """Model prepared for ``variant`` and the module to call."""
     model = build(dim, layers)
@@ -211,17 +247,41 @@ def main() -> None:
         result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 5,
                                           [p for p in args.calib_phases.split(",") if p])
         n = sum(p.numel() for p in build(args.dim, args.layers).parameters())
+        L = len(nodes[0])
+        sync_groups = {"world": None}
+        for level, gs in (("intra", nodes), ("cross", [[n[i] for n in nodes] for i in range(L)])):
+            for g in gs:
+                pg = dist.new_group(sorted(g))
+                if rank in g:
+                    sync_groups[level] = pg
+        result["calibration"]["sync_s"] = sync_cost(args.dim, args.layers, args.batch,
+                                                    sync_groups)
         result["calibration"]["topk_compute_s"] = topk_compute(
             n // len(nodes[0]), args.topk_ratio, groups=len(nodes))
     eval_x, eval_y = batch(args.dim, 256, 999_999)
     for variant in args.variants.split(","):
         model, fwd = wrap(variant, args.dim, args.layers, tiers, meshes, args.topk_ratio)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        # the compute reference, paired: a no-communication step of the same model right
+        # before each timed step (same moment, same load), so drift between the ends of a
+        # launch does not enter the communication time
+        # (not in the loss-check launch, ``--eval-at``, which times nothing)
+        paired = not variant.startswith("local") and not args.eval_at
+        ref = build(args.dim, args.layers) if paired else None
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=args.lr, momentum=0.9) if ref else None
         steps = []
         evals: dict[str, float] = {}
         eval_at = {int(x) for x in args.eval_at.split(",") if x}
         for step in range(args.warmup + args.steps):
             x, y = batch(args.dim, args.batch, 1000 * step + rank)
+            ref_dt = None
+            if ref is not None:
+                dist.barrier()
+                t0 = time.perf_counter()
+                nn.functional.mse_loss(ref(x), y).backward()
+                ref_opt.step()
+                ref_opt.zero_grad(set_to_none=True)
+                ref_dt = time.perf_counter() - t0
             dist.barrier()
             c0 = counters()
             t0 = time.perf_counter()
@@ -232,7 +292,7 @@ def main() -> None:
             dt = time.perf_counter() - t0
             dist.barrier()
             c1 = counters()
-            steps.append({"s": dt, "loss": float(loss),
+            steps.append({"s": dt, "ref_s": ref_dt, "loss": float(loss),
                           "tx": c1[0] - c0[0] if c1 else None,
                           "rx": c1[1] - c0[1] if c1 else None})
             if step + 1 in eval_at:  # outside the timed region

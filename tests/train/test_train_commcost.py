@@ -134,3 +134,55 @@ def test_burst_saving_is_capped_by_bucket_and_payload() -> None:
     assert cc.burst_saving(net, 100e3, 256e3).seconds == pytest.approx(-100e3 * 1e-8)
     assert cc.burst_saving(net, 1e6, 0.0).seconds == 0.0
     assert cc.burst_saving(net, 1e6, 256e3).node_out_bytes == 0.0
+
+
+def test_fit_link_absolute_weight_follows_the_large_sizes() -> None:
+    """Plain least squares: a 30% outlier at the smallest size (scheduling noise) barely
+    moves β, which prices megabyte messages; the relative fit lets it tilt β."""
+    sizes = [65536.0, 262144.0, 1048576.0, 4194304.0]
+    secs = [2 * (1e-3 + 0.5 * x * 8e-9) for x in sizes]
+    secs[0] *= 1.3
+    ab = cc.fit_link(sizes, secs, steps=2, per_step=0.5, weight="absolute")
+    rel = cc.fit_link(sizes, secs, steps=2, per_step=0.5)
+    assert ab.beta == pytest.approx(8e-9, rel=0.02)
+    assert abs(rel.beta - 8e-9) > abs(ab.beta - 8e-9)
+    with pytest.raises(ValueError, match="weight"):
+        cc.fit_link(sizes, secs, steps=2, per_step=0.5, weight="huber")
+
+
+def test_regimes_price_each_size_range_by_its_own_alpha_beta() -> None:
+    """A token bucket: messages up to 256 KiB at line rate (fast β), larger ones at the
+    shaped rate. One α-β line misprices both ends; the regime fit reproduces every
+    calibration point and interpolates linearly between them."""
+    sizes = [65536.0, 262144.0, 1048576.0, 4194304.0]
+
+    def truth(s: float) -> float:  # per ring step of s/4 bytes, 6 steps (4-rank all-reduce)
+        chunk = s / 4
+        return 6 * (5e-4 + min(chunk, 65536) * 1e-9 + max(chunk - 65536, 0) * 8e-9)
+
+    secs = [truth(s) for s in sizes]
+    reg = cc.fit_phase("world_ar", 4, sizes, secs, weight="regimes")
+    assert isinstance(reg, cc.Regimes) and len(reg.links) == 3
+    for s, t in zip(sizes, secs, strict=True):
+        assert 6 * reg.t(s / 4) == pytest.approx(t, rel=1e-9)
+    mid = 2 * 1048576.0  # inside the last regime: on the line through its two sizes
+    assert 6 * reg.t(mid / 4) == pytest.approx(truth(mid), rel=1e-9)
+    line = cc.fit_phase("world_ar", 4, sizes, secs)
+    worst_line = max(abs(6 * line.t(s / 4) / t - 1) for s, t in zip(sizes, secs, strict=True))
+    assert worst_line > 0.1  # why regimes: one line is off somewhere by more than 10%
+    assert reg.beta == reg.links[-1].beta  # the bandwidth regime is what gets reported
+    # a measured phase may be regimes: collective() prices it like a Link
+    net = cc.Net(2, 2, FAST, SLOW, measured={"world_ar": reg})
+    assert cc.flat_ring(net, mid).seconds == pytest.approx(truth(mid), rel=1e-9)
+    with pytest.raises(ValueError, match="two sizes"):
+        cc.fit_regimes([1.0], [1.0], steps=1, per_step=1.0)
+
+
+def test_sync_points_cost_per_level_and_count() -> None:
+    """Synchronisation points after compute add the measured per-level cost times their
+    count, move no bytes, and cost nothing where none was measured."""
+    net = cc.Net(2, 2, FAST, SLOW, sync={"world": 4e-3, "intra": 1e-3})
+    assert cc.sync_points(net, "world", 3) == cc.Cost(pytest.approx(12e-3), 0.0)
+    assert cc.sync_points(net, "intra", 8).seconds == pytest.approx(8e-3)
+    assert cc.sync_points(net, "cross", 2).seconds == 0.0
+    assert cc.sync_points(cc.Net(2, 2, FAST, SLOW), "world", 5).seconds == 0.0

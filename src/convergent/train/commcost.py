@@ -64,6 +64,33 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Regimes:
+    """α-β per message-size regime: segment ``i`` holds from ``bounds[i]`` bytes up
+    (the first also below, the last also above); each an α-β pair through two adjacent
+    calibration sizes. A token-bucket shaper lets small messages through at line rate
+    from its bucket and large ones at the shaped rate, and gloo's per-message cost on a
+    shared CPU is not one constant, so one α-β line over 64 KiB-4 MiB misprices both
+    ends; NCCL's own tuner likewise keeps α-β per protocol and size range.
+    ``alpha`` / ``beta``: the largest-size regime's (the bandwidth figure reported)."""
+
+    bounds: tuple[float, ...]
+    links: tuple[Link, ...]
+
+    @property
+    def alpha(self) -> float:
+        return self.links[-1].alpha
+
+    @property
+    def beta(self) -> float:
+        return self.links[-1].beta
+
+    def t(self, nbytes: float, flows: int = 1) -> float:
+        i = max(0, min(len(self.links) - 1,
+                       sum(1 for b in self.bounds[1:] if flows * nbytes >= b)))
+        return self.links[i].t(nbytes, flows)
+
+
+@dataclass(frozen=True)
 class Net:
     """``nodes`` x ``per_node`` ranks; ``fast`` links inside a node, ``slow`` between."""
 
@@ -73,8 +100,11 @@ class Net:
     slow: Link
     shared_egress: bool = True  # one egress per node (emulation) vs one NIC per rank
     contention: float = 1.0  # jobs sharing the slow links (1: isolated)
-    measured: dict[str, Link] = field(default_factory=dict, compare=False)  # per phase
+    measured: dict[str, Link | Regimes] = field(default_factory=dict, compare=False)  # per phase
     copy_beta: float = 0.0  # s/byte of local buffer work in the hierarchical hook
+    # s per synchronisation point after compute, per level (measured; 0 on a dedicated
+    # core per rank, where ranks compute in lockstep anyway): :func:`sync_points`
+    sync: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def world(self) -> int:
@@ -217,6 +247,15 @@ def local_passes(net: Net, size: float, passes: int) -> Cost:
     return Cost(passes * size * net.copy_beta, 0.0)
 
 
+def sync_points(net: Net, level: str, count: int) -> Cost:
+    """``count`` collectives of ``level`` that each wait for every rank of their group to
+    finish compute: on an oversubscribed CPU ranks that computed interleaved must line
+    up there, and what follows (the optimizer step, the next unit) runs on every rank at
+    once; ``net.sync[level]`` is that cost per point, measured (a 4-byte collective
+    after backward, against the same step without it)."""
+    return Cost(count * net.sync.get(level, 0.0), 0.0)
+
+
 def burst_saving(net: Net, first_egress_bytes: float, credit: float) -> Cost:
     """A token-bucket shaper (``tc tbf``) that has been idle lets up to its bucket
     (``credit`` bytes, at most the configured burst) leave at line rate: the first
@@ -232,22 +271,45 @@ def exposed(cost: Cost, backward_s: float, overlap: float) -> float:
     return cost.seconds - hidden
 
 
-def fit_phase(phase: str, group: int, sizes: list[float], seconds: list[float]) -> Link:
+def fit_phase(phase: str, group: int, sizes: list[float], seconds: list[float],
+              weight: str = "relative") -> Link:
     """α-β per ring step of ``phase`` (``<level>_<collective>``) on groups of ``group``
     ranks, from its calibration timings (``sizes`` as :func:`ring_steps` defines them)."""
     kind = phase.split("_")[-1]
-    return fit_link(sizes, seconds, ring_steps(kind, group), 1 / group)
+    if weight == "regimes":
+        return fit_regimes(sizes, seconds, ring_steps(kind, group), 1 / group)
+    return fit_link(sizes, seconds, ring_steps(kind, group), 1 / group, weight)
 
 
-def fit_link(sizes: list[float], seconds: list[float], steps: int, per_step: float) -> Link:
+def fit_regimes(sizes: list[float], seconds: list[float], steps: int,
+                per_step: float) -> Regimes:
+    """:class:`Regimes` through each pair of adjacent calibration sizes (sorted; α, β
+    clamped at 0 as in :func:`fit_link`; a segment whose two timings fall with size gets
+    β = 0 and the mean as α)."""
+    pts = sorted(zip(sizes, seconds, strict=True))
+    if len(pts) < 2:
+        raise ValueError("a regime fit needs timings at two sizes or more")
+    links = []
+    for (s0, t0), (s1, t1) in zip(pts, pts[1:], strict=False):
+        links.append(fit_link([s0, s1], [t0, t1], steps, per_step, "absolute"))
+    return Regimes(tuple(per_step * s for s, _ in pts[:-1]), tuple(links))
+
+
+def fit_link(sizes: list[float], seconds: list[float], steps: int, per_step: float,
+             weight: str = "relative") -> Link:
     """α, β from timings of a collective with ``steps`` latency terms and ``per_step *
     size`` bytes per step on the measured link (e.g. 2-rank all-reduce: steps=2,
-    per_step=0.5): least squares on the relative error (each timing weighted by
-    ``1/t^2``), so the small sizes, where α dominates, count as much as the large ones
-    and one noisy large timing does not set both terms; α, β clamped at 0."""
+    per_step=0.5). ``weight="relative"``: least squares on the relative error (each
+    timing weighted by ``1/t^2``), so the small sizes, where α dominates, count as much
+    as the large ones and one noisy large timing does not set both terms;
+    ``"absolute"``: plain least squares, for predicting megabyte messages, where β
+    carries the time and a relative fit lets the small sizes' scheduling noise tilt β.
+    α, β clamped at 0."""
+    if weight not in ("relative", "absolute"):
+        raise ValueError(f"unknown weight {weight!r} (relative or absolute)")
     xs = [per_step * s for s in sizes]
     ys = [t / steps for t in seconds]
-    ws = [1.0 / (y * y) if y > 0 else 0.0 for y in ys]
+    ws = [(1.0 / (y * y) if y > 0 else 0.0) if weight == "relative" else 1.0 for y in ys]
     sw = sum(ws)
     if sw == 0:
         return Link(0.0, 0.0)
