@@ -33,7 +33,11 @@ fitted from a calibration that runs that collective on every group of the level 
 sharing are in the measurement), the rest fall back to ``fast`` / ``slow``. ``copy_beta``
 (s/byte) prices local passes over a bucket: the hierarchical hook's (copy in, scale, copy
 back: :data:`HOOK_PASSES`) and DDP's own (:func:`local_passes`); :func:`burst_saving`
-takes off what a token-bucket shaper's refilled bucket lets through at line rate.
+takes off what a token-bucket shaper's refilled bucket lets through at line rate. A
+measured phase may be :class:`Regimes` (α-β per message-size range, ``fit_phase(...,
+weight="regimes")``). ``Net.sync`` prices a synchronisation point after compute per level
+(:func:`sync_points`): with more ranks than cores, ranks that computed interleaved line
+up at a collective and what follows runs on all of them at once.
 
 Variants for the converged-computing ideas: ``overlap`` (the fraction of communication
 hidden behind backward compute: sync-free notification lets buckets go as soon as
