@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from convergent.analytics import derived
+from convergent.analytics import groupkeys as gk
 from convergent.analytics.engine import (
     Engine,
     OutSpec,
@@ -32,8 +34,7 @@ from convergent.analytics.engine import (
     prepare_outputs,
     sink,
 )
-from convergent.data.index import strings
-from convergent.data.reader import ShardReader
+from convergent.data.indexscan import IndexScan
 from convergent.errors import DataError, InputError
 from convergent.fsutil import atomic_write_text
 
@@ -119,66 +120,138 @@ def scaffold_of(rec: dict[str, Any]) -> str:
         return ""
 
 
-def _group_task(task: ShardTask, mode: str) -> dict[str, Any]:
-    """Group key codes of a shard's records: {"keys": unique keys, "codes": int32[n]}."""
-    if mode == "molecule":
-        rd = ShardReader(Path(task.dataset), task.info)
-        keys = strings(rd.meta.index, "molecule_id")
-        keys = [k or f"record:{r}" for k, r in zip(keys, strings(rd.meta.index, "key"), strict=True)]
-    else:
-        v = ShardView(task)
-        keys = []
-        first: dict[str, tuple[int, str]] = {}
-        for i in range(v.n):
-            if mode == "scaffold":
-                mid = v.molecule_ids[i] or f"record:{v.keys[i]}"
-                if mid not in first:  # a molecule's scaffold: from its first record
-                    first[mid] = (task.start + i, scaffold_of(v.record(i)))
-                keys.append(mid)
-            else:
-                keys.append(derived.formula(v.record(i)["numbers"]))
+@dataclass
+class ShardGroups:
+    """One input shard's group keys (xxh3-64 hashes, see :mod:`.groupkeys`).
+
+    ``keys``: the shard's distinct keys, sorted; ``codes``: each record's position in
+    ``keys``. Scaffold mode: ``keys`` are molecules, and per molecule ``first`` (global
+    index of its first record in the shard), ``scaffold`` (hash of the Murcko scaffold
+    SMILES of that record, or of ``acyclic:<molecule>``) and ``acyclic``.
+    """
+
+    keys: np.ndarray
+    codes: np.ndarray
+    first: np.ndarray | None = None
+    scaffold: np.ndarray | None = None
+    acyclic: np.ndarray | None = None
+
+
+def _group_task(task: ShardTask, mode: str) -> ShardGroups:
+    if mode == "molecule":  # from the index alone, in pieces, no Python step per record
+        with IndexScan(Path(task.dataset), task.info) as sc:
+            h = np.concatenate([gk.molecule_keys(sc, a, min(a + gk.ROWS, sc.count))
+                                for a in range(0, sc.count, gk.ROWS)] or [np.zeros(0, np.uint64)])
+        keys, codes = np.unique(h, return_inverse=True)
+        return ShardGroups(keys, codes.ravel().astype(np.int32))
+    v = ShardView(task)
+    try:
+        if mode == "composition":
+            strs = [derived.formula(v.record(i)["numbers"]) for i in range(v.n)]
+        else:
+            strs = [gk.molecule_key(m, k) for m, k in zip(v.molecule_ids, v.keys, strict=True)]
+        keys, first, codes = np.unique(gk.hash_list(strs), return_index=True, return_inverse=True)
+        out = ShardGroups(keys, codes.ravel().astype(np.int32))
+        if mode == "scaffold":  # a molecule's scaffold: from its first record
+            scafs = [scaffold_of(v.record(i)) for i in first.tolist()]
+            out.first = first.astype(np.int64) + task.start
+            out.acyclic = np.array([not x for x in scafs], bool)
+            out.scaffold = gk.hash_list([x or f"acyclic:{strs[i]}" for x, i in zip(scafs, first.tolist(), strict=True)])
+        return out
+    finally:
         v.close()
-    uniq, codes = np.unique(np.asarray(keys, dtype=object).astype(str), return_inverse=True) if keys else (
-        np.zeros(0, str), np.zeros(0, np.int64))
-    mols = first if mode == "scaffold" else {}
-    return {"keys": uniq.tolist(), "codes": codes.astype(np.int32), "molecules": mols}
 
 
 def _write_task(task: ShardTask, run: str, specs: dict[str, OutSpec], names: list[str],
-                where: np.ndarray, groups: np.ndarray) -> dict[str, list[int]]:
+                where: np.ndarray, groups: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Copy each record into its split's sink; the distinct groups written per split."""
     v = ShardView(task)
-    ws = {}
-    wrote: dict[str, set[int]] = {n: set() for n in names}
-    for i in range(v.n):
-        s = int(where[i])
-        if s < 0:
-            continue
-        name = names[s]
-        if name not in ws:
-            ws[name] = sink(run, name, specs[name])
-        v.copy_to(ws[name], i)
-        wrote[name].add(int(groups[i]))
+    ws = [sink(run, n, specs[n]) if (where == s).any() else None for s, n in enumerate(names)]
+    for i, s in enumerate(where.tolist()):
+        if s >= 0:
+            v.copy_to(ws[s], i)
     v.close()
-    return {n: sorted(g) for n, g in wrote.items()}
+    if groups is None:
+        return {}
+    return {n: np.unique(groups[where == s]) for s, n in enumerate(names) if ws[s] is not None}
+
+
+GREEDY_MAX_GROUPS = 20_000  # above: each group is small against the targets, cut vectorised
 
 
 def _assign(sizes: np.ndarray, targets: list[int], rng: np.random.Generator) -> np.ndarray:
-    """Split number per group (-1: unused): seeded order, each group to the split with the
-    largest unfilled share that it does not overflow (else the largest unfilled share)."""
+    """Split number per group (-1: unused), in a seeded order of the groups.
+
+    Up to :data:`GREEDY_MAX_GROUPS` groups: each group in turn to the split with the
+    largest unfilled share that it does not overflow (else the largest unfilled share),
+    until every split is full. With more groups (then each is small against the targets)
+    the same order is cut at the cumulative targets: a group goes to the split whose
+    interval holds its midpoint, so each split is within one group's size of its target.
+    """
+    order = rng.permutation(len(sizes))
+    if len(sizes) <= GREEDY_MAX_GROUPS:
+        return _greedy(sizes, targets, order)
+    s = sizes[order].astype(np.float64)
+    mid = np.cumsum(s) - s / 2
+    split = np.searchsorted(np.cumsum(targets), mid, side="right")
     out = np.full(len(sizes), -1, np.int64)
-    filled = np.zeros(len(targets), np.int64)
-    t = np.asarray(targets, np.int64)
-    for g in rng.permutation(len(sizes)):
-        room = t - filled
-        if room.max() <= 0:
-            break
-        share = np.where(t > 0, room / np.maximum(t, 1), -np.inf)
-        fits = (room >= sizes[g]) & (t > 0)
-        cand = np.flatnonzero(fits)
-        s = int(cand[np.argmax(share[cand])]) if cand.size else int(np.argmax(share))
-        out[g] = s
-        filled[s] += sizes[g]
+    out[order] = np.where(split < len(targets), split, -1)
     return out
+
+
+def _greedy(sizes: np.ndarray, targets: list[int], order: np.ndarray) -> np.ndarray:
+    out = np.full(len(sizes), -1, np.int64)
+    t = [int(x) for x in targets]
+    filled = [0] * len(t)
+    sz = sizes.tolist()
+    ks = range(len(t))
+    for g in order.tolist():
+        room = [t[k] - filled[k] for k in ks]
+        if max(room) <= 0:
+            break
+        share = [room[k] / max(t[k], 1) if t[k] > 0 else -np.inf for k in ks]
+        fits = [k for k in ks if t[k] > 0 and room[k] >= sz[g]]
+        s = max(fits or ks, key=lambda k: (share[k], -k))  # the first of equal shares
+        out[g] = s
+        filled[s] += sz[g]
+    return out
+
+
+@dataclass
+class Scaffolds:
+    """Molecule -> scaffold of its first record in the dataset (hashes, sorted by molecule)."""
+
+    molecules: np.ndarray
+    scaffold: np.ndarray
+    acyclic: np.ndarray
+
+    @classmethod
+    def of(cls, res: list[ShardGroups]) -> Scaffolds:
+        mol = np.concatenate([r.keys for r in res])
+        first = np.concatenate([r.first for r in res])
+        order = np.lexsort((first, mol))
+        head = np.ones(len(order), bool)
+        head[1:] = mol[order][1:] != mol[order][:-1]
+        pick = order[head]
+        return cls(mol[pick], np.concatenate([r.scaffold for r in res])[pick],
+                   np.concatenate([r.acyclic for r in res])[pick])
+
+    def lookup(self, mols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions of ``mols`` in :attr:`molecules` and whether each is there."""
+        pos = np.searchsorted(self.molecules, mols).clip(max=max(len(self.molecules) - 1, 0))
+        found = (self.molecules[pos] == mols) if len(self.molecules) else np.zeros(len(mols), bool)
+        return pos, found
+
+
+def _join(res: list[ShardGroups], mode: str) -> tuple[np.ndarray, int, Scaffolds | None]:
+    """Dataset-wide group number of every record (in task order), number of groups."""
+    scaf = Scaffolds.of(res) if mode == "scaffold" else None
+    keysets = [scaf.scaffold[scaf.lookup(r.keys)[0]] for r in res] if scaf else [r.keys for r in res]
+    allk = np.concatenate(keysets) if keysets else np.zeros(0, np.uint64)
+    gkeys, inv = np.unique(allk, return_inverse=True)
+    parts = np.split(inv.ravel(), np.cumsum([len(k) for k in keysets])[:-1])
+    group_all = np.concatenate([p[r.codes] for p, r in zip(parts, res, strict=True)] or [np.zeros(0, np.int64)])
+    return group_all, len(gkeys), scaf
 
 
 def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode: str = "molecule",
@@ -210,29 +283,14 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
             cuts = np.cumsum([0, *tlist])
             for s in range(len(names)):
                 where_all[perm[cuts[s]: cuts[s + 1]]] = s
-            group_all = np.arange(m.records)
-            gkeys: list[str] = []
-            molmap: dict[str, str] = {}
+            group_all, n_groups, scaf = None, m.records, None
         else:
             res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}")
-            molmap = {}
-            if mode == "scaffold":  # molecule -> scaffold of its first record in the dataset
-                best: dict[str, tuple[int, str]] = {}
-                for r in res:
-                    for mol, (g, sc) in r["molecules"].items():
-                        if mol not in best or g < best[mol][0]:
-                            best[mol] = (g, sc)
-                molmap = {mol: sc or f"acyclic:{mol}" for mol, (_, sc) in best.items()}
-                for r in res:
-                    r["keys"] = [molmap[k] for k in r["keys"]]
-            gkeys = sorted({k for r in res for k in r["keys"]})
-            gid = {k: i for i, k in enumerate(gkeys)}
-            group_all = np.concatenate([np.asarray([gid[k] for k in r["keys"]], np.int64)[r["codes"]]
-                                        if len(r["codes"]) else np.zeros(0, np.int64) for r in res])
-            sizes_g = np.bincount(group_all, minlength=len(gkeys))
-            split_g = _assign(sizes_g, tlist, rng)
+            group_all, n_groups, scaf = _join(res, mode)
+            split_g = _assign(np.bincount(group_all, minlength=n_groups), tlist, rng)
             where_all = split_g[group_all].astype(np.int8)
-        per = [(where_all[t.start: t.start + t.info.records], group_all[t.start: t.start + t.info.records])
+        per = [(where_all[t.start: t.start + t.info.records],
+                None if group_all is None else group_all[t.start: t.start + t.info.records].astype(np.int32))
                for t in tasks]
         written = engine.map(_write_task, tasks, run, specs, names, label="split: write", per_task=per)
     except BaseException:
@@ -242,55 +300,46 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
     mans = commit(engine, run, specs, lin, "split")
     report = {"input": str(src), "output": str(out), "by": mode, "seed": seed,
               "requested": targets, "records": {n: mans[n].records for n in names},
-              "groups": len(gkeys) if mode != "random" else m.records,
-              "leakage": leakage(out, names, mode, written, molmap, engine)}
+              "groups": n_groups, "leakage": leakage(out, names, mode, written, scaf, engine)}
     atomic_write_text(Path(out) / REPORT, json.dumps(report, indent=1) + "\n")
     return report
 
 
-def _molecules_task(task: ShardTask) -> list[str]:
-    """The distinct molecule ids of one written shard (from its index)."""
-    from convergent.data import format as fmt
-
-    rd = ShardReader(Path(task.dataset), task.info)
-    col = "molecule_id" if fmt.SCHEMA_NAMES[rd.meta.schema] == "molecular" else "key"
-    return sorted(set(strings(rd.meta.index, col)))
+def _molecules_task(task: ShardTask) -> np.ndarray:
+    """The distinct molecules (hashed :func:`.groupkeys.molecule_key`) of one written
+    shard, read from its index in pieces: memory bounded by the distinct molecules, not
+    by the shard (outputs roll at up to ``shard_bytes``)."""
+    acc = np.zeros(0, np.uint64)
+    with IndexScan(Path(task.dataset), task.info) as sc:
+        for a in range(0, sc.count, gk.ROWS):
+            acc = np.union1d(acc, gk.molecule_keys(sc, a, min(a + gk.ROWS, sc.count)))
+    return acc
 
 
 def leakage(out: str | os.PathLike[str], names: list[str], mode: str,
-            written: list[dict[str, list[int]]], molmap: dict[str, str],
+            written: list[dict[str, np.ndarray]], scaffolds: Scaffolds | None = None,
             engine: Engine | None = None) -> dict[str, Any]:
     """Groups, molecules and scaffolds found in more than one split, from what was written
-    (write tasks' group lists, and the output datasets' molecule ids read back by one task
+    (write tasks' group lists, and the output datasets' molecules read back by one task
     per written shard)."""
-    groups: dict[str, set[int]] = {n: set() for n in names}
-    for w in written:
-        for n, g in w.items():
-            groups[n].update(g)
-    mols: dict[str, set[str]] = {n: set() for n in names}
+    none = np.zeros(0, np.uint64)
+    groups = {n: np.unique(np.concatenate([w[n] for w in written if n in w] or [none])) for n in names}
+    mols: dict[str, list[np.ndarray]] = {n: [] for n in names}
     tasks, _ = plan([Path(out) / n for n in names])
     for t, ids in zip(tasks, (engine or Engine(progress=False)).map(
             _molecules_task, tasks, label="split: leakage check"), strict=True):
-        mols[names[t.input_no]].update(ids)
-    rep: dict[str, Any] = {}
-
-    def overlap(sets: dict[str, set]) -> int:
-        seen: dict[Any, str] = {}
-        bad = set()
-        for n, s in sets.items():
-            for x in s:
-                if x in seen and seen[x] != n:
-                    bad.add(x)
-                seen.setdefault(x, n)
-        return len(bad)
-
-    rep["molecules_in_two_splits"] = overlap(mols)
+        mols[names[t.input_no]].append(ids)
+    per = {n: np.unique(np.concatenate(v or [none])) for n, v in mols.items()}
+    rep: dict[str, Any] = {"molecules_in_two_splits": gk.in_two(list(per.values()))}
     if mode != "random":
-        rep[f"{mode}_groups_in_two_splits"] = overlap(groups)
-    if mode == "scaffold":
-        sc = {n: {molmap.get(x, "") for x in s} - {""} for n, s in mols.items()}
-        sc = {n: {x for x in s if not x.startswith("acyclic:")} for n, s in sc.items()}
-        rep["scaffolds_in_two_splits"] = overlap(sc)
+        rep[f"{mode}_groups_in_two_splits"] = gk.in_two(list(groups.values()))
+    if mode == "scaffold" and scaffolds is not None:
+        sc = []
+        for m in per.values():
+            pos, found = scaffolds.lookup(m)
+            ring = found & ~scaffolds.acyclic[pos] if len(scaffolds.molecules) else found
+            sc.append(np.unique(scaffolds.scaffold[pos][ring]) if ring.any() else none)
+        rep["scaffolds_in_two_splits"] = gk.in_two(sc)
     key = {"random": None, "molecule": "molecules_in_two_splits", "scaffold": "scaffolds_in_two_splits",
            "composition": "composition_groups_in_two_splits"}[mode]
     rep["ok"] = True if key is None else rep[key] == 0 and rep.get(f"{mode}_groups_in_two_splits", 0) == 0

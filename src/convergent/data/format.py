@@ -209,8 +209,22 @@ class ShardMeta:
     index: dict[str, np.ndarray]
 
 
-def parse_shard_meta(read_at: Any, size: int, name: str) -> ShardMeta:
-    """Read and check a shard's header, trailer and index.
+@dataclass
+class ShardEnds:
+    """Checked header and trailer of one shard (the index not yet read)."""
+
+    schema: int
+    codec: int
+    count: int
+    index_offset: int
+    index_len: int
+    header: bytes
+    trailer: bytes
+    crc: int  # the trailer's CRC-32 of header + index + trailer fields
+
+
+def parse_shard_ends(read_at: Any, size: int, name: str) -> ShardEnds:
+    """Read and check a shard's header and trailer (layout, versions, schema, codec).
 
     ``read_at(offset, length) -> bytes`` reads from the shard file of ``size`` bytes;
     ``name`` is used in error messages. Raises DataError naming the shard and offset.
@@ -240,18 +254,35 @@ def parse_shard_meta(read_at: Any, size: int, name: str) -> ShardMeta:
             f"shard {name} at offset {size - TRAILER_SIZE}: trailer layout does not match the "
             f"file size {size} (truncated or corrupted)"
         )
-    index = read_at(index_offset, index_len)
-    if crc32(header, index, trailer[:24]) != crc:
-        raise DataError(f"shard {name}: header/index checksum mismatch (index at offset {index_offset})",
+    return ShardEnds(schema, codec, count, index_offset, index_len, header, trailer, crc)
+
+
+def check_ends(ends: ShardEnds, index_crc: int, name: str) -> None:
+    """Check the trailer CRC (``index_crc``: running ``zlib.crc32`` of header + index) and
+    the schema and codec ids."""
+    if zlib.crc32(ends.trailer[:24], index_crc) & 0xFFFFFFFF != ends.crc:
+        raise DataError(f"shard {name}: header/index checksum mismatch (index at offset {ends.index_offset})",
                         hint="run 'convergent data verify' on the dataset")
-    if schema not in SCHEMA_NAMES:
-        raise DataError(f"shard {name} at offset 10: unknown schema id {schema}")
-    if codec not in CODEC_NAMES:
-        raise DataError(f"shard {name} at offset 11: unknown codec id {codec}")
+    if ends.schema not in SCHEMA_NAMES:
+        raise DataError(f"shard {name} at offset 10: unknown schema id {ends.schema}")
+    if ends.codec not in CODEC_NAMES:
+        raise DataError(f"shard {name} at offset 11: unknown codec id {ends.codec}")
+
+
+def parse_shard_meta(read_at: Any, size: int, name: str) -> ShardMeta:
+    """Read and check a shard's header, trailer and index.
+
+    ``read_at(offset, length) -> bytes`` reads from the shard file of ``size`` bytes;
+    ``name`` is used in error messages. Raises DataError naming the shard and offset.
+    """
+    ends = parse_shard_ends(read_at, size, name)
+    index_offset, count = ends.index_offset, ends.count
+    index = read_at(index_offset, ends.index_len)
+    check_ends(ends, zlib.crc32(index, zlib.crc32(ends.header)), name)
     cols = unpack_index(index, f"shard {name} at offset {index_offset}")
     offs = cols.get("offsets")
     if offs is None or len(offs) != count + 1:
         raise DataError(f"shard {name}: index offset table has wrong length")
     if count and (offs[0] != HEADER_SIZE or offs[-1] != index_offset or np.any(np.diff(offs.astype(np.int64)) < 0)):
         raise DataError(f"shard {name}: index offset table is inconsistent with the layout")
-    return ShardMeta(schema, codec, count, index_offset, cols)
+    return ShardMeta(ends.schema, ends.codec, count, index_offset, cols)
