@@ -228,6 +228,24 @@ def _cached(cache_dir: str, items: list[tuple[str, ShardInfo]], dask_worker: Any
 
 # --------------------------------------------------------------------------- driver
 
+BATCHES_PER_WORKER = 8  # Engine.map(batch=True): Dask tasks per worker (load balance vs overhead)
+
+
+def _units(n: int, placed: dict[int, list[str]], size: int) -> list[list[int]]:
+    """Task numbers ``0..n-1`` in runs of up to ``size`` consecutive tasks that may run on
+    the same workers."""
+    by: dict[tuple[str, ...], list[int]] = {}
+    for k in range(n):
+        by.setdefault(tuple(placed.get(k) or ()), []).append(k)
+    return [ks[i: i + size] for ks in by.values() for i in range(0, len(ks), size)]
+
+
+def _run_batch(fn: Callable[..., Any], items: list[tuple[Any, tuple[Any, ...]]],
+               args: tuple[Any, ...]) -> list[Any]:
+    """Worker side of a batched map: ``fn`` on each (task, per-task args) in turn."""
+    return [fn(task, *args, *more) for task, more in items]
+
+
 
 @dataclass
 class StageIO:
@@ -272,10 +290,15 @@ class Engine:
         return {k: sorted(ws) for k, ws in where.items() if len(ws) < n}
 
     def map(self, fn: Callable[..., Any], tasks: Sequence[ShardTask], *args: Any,
-            label: str = "working", per_task: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+            label: str = "working", per_task: Sequence[tuple[Any, ...]] | None = None,
+            batch: bool = False) -> list[Any]:
         """``[fn(task, *args, *per_task[k]) for k, task in enumerate(tasks)]`` on the cluster
         (or here); results in task order. Shard tasks read through the cache and run where
-        it holds their shard; other items (e.g. partition numbers) run anywhere."""
+        it holds their shard; other items (e.g. partition numbers) run anywhere.
+
+        ``batch``: run several consecutive tasks (same placement) per Dask task, about
+        :data:`BATCHES_PER_WORKER` per worker, for stages whose tasks are short enough
+        that Dask's per-task cost (a few ms of scheduler and worker time) matters."""
         extra = per_task if per_task is not None else [()] * len(tasks)
         shards = all(isinstance(t, ShardTask) for t in tasks)  # else: no locality (e.g. partitions)
         if shards:
@@ -304,18 +327,24 @@ class Engine:
             placed = self._placement(tasks) if shards else {}
             if shards:
                 self.placed = placed
-            futs = []
-            for k, task in enumerate(tasks):
-                ws = placed.get(k)
-                futs.append(self.client.submit(fn, task, *args, *extra[k], pure=False, workers=ws,
-                                               allow_other_workers=False if ws else None,
-                                               key=f"{label.replace(' ', '-')}-{secrets.token_hex(4)}-{k}"))
-            pos = {f.key: k for k, f in enumerate(futs)}
+            size = max(1, len(tasks) // (self.workers * BATCHES_PER_WORKER)) if batch else 1
+            futs, units = [], _units(len(tasks), placed, size)
+            for j, unit in enumerate(units):
+                ws = placed.get(unit[0])
+                key = f"{label.replace(' ', '-')}-{secrets.token_hex(4)}-{j}"
+                call = (fn, tasks[unit[0]], *args, *extra[unit[0]]) if size == 1 else (
+                    _run_batch, fn, [(tasks[k], extra[k]) for k in unit], args)
+                futs.append(self.client.submit(*call, pure=False, workers=ws,
+                                               allow_other_workers=False if ws else None, key=key))
+            pos = {f.key: j for j, f in enumerate(futs)}
             out = [None] * len(tasks)
             try:
                 for f in as_completed(futs, loop=self.client.loop):
-                    out[pos[f.key]] = f.result()
-                    bar.advance(t)
+                    unit = units[pos[f.key]]
+                    res = f.result()
+                    for k, r in zip(unit, res if size > 1 else [res], strict=True):
+                        out[k] = r
+                    bar.advance(t, len(unit))
             except BaseException:
                 for f in futs:
                     f.cancel()

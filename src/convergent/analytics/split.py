@@ -285,14 +285,15 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
                 where_all[perm[cuts[s]: cuts[s + 1]]] = s
             group_all, n_groups, scaf = None, m.records, None
         else:
-            res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}")
+            res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}", batch=True)
             group_all, n_groups, scaf = _join(res, mode)
             split_g = _assign(np.bincount(group_all, minlength=n_groups), tlist, rng)
             where_all = split_g[group_all].astype(np.int8)
         per = [(where_all[t.start: t.start + t.info.records],
                 None if group_all is None else group_all[t.start: t.start + t.info.records].astype(np.int32))
                for t in tasks]
-        written = engine.map(_write_task, tasks, run, specs, names, label="split: write", per_task=per)
+        written = engine.map(_write_task, tasks, run, specs, names, label="split: write", per_task=per,
+                             batch=True)
     except BaseException:
         engine.abort(run, specs)
         raise
