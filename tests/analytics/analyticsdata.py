@@ -77,3 +77,8 @@ def ring_records(frames: int = 4, seed: int = 0, with_smiles: bool = False) -> l
                         "energy": float(-5.0 * len(z) + rng.normal()), "forces": rng.normal(size=(len(z), 3)),
                         "meta": {"smiles": smi} if with_smiles else {"sampler": "md"}})
     return out
+
+
+def shard_records_plus(task, one: int, extra: int) -> tuple[int, int]:
+    """A trivial per-shard task (Engine.map tests): (shard number, records + one + extra)."""
+    return task.shard_no, task.info.records + one + extra

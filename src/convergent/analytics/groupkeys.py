@@ -4,8 +4,8 @@ Split's tasks return a group key per record as a ``uint64`` hash of its string, 
 driver joins, counts and intersects groups with ``np.unique``/``np.searchsorted`` on
 numeric arrays instead of Python sets of strings. A string column of a shard index is
 hashed without a Python step per record: rows are padded into one byte matrix (with
-their length appended), made unique with ``np.unique``, and only the distinct strings
-are hashed.
+their length appended), made unique with ``np.unique`` (on one uint64 per row, checked
+exactly against the bytes), and only the distinct strings are hashed.
 
 Why 64 bits is enough: equal strings always get equal hashes, so a collision can only
 *join* two different keys. Two groups joined go to the same split (never a leak; the
@@ -24,6 +24,7 @@ from convergent.data.indexscan import IndexScan
 _h = xxhash.xxh3_64_intdigest
 _PAD_MAX = 16 * 2**20  # bytes of padded matrix per call; past it strings are hashed one by one
 ROWS = 65536  # index rows read per piece
+_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def hash_strings(off: np.ndarray, data: bytes) -> np.ndarray:
@@ -37,13 +38,30 @@ def hash_strings(off: np.ndarray, data: bytes) -> np.ndarray:
     if n * (w + 4) > _PAD_MAX:
         o = off.tolist()
         return np.fromiter((_h(data[o[i]: o[i + 1]]) for i in range(n)), np.uint64, n)
-    rows = np.zeros((n, w + 4), np.uint8)
-    rows[:, w:] = lens.astype("<u4").view(np.uint8).reshape(n, 4)  # "ab" and "ab\0" differ
+    width = -(-(w + 4) // 8) * 8  # whole uint64 words
+    rows = np.zeros((n, width), np.uint8)
+    rows[:, w: w + 4] = lens.astype("<u4").view(np.uint8).reshape(n, 4)  # "ab" and "ab\0" differ
     rows[:, :w][np.arange(w) < lens[:, None]] = np.frombuffer(data, np.uint8, int(off[-1]))
-    _, first, inv = np.unique(rows.view(f"S{w + 4}").ravel(), return_index=True, return_inverse=True)
-    o = off.tolist()
-    hu = np.fromiter((_h(data[o[i]: o[i + 1]]) for i in first.tolist()), np.uint64, len(first))
-    return hu[inv.ravel()]
+    first, inv = _unique_rows(rows)
+    starts, ends = off[first].tolist(), off[first + 1].tolist()
+    hu = np.fromiter((_h(data[a:b]) for a, b in zip(starts, ends, strict=True)), np.uint64, len(first))
+    return hu[inv]
+
+
+def _unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First row of each distinct row of a uint8 matrix (width a multiple of 8) and each
+    row's distinct number: on one uint64 per row (the row itself when it is one word, else
+    a mix of its words, checked exactly afterwards), sorting bytes only if the mix collides."""
+    words = rows.view("<u8")
+    mixed = words[:, 0].copy()
+    for j in range(1, words.shape[1]):
+        mixed = (mixed ^ (mixed >> np.uint64(29))) * _MIX + words[:, j]
+    _, first, inv = np.unique(mixed, return_index=True, return_inverse=True)
+    inv = inv.ravel()
+    if words.shape[1] > 1 and not np.array_equal(rows[first[inv]], rows):  # a collision of the mix
+        _, first, inv = np.unique(rows.view(f"S{rows.shape[1]}").ravel(), return_index=True, return_inverse=True)
+        inv = inv.ravel()
+    return first, inv
 
 
 def hash_list(strings: list[str]) -> np.ndarray:

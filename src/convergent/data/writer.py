@@ -37,10 +37,11 @@ from convergent.data.manifest import (
 from convergent.data.reader import Dataset, open_dataset
 from convergent.data.records import Encoded, encode_bytes, encode_molecular
 from convergent.errors import DataError
-from convergent.fsutil import file_mode, fsync_dir
+from convergent.fsutil import file_mode, fsync_dir, start_writeback
 
 DEFAULT_SHARD_BYTES = 128 * 2**20
 DEFAULT_INLINE_BYTES = 256  # bytes-schema payloads up to this size live in the index
+WRITEBACK_BYTES = 32 * 2**20  # a shard's bytes handed to the disk as it grows (fsutil.start_writeback)
 TMP_SUFFIX = ".tmp"  # shards being written: '.<name>.<random>.tmp' (see data verify --clean)
 
 
@@ -55,6 +56,7 @@ class _OpenShard:
         self.hash = xxhash.xxh3_64()
         self.header = fmt.pack_header(schema, codec)
         self.pos = 0
+        self.synced = 0  # bytes handed to start_writeback
         # the index columns, compact (no bodies), spilled beside the shard past a few MiB
         self.index = IndexBuilder(schema_name, spill_dir=directory, name=name)
         self._write(self.header)
@@ -63,6 +65,10 @@ class _OpenShard:
         self.fh.write(data)
         self.hash.update(data)
         self.pos += len(data)
+        if self.pos - self.synced >= WRITEBACK_BYTES:  # start the disk writes now: seal's fsync
+            self.fh.flush()                            # then waits for the tail only
+            start_writeback(self.fh.fileno(), self.synced, self.pos - self.synced)
+            self.synced = self.pos
 
     def add(self, enc: Encoded, frame: bytes) -> None:
         self.index.add(enc, self.pos)
