@@ -162,3 +162,17 @@ def test_writer_starts_writeback_as_a_shard_grows_and_the_shard_is_intact(monkey
     assert verify_dataset(tmp_path / "ds", deep=True).ok
     ds = open_dataset(tmp_path / "ds")
     assert [ds[i]["key"] for i in range(len(ds))] == [r["key"] for r in recs]
+
+
+def test_batched_units_cover_every_task_once_shrink_at_the_end_and_keep_placement():
+    from convergent.analytics.engine import BATCH_MAX, _units
+
+    placed = {k: ["w1"] for k in range(0, 100, 10)}  # every 10th task only on worker w1
+    units = _units(100, placed, 2, batch=True)
+    assert sorted(k for u in units for k in u) == list(range(100))
+    for u in units:
+        assert len({tuple(placed.get(k) or ()) for k in u}) == 1  # one placement per unit
+        assert u == sorted(u) and len(u) <= BATCH_MAX
+    free = [len(u) for u in units if not placed.get(u[0])]
+    assert free[0] == BATCH_MAX and free[-1] == 1 and free == sorted(free, reverse=True)
+    assert [len(u) for u in _units(5, {}, 2, batch=False)] == [1] * 5

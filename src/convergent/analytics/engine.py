@@ -228,16 +228,25 @@ def _cached(cache_dir: str, items: list[tuple[str, ShardInfo]], dask_worker: Any
 
 # --------------------------------------------------------------------------- driver
 
-BATCHES_PER_WORKER = 8  # Engine.map(batch=True): Dask tasks per worker (load balance vs overhead)
+BATCH_MAX = 8  # Engine.map(batch=True): most tasks run as one Dask task
 
 
-def _units(n: int, placed: dict[int, list[str]], size: int) -> list[list[int]]:
-    """Task numbers ``0..n-1`` in runs of up to ``size`` consecutive tasks that may run on
-    the same workers."""
+def _units(n: int, placed: dict[int, list[str]], workers: int, batch: bool) -> list[list[int]]:
+    """Task numbers ``0..n-1`` in runs of consecutive tasks that may run on the same
+    workers. With ``batch``, guided sizes: up to :data:`BATCH_MAX` tasks, and at most a
+    ``1 / (2 x workers)`` share of what is left, so the runs shrink to single tasks at the
+    end and no worker is left with a long run while the others are idle."""
     by: dict[tuple[str, ...], list[int]] = {}
     for k in range(n):
         by.setdefault(tuple(placed.get(k) or ()), []).append(k)
-    return [ks[i: i + size] for ks in by.values() for i in range(0, len(ks), size)]
+    out = []
+    for ws, ks in by.items():
+        w, i = max(len(ws) or workers, 1), 0
+        while i < len(ks):
+            size = min(BATCH_MAX, -(-(len(ks) - i) // (2 * w))) if batch else 1
+            out.append(ks[i: i + size])
+            i += size
+    return out
 
 
 def _run_batch(fn: Callable[..., Any], items: list[tuple[Any, tuple[Any, ...]]],
@@ -296,9 +305,9 @@ class Engine:
         (or here); results in task order. Shard tasks read through the cache and run where
         it holds their shard; other items (e.g. partition numbers) run anywhere.
 
-        ``batch``: run several consecutive tasks (same placement) per Dask task, about
-        :data:`BATCHES_PER_WORKER` per worker, for stages whose tasks are short enough
-        that Dask's per-task cost (a few ms of scheduler and worker time) matters."""
+        ``batch``: run runs of consecutive tasks (same placement) as one Dask task each
+        (see :func:`_units`), for stages of many short tasks, where Dask's per-task cost
+        (a few ms of scheduler and worker time) matters."""
         extra = per_task if per_task is not None else [()] * len(tasks)
         shards = all(isinstance(t, ShardTask) for t in tasks)  # else: no locality (e.g. partitions)
         if shards:
@@ -327,12 +336,11 @@ class Engine:
             placed = self._placement(tasks) if shards else {}
             if shards:
                 self.placed = placed
-            size = max(1, len(tasks) // (self.workers * BATCHES_PER_WORKER)) if batch else 1
-            futs, units = [], _units(len(tasks), placed, size)
+            futs, units = [], _units(len(tasks), placed, self.workers if batch else 1, batch)
             for j, unit in enumerate(units):
                 ws = placed.get(unit[0])
                 key = f"{label.replace(' ', '-')}-{secrets.token_hex(4)}-{j}"
-                call = (fn, tasks[unit[0]], *args, *extra[unit[0]]) if size == 1 else (
+                call = (fn, tasks[unit[0]], *args, *extra[unit[0]]) if not batch else (
                     _run_batch, fn, [(tasks[k], extra[k]) for k in unit], args)
                 futs.append(self.client.submit(*call, pure=False, workers=ws,
                                                allow_other_workers=False if ws else None, key=key))
@@ -342,7 +350,7 @@ class Engine:
                 for f in as_completed(futs, loop=self.client.loop):
                     unit = units[pos[f.key]]
                     res = f.result()
-                    for k, r in zip(unit, res if size > 1 else [res], strict=True):
+                    for k, r in zip(unit, res if batch else [res], strict=True):
                         out[k] = r
                     bar.advance(t, len(unit))
             except BaseException:
