@@ -182,7 +182,7 @@ def compute_stats(dataset: str | os.PathLike[str], engine: Engine | None = None,
     lo, hi = _index_range(tasks)
     edges = np.linspace(lo, hi, bins + 1)
     total = Partial()
-    for p in engine.map(_stats_task, tasks, edges, label="stats"):
+    for p in engine.map(_stats_task, tasks, edges, label="stats", batch=True):
         total.add(p)
     n = max(total.records, 1)
     epa_q = _quantiles(total.epa_hist, edges) if total.epa_hist is not None else {}
