@@ -1,13 +1,17 @@
 """`data split`: random, by molecule, by Bemis–Murcko scaffold or by composition.
 
-Two Dask stages. **group** (one task per shard): each record's group key — the record
-itself (random), its ``molecule_id``, its molecule's Murcko scaffold (RDKit; from
-``meta.smiles`` when the record carries one, else from the geometry with
-``rdDetermineBonds``; an acyclic molecule has no scaffold and is its own group
-``acyclic:<molecule_id>``), or its formula. **write** (one task per shard): each record
-into its split's per-worker sink. Between them the driver assigns whole groups to splits
-(seeded shuffle, then greedy fill to the requested fractions or record counts), so no
-group is in two splits; the leakage check reads it back from what was written.
+Two Dask stages over the input shards (batched: a few shards per Dask task). **group**:
+each record's group key — the record itself (random: no stage), its molecule
+(``molecule_id``, or the record itself when it has none; read from the shard index
+alone), its molecule's Murcko scaffold (RDKit; from ``meta.smiles`` when the record
+carries one, else from the geometry with ``rdDetermineBonds``; an acyclic molecule has no
+scaffold and is its own group ``acyclic:<molecule_id>``), or its formula. Keys travel as
+xxh3-64 hashes (:mod:`.groupkeys`), so the driver joins and counts them with numpy.
+**write**: each record into its split's per-worker sink. Between them the driver assigns
+whole groups to splits (seeded order, then a greedy fill to the requested fractions or
+record counts; a vectorised cut of the same order past 20,000 groups), so no group is in
+two splits. The leakage check reads the molecules back from the written shards' indices,
+in pieces, one task per shard, and intersects the splits' hash arrays.
 """
 
 from __future__ import annotations
@@ -84,9 +88,6 @@ def _targets(sizes: dict[str, float | None], total: int) -> dict[str, int]:
     if sum(t.values()) > total:
         raise InputError(f"split sizes {t} ask for {sum(t.values())} records; the dataset has {total}")
     return {k: t[k] for k in sizes}
-
-
-_SCAFFOLDS: dict[str, str] = {}
 
 
 def scaffold_of(rec: dict[str, Any]) -> str:
