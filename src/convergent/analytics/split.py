@@ -246,6 +246,8 @@ class Scaffolds:
 
 def _join(res: list[ShardGroups], mode: str) -> tuple[np.ndarray, int, Scaffolds | None]:
     """Dataset-wide group number of every record (in task order), number of groups."""
+    if not res:
+        return np.zeros(0, np.int64), 0, None
     scaf = Scaffolds.of(res) if mode == "scaffold" else None
     keysets = [scaf.scaffold[scaf.lookup(r.keys)[0]] for r in res] if scaf else [r.keys for r in res]
     allk = np.concatenate(keysets) if keysets else np.zeros(0, np.uint64)
@@ -335,9 +337,9 @@ def leakage(out: str | os.PathLike[str], names: list[str], mode: str,
     rep: dict[str, Any] = {"molecules_in_two_splits": gk.in_two(list(per.values()))}
     if mode != "random":
         rep[f"{mode}_groups_in_two_splits"] = gk.in_two(list(groups.values()))
-    if mode == "scaffold" and scaffolds is not None:
+    if mode == "scaffold":
         sc = []
-        for m in per.values():
+        for m in per.values() if scaffolds is not None else []:
             pos, found = scaffolds.lookup(m)
             ring = found & ~scaffolds.acyclic[pos] if len(scaffolds.molecules) else found
             sc.append(np.unique(scaffolds.scaffold[pos][ring]) if ring.any() else none)
