@@ -236,6 +236,8 @@ def _units(n: int, placed: dict[int, list[str]], workers: int, batch: bool) -> l
     workers. With ``batch``, guided sizes: up to :data:`BATCH_MAX` tasks, and at most a
     ``1 / (2 x workers)`` share of what is left, so the runs shrink to single tasks at the
     end and no worker is left with a long run while the others are idle."""
+    if not batch:
+        return [[k] for k in range(n)]
     by: dict[tuple[str, ...], list[int]] = {}
     for k in range(n):
         by.setdefault(tuple(placed.get(k) or ()), []).append(k)
@@ -243,7 +245,7 @@ def _units(n: int, placed: dict[int, list[str]], workers: int, batch: bool) -> l
     for ws, ks in by.items():
         w, i = max(len(ws) or workers, 1), 0
         while i < len(ks):
-            size = min(BATCH_MAX, -(-(len(ks) - i) // (2 * w))) if batch else 1
+            size = min(BATCH_MAX, -(-(len(ks) - i) // (2 * w)))
             out.append(ks[i: i + size])
             i += size
     return out
@@ -253,7 +255,6 @@ def _run_batch(fn: Callable[..., Any], items: list[tuple[Any, tuple[Any, ...]]],
                args: tuple[Any, ...]) -> list[Any]:
     """Worker side of a batched map: ``fn`` on each (task, per-task args) in turn."""
     return [fn(task, *args, *more) for task, more in items]
-
 
 
 @dataclass
