@@ -11,4 +11,5 @@ sinks (a few large shards per worker, one manifest commit, lineage in the manife
 * :mod:`~convergent.analytics.ops`      ``filter_dataset``, ``merge_datasets``
 * :mod:`~convergent.analytics.dedup`    ``dedup_dataset``
 * :mod:`~convergent.analytics.split`    ``split_dataset`` (random/molecule/scaffold/composition)
+* :mod:`~convergent.analytics.groupkeys` string keys as xxh3-64 arrays (split's groups, leakage)
 """

@@ -13,6 +13,7 @@ Modules (each with one job):
 * :mod:`~convergent.data.index`     the columnar index (named arrays behind a JSON table)
 * :mod:`~convergent.data.manifest`  ``manifest.json``: the commit point of a dataset
 * :mod:`~convergent.data.reader`    ``open_dataset`` (map-style), ``split_by_molecule``
+* :mod:`~convergent.data.indexscan` ``IndexScan``: one checked index column in pieces
 * :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process), ``write_subset``
 * :mod:`~convergent.data.parallel`  ``write_parallel`` on Dask, index merge
 * :mod:`~convergent.data.order`     pure functions: block shuffle, rank/worker split
