@@ -69,6 +69,9 @@ def test_index_scan_reads_the_columns_in_pieces_and_checks_the_index(tmp_path):
     p.write_bytes(bytes(raw))
     with pytest.raises(DataError, match=f"shard {info.name}: header/index checksum mismatch"):
         IndexScan(tmp_path / "ds", info)
+    p.unlink()
+    with pytest.raises(DataError, match=f"shard {info.name}: file missing"):
+        IndexScan(tmp_path / "ds", info)
 
 
 def _old_greedy(sizes: np.ndarray, targets: list[int], order: np.ndarray) -> np.ndarray:

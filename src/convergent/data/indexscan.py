@@ -35,7 +35,11 @@ class IndexScan:
 
     def __init__(self, directory: Path, info: ShardInfo) -> None:
         self.name = info.name
-        self._fh = open(Path(directory) / info.name, "rb")
+        try:
+            self._fh = open(Path(directory) / info.name, "rb")
+        except FileNotFoundError:
+            raise DataError(f"shard {info.name}: file missing ({Path(directory) / info.name})",
+                            hint="the dataset is incomplete; restore the shard") from None
         try:
             fd = self._fh.fileno()
             size = os.fstat(fd).st_size
