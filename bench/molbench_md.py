@@ -1,0 +1,244 @@
+"""Molecular dynamics with a trained potential, and what makes a trajectory physical.
+
+Used by bench/md_stability.py. The pieces, each testable on its own:
+
+* :class:`Criteria` / :class:`StabilityMonitor` — when a trajectory stops being physical:
+  a covalent bond of the starting geometry (two atoms closer than ``bond_scale`` x the sum
+  of their covalent radii) stretched beyond ``stretch`` x its start length, any pair of
+  atoms closer than ``min_distance`` Å, a potential energy more than ``energy_per_atom``
+  eV/atom away from the start's (an energy blow-up), or a non-finite value;
+* :func:`first_failure` — the first failing frame of a recorded trajectory;
+* :func:`drift_per_atom_ps` — NVE energy drift: slope of a linear fit of total energy per
+  atom vs time (eV/atom/ps);
+* :func:`pair_distance_density` / :func:`rdf_distance` — the radial distribution of all
+  intramolecular pair distances (a density over r normalised by the number of pairs, so it
+  integrates to 1 when every pair lies inside ``r_max``), averaged over frames and then over
+  molecules, and the integrated absolute difference of two of them (0: identical, 2: disjoint);
+* :class:`PotentialCalculator` — an ASE calculator around any bench potential
+  (``OurPotential``, ``SpkPotential``, ``MacePotential``: anything with ``predict``);
+* :func:`run_md` — seeded Langevin (or Langevin-thermalised NVE VelocityVerlet) MD with
+  ASE, monitored every ``record_every`` steps and stopped at the first failure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from ase.calculators.calculator import Calculator, all_changes
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """What counts as physical (defaults: the issue's 1.5x / 0.7 Å, blow-up 1 eV/atom)."""
+
+    stretch: float = 1.5  # a start bond longer than this x its start length fails
+    min_distance: float = 0.7  # Å: any pair closer fails
+    energy_per_atom: float = 1.0  # eV/atom: |E_pot - E_pot(start)| / n_atoms above fails
+    bond_scale: float = 1.2  # bonded at the start: d < bond_scale x (r_cov,i + r_cov,j)
+
+
+def covalent_bonds(numbers: np.ndarray, positions: np.ndarray, scale: float = 1.2) -> np.ndarray:
+    """Pairs (i < j) bonded in this geometry: closer than ``scale`` x the sum of their
+    covalent radii (ase.data.covalent_radii). Shape (n_bonds, 2)."""
+    from ase.data import covalent_radii
+
+    r = covalent_radii[np.asarray(numbers)]
+    d = np.linalg.norm(positions[:, None] - positions[None], axis=-1)
+    i, j = np.triu_indices(len(numbers), k=1)
+    keep = d[i, j] < scale * (r[i] + r[j])
+    return np.stack([i[keep], j[keep]], axis=1)
+
+
+class StabilityMonitor:
+    """Checks frames of one trajectory against :class:`Criteria` relative to its start."""
+
+    def __init__(self, numbers: np.ndarray, positions: np.ndarray, energy: float,
+                 criteria: Criteria | None = None) -> None:
+        self.c = criteria or Criteria()
+        self.n = len(numbers)
+        self.bonds = covalent_bonds(numbers, np.asarray(positions, float), self.c.bond_scale)
+        self.d0 = self._lengths(np.asarray(positions, float))
+        self.e0 = float(energy)
+        self.iu = np.triu_indices(self.n, k=1)
+
+    def _lengths(self, pos: np.ndarray) -> np.ndarray:
+        b = self.bonds
+        return np.linalg.norm(pos[b[:, 0]] - pos[b[:, 1]], axis=1)
+
+    def check(self, positions: np.ndarray, energy: float) -> str | None:
+        """None when the frame is physical, else the reason (one line)."""
+        pos = np.asarray(positions, float)
+        if not (np.isfinite(pos).all() and np.isfinite(energy)):
+            return "non-finite positions or energy"
+        if len(self.bonds):
+            ratio = self._lengths(pos) / self.d0
+            k = int(np.argmax(ratio))
+            if ratio[k] > self.c.stretch:
+                i, j = self.bonds[k]
+                return f"bond {i}-{j} stretched to {ratio[k]:.2f}x its start length"
+        if self.n > 1:
+            d = np.linalg.norm(pos[:, None] - pos[None], axis=-1)[self.iu]
+            k = int(np.argmin(d))
+            if d[k] < self.c.min_distance:
+                return f"atoms {self.iu[0][k]}-{self.iu[1][k]} at {d[k]:.2f} Å"
+        de = abs(float(energy) - self.e0) / self.n
+        if de > self.c.energy_per_atom:
+            return f"energy blow-up: |E - E0| = {de:.2f} eV/atom"
+        return None
+
+
+def first_failure(numbers: np.ndarray, positions: np.ndarray, energies: np.ndarray,
+                  criteria: Criteria | None = None) -> tuple[int, str] | None:
+    """(index, reason) of the first unphysical frame of ``positions`` [F, N, 3] with
+    potential ``energies`` [F] (frame 0 is the start), or None when all are physical."""
+    mon = StabilityMonitor(numbers, positions[0], energies[0], criteria)
+    for k in range(1, len(positions)):
+        why = mon.check(positions[k], energies[k])
+        if why is not None:
+            return k, why
+    return None
+
+
+def drift_per_atom_ps(times_ps: np.ndarray, total_energy: np.ndarray, n_atoms: int) -> float:
+    """Slope (eV/atom/ps) of a least-squares line through total energy per atom vs time."""
+    t, e = np.asarray(times_ps, float), np.asarray(total_energy, float) / n_atoms
+    if len(t) < 2:
+        raise ValueError("an energy drift needs at least two points")
+    return float(np.polyfit(t, e, 1)[0])
+
+
+def rdf_edges(r_max: float = 8.0, dr: float = 0.05) -> np.ndarray:
+    return np.arange(0.0, r_max + dr / 2, dr)
+
+
+def pair_distance_density(frames: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Histogram density of all pair distances of ``frames`` [F, N, 3] over ``edges``:
+    counts / (pairs x frames x bin width), so it integrates to the fraction of pairs
+    inside the last edge (1 when all are)."""
+    frames = np.asarray(frames, float)
+    n = frames.shape[1]
+    i, j = np.triu_indices(n, k=1)
+    d = np.linalg.norm(frames[:, i] - frames[:, j], axis=-1).ravel()
+    counts, _ = np.histogram(d, bins=edges)
+    return counts / (max(len(d), 1) * np.diff(edges))
+
+
+def mean_density(per_molecule: list[np.ndarray]) -> np.ndarray:
+    """The radial distribution of a set of molecules: their densities averaged (each
+    molecule weighs the same, whatever its size or trajectory length)."""
+    return np.mean(np.stack(per_molecule), axis=0)
+
+
+def rdf_distance(g1: np.ndarray, g2: np.ndarray, edges: np.ndarray) -> float:
+    """Integrated absolute difference of two densities over ``edges`` (0..2)."""
+    return float(np.sum(np.abs(np.asarray(g1) - np.asarray(g2)) * np.diff(edges)))
+
+
+class PotentialCalculator(Calculator):
+    """ASE calculator around a bench potential's ``predict`` (energy eV, forces eV/Å); ours
+    goes through the product's :class:`~convergent.models.calculator.SurrogateCalculator`
+    instead (see md_stability)."""
+
+    implemented_properties = ["energy", "free_energy", "forces"]
+
+    def __init__(self, potential: Any) -> None:
+        super().__init__()
+        self.pot = potential
+        self.pot.train(False)
+
+    def calculate(self, atoms: Any = None, properties: Any = None,
+                  system_changes: Any = all_changes) -> None:
+        from convergent.models.batching import atoms_to_record, collate_records
+
+        super().calculate(atoms, properties or ["energy"], system_changes)
+        e, f = self.pot.predict(collate_records([atoms_to_record(self.atoms)]), training=False)
+        self.results["energy"] = self.results["free_energy"] = float(e[0])
+        self.results["forces"] = f.detach().double().numpy()
+
+
+@dataclass
+class Trajectory:
+    """One monitored trajectory (frames every ``record_every`` steps; frame 0 the start)."""
+
+    times_ps: list[float] = field(default_factory=list)
+    positions: list[np.ndarray] = field(default_factory=list)
+    potential: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    failed_at_ps: float | None = None
+    reason: str | None = None
+    steps: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    @property
+    def stable(self) -> bool:
+        return self.reason is None
+
+
+def run_md(numbers: np.ndarray, positions: np.ndarray, calc: Any, temperature: float,
+           steps: int, seed: int, ensemble: str = "langevin", timestep_fs: float = 0.5,
+           friction_per_fs: float = 0.01, record_every: int = 10, thermalise_steps: int = 0,
+           criteria: Criteria | None = None) -> Trajectory:
+    """Seeded MD from ``positions`` with velocities drawn at ``temperature`` (no net
+    momentum or rotation). ``ensemble`` ``langevin``: ``steps`` Langevin steps at
+    ``temperature``; ``nve``: ``thermalise_steps`` Langevin steps first, then ``steps``
+    VelocityVerlet steps, monitored and recorded from the start of NVE. Stops at the first
+    unphysical frame (checked every ``record_every`` steps) or calculator error. The centre
+    of mass is held by ``FixCom`` (Langevin's ``fixcm`` is deprecated in ASE 3.28+)."""
+    from ase import Atoms, units
+    from ase.constraints import FixCom
+    from ase.md import velocitydistribution as vd
+    from ase.md.langevin import Langevin
+    from ase.md.verlet import VelocityVerlet
+
+    if ensemble not in ("langevin", "nve"):
+        raise ValueError(f"ensemble must be langevin or nve, not {ensemble!r}")
+    atoms = Atoms(numbers=numbers, positions=positions)
+    atoms.calc = calc
+    atoms.set_constraint(FixCom())  # no centre-of-mass drift (ASE's advice over fixcm)
+    rng = np.random.default_rng(seed)
+    vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature, rng=rng)
+    vd.Stationary(atoms)
+    if len(atoms) > 2:
+        with np.errstate(invalid="ignore", divide="ignore"):  # linear molecules: Ip = 0
+            vd.ZeroRotation(atoms)
+    traj = Trajectory()
+    w0, c0 = time.perf_counter(), time.thread_time()
+    lang = Langevin(atoms, timestep_fs * units.fs, temperature_K=temperature,
+                    friction=friction_per_fs / units.fs, fixcm=False, rng=rng)
+    try:
+        if ensemble == "nve" and thermalise_steps > 0:
+            lang.run(thermalise_steps)
+        dyn = lang if ensemble == "langevin" else VelocityVerlet(atoms, timestep_fs * units.fs)
+        epot = atoms.get_potential_energy()
+        mon = StabilityMonitor(atoms.numbers, atoms.positions, epot, criteria)
+        done = 0
+
+        def record() -> None:
+            ep = float(atoms.get_potential_energy())
+            traj.times_ps.append(done * timestep_fs / 1000.0)
+            traj.positions.append(atoms.get_positions())
+            traj.potential.append(ep)
+            traj.total.append(ep + float(atoms.get_kinetic_energy()))
+
+        record()
+        while done < steps:
+            k = min(record_every, steps - done)
+            with np.errstate(all="ignore"):
+                dyn.run(k)
+            done += k
+            record()
+            why = mon.check(traj.positions[-1], traj.potential[-1])
+            if why is not None:
+                traj.reason, traj.failed_at_ps = why, traj.times_ps[-1]
+                break
+    except Exception as exc:  # noqa: BLE001 - a calculator that breaks down is a failure
+        traj.reason = f"calculator error: {type(exc).__name__}: {exc}"[:200]
+        traj.failed_at_ps = traj.times_ps[-1] if traj.times_ps else 0.0
+    traj.steps = (thermalise_steps if ensemble == "nve" else 0) + round(
+        (traj.times_ps[-1] if traj.times_ps else 0.0) * 1000.0 / timestep_fs)
+    traj.wall_s, traj.cpu_s = time.perf_counter() - w0, time.thread_time() - c0
+    return traj
