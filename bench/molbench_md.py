@@ -200,7 +200,8 @@ def run_md(numbers: np.ndarray, positions: np.ndarray, calc: Any, temperature: f
     atoms.calc = calc
     atoms.set_constraint(FixCom())  # no centre-of-mass drift (ASE's advice over fixcm)
     rng = np.random.default_rng(seed)
-    vd.MaxwellBoltzmannDistribution(atoms, temperature_K=temperature, rng=rng)
+    thermalise = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
+    thermalise(atoms, temperature_K=temperature, rng=rng)
     vd.Stationary(atoms)
     if len(atoms) > 2:
         with np.errstate(invalid="ignore", divide="ignore"):  # linear molecules: Ip = 0
