@@ -91,12 +91,32 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
     return run
 
 
+def md_summary(path: str) -> dict[str, Any]:
+    """The MD-stability numbers of a bench/md_stability.py result (exit 2 if unreadable)."""
+    import json
+
+    try:
+        d = json.loads(Path(path).read_text())
+        return {"md_stable_fraction": d["md_stable_fraction"], "source": path,
+                "commit": d["commit"], "dirty": d.get("dirty"),
+                "nve_abs_drift_eV_per_atom_per_ps": d.get("nve_abs_drift_eV_per_atom_per_ps"),
+                "md": next(iter(d["settings"].values()), {}).get("md"),
+                "budget_thread_cpu_s": next(iter(d["settings"].values()), {}).get("budget_thread_cpu_s")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        fail(f"--md-result {path}: not a bench/md_stability.py result ({type(exc).__name__}: {exc})")
+        raise  # unreachable: fail exits
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_args(ap, default_out="bench/results/model_accuracy.json", rounds=3)
     add_training_args(ap)
     ap.add_argument("--no-save-pretrained", dest="save_pretrained", action="store_false")
+    ap.add_argument("--md-result", default=None,
+                    help="a bench/md_stability.py JSON whose md_stable_fraction (with its "
+                         "commit and settings) is carried into this result's top level")
     args = ap.parse_args()
+    md = md_summary(args.md_result) if args.md_result else None
     if not 1 <= args.rounds <= args.folds:
         fail(f"--rounds {args.rounds} must be between 1 and --folds {args.folds}")
     names, skipped, mace_version = resolve_sides(args.models)
@@ -120,6 +140,9 @@ def main() -> None:
             res.headline[f"energy_mae_ratio_ours_to_{p}_per_fold"] = ratios
         res.headline["energy_mae_median_eV"] = {n: res.median(n, "energy_mae") for n in names}
         res.headline["force_mae_median_eV_per_A"] = {n: res.median(n, "force_mae") for n in names}
+    if md is not None:
+        res.headline["md_stable_fraction"] = md.pop("md_stable_fraction")
+        res.extra["md_stability"] = md
     write_result(res, args)
 
 
