@@ -95,7 +95,8 @@ def simulate(calc_of: Any, starts: list[dict[str, Any]], args: argparse.Namespac
     from tqdm import tqdm
 
     steps = round(args.ps * 1000 / args.timestep)
-    out: dict[str, Any] = {"langevin": {T: [] for T in temperatures}, "nve": []}
+    out: dict[str, Any] = {"langevin": {T: [] for T in temperatures}, "nve": [], "steps": steps,
+                           "record_every": args.record_every}
     jobs = [(T, i) for T in temperatures for i in range(len(starts))]
     if nve:
         jobs += [("nve", i) for i in range(len(starts))]
@@ -148,6 +149,10 @@ def md_metrics(runs: dict[str, Any], temperatures: list[float], edges: np.ndarra
             steps, wall, cpu = steps + t.steps, wall + t.wall_s, cpu + t.cpu_s
     g = density(runs["langevin"][temperatures[0]], edges)
     row[f"rdf_{temperatures[0]:g}K"] = g.tolist()
+    # a failed trajectory contributes its frames up to the failure: how much of the whole
+    frames = [len(t.positions) for t in runs["langevin"][temperatures[0]]]
+    full = len(starts) * (1 + -(-runs["steps"] // runs["record_every"]))
+    row[f"rdf_frame_coverage_{temperatures[0]:g}K"] = sum(frames) / max(full, 1)
     if ref_density is not None:
         row[f"rdf_distance_to_xtb_{temperatures[0]:g}K"] = rdf_distance(g, ref_density, edges)
     row.update(md_steps=int(steps), md_wall_seconds=wall, md_seconds_per_step=wall / max(steps, 1),
@@ -264,7 +269,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    else "bench/molbench_md.py:PotentialCalculator"}) for n in names]
     res = interleave("md_stability", sides, rounds=args.rounds, differences=differences(args, names)
                      + ["every side runs MD from the same starts with the same velocity seeds; "
-                        "the xTB reference too"])
+                        "the xTB reference too",
+                        "a trajectory that failed adds its frames up to the failure to its side's "
+                        "RDF (rdf_frame_coverage_*: the fraction of all frames present), so a side "
+                        "that fails early is compared on near-start geometries"])
     res.extra["data"] = folds.describe(f"fold {args.fold}'s training molecules train every side; "
                                        f"{len(starts)} of its held-out molecules run MD")
     res.extra["xtb_reference"] = ref

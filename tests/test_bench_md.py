@@ -156,5 +156,7 @@ def test_tiny_real_md_run_through_the_bench(xtb_records):
         assert (frac == 1.0) == (not row[f"failure_reasons_{tag}"])
     assert len(row["nve_drift_eV_per_atom_per_ps"]) == 1
     assert 0.0 <= row["rdf_distance_to_xtb_300K"] <= 2.0
+    assert ref["rdf_frame_coverage_300K"] == 1.0  # 20 steps / 5 + the start = 5 frames, all there
+    assert 0.0 < row["rdf_frame_coverage_300K"] <= 1.0
     assert row["md_steps"] > 0 and row["md_seconds_per_step"] > 0
     assert res.median("ours", "stable_fraction_300K") == row["stable_fraction_300K"]
