@@ -2,7 +2,7 @@
 
 scripts/netemu.sh builds two network namespaces ("nodes") joined by one veth pair
 shaped with tc tbf (the "inter-node" link); 4 gloo ranks run bench/collectives_worker.py
-(2 per node). At each shaped bandwidth, in interleaved rounds (the variant order
+(2 per node, each node's ranks pinned to one CPU). At each shaped bandwidth, in interleaved rounds (the variant order
 rotates per round), it measures per training step the bytes leaving node A on the
 link (interface counters) and the step time for: flat ring DDP (ranks node-contiguous),
 flat with a scattered placement (ranks 0,2 on node A), hierarchical DDP, hierarchical
@@ -68,6 +68,11 @@ from convergent.train import commcost as cc  # noqa: E402
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
 CALIB = [65536, 262144, 1048576, 4194304]
+# each emulated node's ranks pinned to a CPU of their own (taskset), as real nodes have:
+# unpinned, four ranks migrate over two cores and the same variant's communication time
+# spread by up to 42% between rounds (unshaped; 26% at 1 Gbit/s), pinned by up to 20%
+_cpus = sorted(os.sched_getaffinity(0))
+NODE_CPUS = [_cpus[0], _cpus[1 % len(_cpus)]]
 # link figures by plain least squares (the variants move 0.25-4 MiB per collective); the
 # phases α-β per size regime (commcost.Regimes: through adjacent calibration sizes)
 FIT = "absolute"
@@ -93,7 +98,7 @@ def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out:
         argv += ["--calib", ",".join(map(str, CALIB)), "--calib-phases", ",".join(calib)]
     if eval_at:
         argv += ["--eval-at", eval_at]
-    procs = net.spawn(argv, placement, port=port, log_dir=out.parent)
+    procs = net.spawn(argv, placement, port=port, log_dir=out.parent, node_cpus=NODE_CPUS)
     codes = wait_all(procs, timeout=600)
     if codes != [0] * len(procs):
         logs = (out.parent / "rank0.log").read_text()[-3000:]

@@ -70,8 +70,11 @@ class EmulatedNetwork:
     def spawn(
         self, argv: Sequence[str], node_of_rank: Sequence[int], port: int = 29611,
         env: dict[str, str] | None = None, log_dir: Path | None = None,
+        node_cpus: Sequence[int] | None = None,
     ) -> list[subprocess.Popen]:
-        """Start one process per rank, rank ``r`` on node ``node_of_rank[r]``."""
+        """Start one process per rank, rank ``r`` on node ``node_of_rank[r]``; with
+        ``node_cpus``, every rank of node ``n`` is pinned to CPU ``node_cpus[n]`` (a node
+        has a CPU of its own, as real nodes do, instead of all ranks sharing every core)."""
         if node_of_rank[0] != 0:
             raise ValueError("rank 0 must be on node 0 (it hosts the store)")
         world = len(node_of_rank)
@@ -87,8 +90,9 @@ class EmulatedNetwork:
                 CONVERGENT_NETEMU_DEV=self.dev(node),
             )
             out = open(log_dir / f"rank{r}.log", "w") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+            pin = ["taskset", "-c", str(node_cpus[node])] if node_cpus is not None else []
             procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", self.ns(node), *argv], env=e,
+                ["ip", "netns", "exec", self.ns(node), *pin, *argv], env=e,
                 stdout=out, stderr=subprocess.STDOUT,
             ))
         return procs
