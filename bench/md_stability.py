@@ -57,6 +57,7 @@ from molbench_sides import (  # noqa: E402
     PEERS,
     Folds,
     add_training_args,
+    check_data_args,
     common_settings,
     differences,
     fail,
@@ -242,6 +243,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for ok, msg in checks:
         if not ok:
             fail(msg)
+    check_data_args(args)
     return args
 
 

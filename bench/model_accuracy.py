@@ -48,6 +48,7 @@ from molbench_sides import (  # noqa: E402
     Folds,
     add_training_args,
     autocast_of,
+    check_data_args,
     common_settings,
     differences,
     fail,
@@ -119,6 +120,7 @@ def main() -> None:
     md = md_summary(args.md_result) if args.md_result else None
     if not 1 <= args.rounds <= args.folds:
         fail(f"--rounds {args.rounds} must be between 1 and --folds {args.folds}")
+    check_data_args(args)
     names, skipped, mace_version = resolve_sides(args.models)
     check_clean(args)
     torch.set_num_threads(1)

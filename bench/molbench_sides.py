@@ -3,9 +3,10 @@
 bench/model_accuracy.py (accuracy at equal budget) and bench/md_stability.py (MD with the
 trained models) train every side the same way: the same datasets (:data:`DATASETS`), the
 same molecule-wise folds (:class:`Folds`), the same model settings and training protocol
-(:func:`add_training_args`, :func:`build`, :func:`train_side`), the same side names and
-checks (:func:`resolve_sides`) and the same settings record in the JSON
-(:func:`common_settings`, :func:`side_settings`).
+(:func:`add_training_args`, :func:`check_data_args`, :func:`build`, :func:`train_side`),
+the same side names and checks (:func:`resolve_sides`) and the same settings record in the
+JSON (:func:`common_settings`, :func:`side_settings`). ``nci2k`` (bench/nci2k.py) is split
+by Bemis-Murcko scaffold instead, so no test scaffold is in training (asserted per fold).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import torch
 from molbench import (
     OurPotential,
     SpkPotential,
+    group_folds,
     molecule_folds,
     train_for,
     xtb_dataset,
     xtb_nci_dataset,
 )
 from molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
+from nci2k import Nci2kSettings, scaffold_group, split_report
+from nci2k import load as nci2k_load
 
 PEERS = ("schnet", "painn", "mace")
 SPK_PEERS = ("schnet", "painn")
@@ -34,6 +38,7 @@ BATCH_ATOMS = 256
 DATASETS = {
     "nci": (xtb_nci_dataset, "GFN2-xTB (tblite) on the NCI compounds shipped with RDKit: neutral, "
                              "H/C/N/O/F, <= 20 atoms, 8 structures each (ETKDGv3 + MMFF94, rattled)"),
+    "nci2k": (nci2k_load, Nci2kSettings().describe() + "; scaffold-split (Bemis-Murcko)"),
     "g2": (xtb_dataset, "GFN2-xTB (tblite) on rattled G2 molecules (closed shell, H/C/N/O/F, "
                         "<= 12 atoms, 25 each)"),
 }
@@ -50,7 +55,11 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dataset", default="nci", choices=sorted(DATASETS))
     ap.add_argument("--budget", type=float, default=15.0,
                     help="thread-CPU seconds of training per model and fold")
-    ap.add_argument("--folds", type=int, default=5, help="molecule-wise CV folds")
+    ap.add_argument("--folds", type=int, default=5,
+                    help="molecule-wise CV folds (nci2k: scaffold-grouped)")
+    ap.add_argument("--data-chunks", type=int, default=None,
+                    help="nci2k only: use the first N chunks of 100 compounds (default: all; "
+                         "missing chunks are built first, resumably)")
     ap.add_argument("--lr", type=float, default=3e-3,
                     help="Adam LR of every model at every budget (3e-3: what the old per-model "
                          "probes picked for ours, schnet and painn at most budgets)")
@@ -71,6 +80,12 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mace-hidden-irreps", default=MACE_DEFAULTS["hidden_irreps"],
                     help="MACE's hidden irreps (its own default 128x0e+128x1o is large for a "
                          "CPU budget)")
+
+
+def check_data_args(args: argparse.Namespace) -> None:
+    """The data flags' cross-checks (exit 2 with one line, before any work)."""
+    if args.data_chunks is not None and (args.dataset != "nci2k" or args.data_chunks < 1):
+        fail(f"--data-chunks {args.data_chunks}: only with --dataset nci2k, and >= 1")
 
 
 def resolve_sides(models: str | None, allowed: tuple[str, ...] = SIDES) -> tuple[list[str], dict[str, str], str | None]:
@@ -136,7 +151,10 @@ class Folds:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.records = DATASETS[args.dataset][0]()
+        if args.dataset == "nci2k":  # built (resumably) on first use; --data-chunks: a part
+            self.records = nci2k_load(chunks=args.data_chunks)
+        else:
+            self.records = DATASETS[args.dataset][0]()
         self._cache: dict[int, tuple[list, list, Any]] = {}
 
     def get(self, fold: int) -> tuple[list, list, Any]:
@@ -144,17 +162,29 @@ class Folds:
 
         if fold not in self._cache:
             self._cache.clear()
-            tr, te = molecule_folds(self.records, self.args.folds, fold, seed=0)
+            if self.args.dataset == "nci2k":  # test scaffolds are never in training
+                tr, te = group_folds(self.records, scaffold_group, self.args.folds, fold, seed=0)
+                shared = ({scaffold_group(self.records[i]) for i in tr}
+                          & {scaffold_group(self.records[i]) for i in te})
+                assert not shared, f"fold {fold}: scaffold groups in train and test: {sorted(shared)[:3]}"
+            else:
+                tr, te = molecule_folds(self.records, self.args.folds, fold, seed=0)
             train, test = [self.records[i] for i in tr], [self.records[i] for i in te]
             self._cache[fold] = (train, test, fit_reference_energies(train))
         return self._cache[fold]
 
     def describe(self, rounds_note: str) -> dict[str, Any]:
-        recs = self.records
-        return {"dataset": self.args.dataset, "source": DATASETS[self.args.dataset][1],
-                "structures": len(recs), "molecules": len({r["molecule_id"] for r in recs}),
-                "split": f"molecule-wise {self.args.folds}-fold CV (molecules shuffled, seed 0); "
-                         + rounds_note}
+        recs, n = self.records, self.args.folds
+        out = {"dataset": self.args.dataset, "source": DATASETS[self.args.dataset][1],
+               "structures": len(recs), "molecules": len({r["molecule_id"] for r in recs}),
+               "split": f"molecule-wise {n}-fold CV (molecules shuffled, seed 0); " + rounds_note}
+        if self.args.dataset == "nci2k":
+            out["split"] = (f"scaffold-grouped {n}-fold CV (Bemis-Murcko groups shuffled with "
+                            "seed 0, dealt largest first to the smallest fold); " + rounds_note
+                            + "; no test scaffold in training (asserted per fold)")
+            out["scaffolds"] = split_report(recs, n, seed=0)
+            out["data_chunks"] = self.args.data_chunks or "all"
+        return out
 
 
 def autocast_of(name: str) -> Any:

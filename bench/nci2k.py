@@ -25,6 +25,7 @@ Everything lives under ``bench/data/nci2k_v1/`` (git-ignored). Energies eV, forc
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import sys
@@ -87,7 +88,8 @@ class Compound:
 ROOT = DATA / "nci2k_v1"
 
 
-def compounds(settings: Nci2kSettings = Nci2kSettings()) -> list[Compound]:
+@functools.lru_cache(maxsize=4)
+def compounds(settings: Nci2kSettings = Nci2kSettings()) -> tuple[Compound, ...]:
     """The compounds that pass the filter, in the seeded shuffled build order."""
     from rdkit import Chem, RDLogger
     from rdkit.Chem import Descriptors
@@ -109,14 +111,43 @@ def compounds(settings: Nci2kSettings = Nci2kSettings()) -> list[Compound]:
     order = sorted(keep, key=lambda s: (stable_int("nci2k", settings.seed, s), s))
     if settings.max_compounds is not None:
         order = order[: settings.max_compounds]
-    return [Compound(f"nci2k-{i:04d}", s, scaffold_of({"meta": {"smiles": s}}))
-            for i, s in enumerate(order)]
+    return tuple(Compound(f"nci2k-{i:04d}", s, scaffold_of({"meta": {"smiles": s}}))
+                 for i, s in enumerate(order))
 
 
 def scaffold_group(rec: dict[str, Any]) -> str:
     """The split group of a record: its Murcko scaffold, or ``acyclic:<molecule>`` (the
     rule of convergent.analytics.split: an acyclic molecule is its own group)."""
     return rec["scaffold"] or f"acyclic:{rec['molecule_id']}"
+
+
+def split_report(records: list[dict[str, Any]], n_folds: int, seed: int = 0) -> dict[str, Any]:
+    """Scaffold counts of ``records`` and of each fold of the scaffold-grouped split
+    (molbench.group_folds by :func:`scaffold_group`), with the groups on both sides (0)."""
+    from molbench import group_folds
+
+    ring = {r["scaffold"] for r in records if r["scaffold"]}
+    comps = {r["molecule_id"] for r in records}
+    acyclic = {r["molecule_id"] for r in records if not r["scaffold"]}
+    per_scaffold: dict[str, set[str]] = {}
+    for r in records:
+        per_scaffold.setdefault(scaffold_group(r), set()).add(r["molecule_id"])
+    biggest = max(per_scaffold.items(), key=lambda kv: len(kv[1]))
+    folds = []
+    for k in range(n_folds):
+        tr, te = group_folds(records, scaffold_group, n_folds, k, seed)
+        gtr, gte = ({scaffold_group(records[i]) for i in idx} for idx in (tr, te))
+        folds.append({"fold": k, "test_structures": len(te), "train_structures": len(tr),
+                      "test_compounds": len({records[i]["molecule_id"] for i in te}),
+                      "test_ring_scaffolds": len({g for g in gte if not g.startswith("acyclic:")}),
+                      "test_acyclic_compounds": sum(g.startswith("acyclic:") for g in gte),
+                      "scaffold_groups_in_train_and_test": len(gtr & gte)})
+    return {"compounds": len(comps), "structures": len(records), "ring_scaffolds": len(ring),
+            "acyclic_compounds": len(acyclic), "groups": len(per_scaffold),
+            "largest_scaffold": {"scaffold": biggest[0], "compounds": len(biggest[1])},
+            "rule": "Bemis-Murcko scaffold (RDKit, convergent.analytics.split.scaffold_of) of the "
+                    "compound's SMILES; an acyclic compound is its own group",
+            "folds": folds}
 
 
 def _chunks(settings: Nci2kSettings) -> list[list[Compound]]:
