@@ -3,7 +3,11 @@
 Data (``--dataset``): GFN2-xTB energies/forces (tblite). ``nci`` (default): the NCI
 compounds shipped with RDKit that are neutral, H/C/N/O/F and <= 20 atoms, 8 structures
 each (ETKDGv3 + MMFF94 embeddings with their own seeds, so torsions differ, then
-rattled). ``g2``: 62 rattled G2 molecules, 25 each (too few compounds for a headline;
+rattled). ``nci2k`` (bench/nci2k.py): 2,324 NCI compounds (H/C/N/O/F/S/Cl, <= 30 atoms),
+3 ETKDGv3+MMFF94 conformers each plus 3 xTB-MD frames (300 K) per conformer, built by
+resumable simulation campaigns on Dask (``--data-chunks N``: only the first N chunks of
+100 compounds), split by Bemis-Murcko scaffold so no test scaffold is in training.
+``g2``: 62 rattled G2 molecules, 25 each (too few compounds for a headline;
 it also writes bench/data/xtb_pretrained for bench/transfer.py).
 
 Sides are the models (``--models``; default ours, schnet, painn, and mace when mace-torch
