@@ -233,31 +233,6 @@ def molecule_folds(records: list[dict[str, Any]], n_folds: int, fold: int, seed:
     return tr, te
 
 
-def group_folds(records: list[dict[str, Any]], group_of: Any, n_folds: int, fold: int,
-                seed: int = 0) -> tuple[list[int], list[int]]:
-    """Indices (train, test) of fold ``fold`` of a ``n_folds``-fold split by groups
-    (``group_of(record)``, e.g. a Murcko scaffold): groups are shuffled with ``seed``, then
-    dealt largest first to the fold with the fewest records, so no group is on both sides
-    and folds hold about equal numbers of records."""
-    if not 0 <= fold < n_folds:
-        raise ValueError(f"fold {fold} outside 0..{n_folds - 1}")
-    sizes: dict[str, int] = {}
-    for r in records:
-        g = group_of(r)
-        sizes[g] = sizes.get(g, 0) + 1
-    groups = sorted(sizes)
-    np.random.default_rng(seed).shuffle(groups)
-    groups.sort(key=lambda g: -sizes[g])  # stable: equal sizes keep the shuffled order
-    load, where = [0] * n_folds, {}
-    for g in groups:
-        k = int(np.argmin(load))
-        where[g] = k
-        load[k] += sizes[g]
-    te = [i for i, r in enumerate(records) if where[group_of(r)] == fold]
-    tr = [i for i, r in enumerate(records) if where[group_of(r)] != fold]
-    return tr, te
-
-
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "label-dft":
     import ase.io
 

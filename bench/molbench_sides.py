@@ -21,14 +21,13 @@ import torch
 from molbench import (
     OurPotential,
     SpkPotential,
-    group_folds,
     molecule_folds,
     train_for,
     xtb_dataset,
     xtb_nci_dataset,
 )
 from molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
-from nci2k import Nci2kSettings, scaffold_group, split_report
+from nci2k import Nci2kSettings, group_folds, scaffold_group, split_report
 from nci2k import load as nci2k_load
 
 PEERS = ("schnet", "painn", "mace")

@@ -14,8 +14,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 pytest.importorskip("tblite")
 pytest.importorskip("rdkit")
-from molbench import group_folds  # noqa: E402
-from nci2k import Nci2kSettings, build, compounds, load, scaffold_group, split_report  # noqa: E402
+from nci2k import (  # noqa: E402
+    Nci2kSettings,
+    build,
+    compounds,
+    group_folds,
+    load,
+    scaffold_group,
+    split_report,
+)
 
 TINY = Nci2kSettings(max_compounds=3, n_conf=2, md_frames=2, md_interval=3, md_warmup=1,
                      chunk_compounds=2)
