@@ -227,6 +227,12 @@ def _cpu_s() -> float:
     return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
+def _workers_cpu_s(client: Any) -> float:
+    """Summed CPU seconds of the Dask workers' processes so far (a worker restarted in
+    between would make a per-chunk difference too small; the campaign reports restarts)."""
+    return float(sum(client.run(time.process_time).values()))
+
+
 def build(settings: Nci2kSettings = Nci2kSettings(), root: Path = ROOT, chunks: int | None = None,
           client: Any = None, progress: bool = True) -> dict[str, Any]:
     """Build (or resume) the first ``chunks`` chunks (None: all). Returns what was done;
@@ -261,11 +267,12 @@ def build(settings: Nci2kSettings = Nci2kSettings(), root: Path = ROOT, chunks: 
             import ase.io
 
             n = len(ase.io.read(src, index=":"))
-            t = time.perf_counter()
+            t, wc = time.perf_counter(), _workers_cpu_s(cl)
             summaries = {name: run_campaign(sim, ClusterConfig(), d / name, progress=progress,
                                             client=cl).to_dict()
                          for name, sim in _sims(src, n, settings).items()}
             line = {"chunk": c, "conformers": n, "wall_s": time.perf_counter() - t,
+                    "workers_cpu_s": _workers_cpu_s(cl) - wc,
                     **{f"{k}_{f}": s[f] for k, s in summaries.items()
                        for f in ("done", "skipped", "quarantined", "calc_s", "n_calcs", "task_wall_s")}}
             atomic_write_text(d / "done.json", json.dumps(line, indent=1))

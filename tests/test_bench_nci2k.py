@@ -62,6 +62,8 @@ def test_compounds_filter_and_order():
 def test_build_labels_conformers_and_md_frames(built):
     root, first, _, _ = built
     assert first["chunks_total"] == 2 and first["built"] == [0, 1]
+    line = json.loads((root / "build.jsonl").read_text().splitlines()[0])
+    assert line["workers_cpu_s"] > 0 and line["md_done"] == line["conformers"] * TINY.md_frames
     recs = load(TINY, root, build_missing=False)
     comps = compounds(TINY)
     assert {r["molecule_id"] for r in recs} == {c.smiles for c in comps}
