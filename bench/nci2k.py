@@ -74,7 +74,7 @@ class Nci2kSettings:
                 f"SMILES; {self.n_conf} ETKDGv3+MMFF94 conformers each (labelled as is) plus "
                 f"{self.md_frames} Langevin xTB-MD frames per conformer ({self.md_temperature:g} K, "
                 f"{self.md_timestep_fs:g} fs step, friction {self.md_friction:g}/fs, frames at "
-                f"{self.md_warmup}+k*{self.md_interval} steps); built by convergent's "
+                f"steps {self.md_warmup}+{self.md_interval}k, k=1..{self.md_frames}); built by convergent's "
                 "simulation campaign on Dask")
 
 
