@@ -148,7 +148,7 @@ def group_folds(records: list[dict[str, Any]], group_of: Any, n_folds: int, fold
 
 def split_report(records: list[dict[str, Any]], n_folds: int, seed: int = 0) -> dict[str, Any]:
     """Scaffold counts of ``records`` and of each fold of the scaffold-grouped split
-    (molbench.group_folds by :func:`scaffold_group`), with the groups on both sides (0)."""
+    (:func:`group_folds` by :func:`scaffold_group`), with the groups on both sides (0)."""
     ring = {r["scaffold"] for r in records if r["scaffold"]}
     comps = {r["molecule_id"] for r in records}
     acyclic = {r["molecule_id"] for r in records if not r["scaffold"]}

@@ -121,3 +121,48 @@ def test_scaffold_folds_never_share_a_scaffold(built):
     assert all(f["scaffold_groups_in_train_and_test"] == 0 for f in rep["folds"])
     n_benz = 3 + sum(c.scaffold == "c1ccccc1" for c in compounds(TINY))
     assert rep["largest_scaffold"] == {"scaffold": "c1ccccc1", "compounds": n_benz}
+
+
+def test_the_benches_folds_of_nci2k_are_scaffold_grouped(built, monkeypatch):
+    """molbench_sides.Folds (model_accuracy's and md_stability's data) on the tiny build:
+    no scaffold on both sides of any fold, every record tested once, the scaffold counts
+    in describe() (the JSON's extra.data)."""
+    import argparse
+
+    import molbench_sides
+
+    root, *_ = built
+    # the tiny build stands in for the default cache (bench/data/nci2k_v1)
+    monkeypatch.setattr(molbench_sides, "nci2k_load",
+                        lambda chunks: load(TINY, root, chunks=chunks, build_missing=False))
+    ap = argparse.ArgumentParser()
+    molbench_sides.add_training_args(ap)
+    args = ap.parse_args(["--dataset", "nci2k", "--folds", "2", "--data-chunks", "1"])
+    molbench_sides.check_data_args(args)  # valid: no exit
+    folds = molbench_sides.Folds(args)
+    assert {r["cid"] for r in folds.records} == {c.cid for c in compounds(TINY)[:2]}  # chunk 0
+    tested = []
+    for k in range(2):
+        train, test, _ = folds.get(k)
+        assert not {scaffold_group(r) for r in train} & {scaffold_group(r) for r in test}
+        tested += [r["key"] for r in test]
+    assert sorted(tested) == sorted(r["key"] for r in folds.records)
+    d = folds.describe("round r = fold r")
+    assert d["split"].startswith("scaffold-grouped 2-fold") and d["data_chunks"] == 1
+    assert d["scaffolds"]["compounds"] == 2 and len(d["scaffolds"]["folds"]) == 2
+    assert all(f["scaffold_groups_in_train_and_test"] == 0 for f in d["scaffolds"]["folds"])
+
+
+@pytest.mark.parametrize("flags", [["--dataset", "nci", "--data-chunks", "2"],
+                                   ["--dataset", "nci2k", "--data-chunks", "0"]])
+def test_bad_data_chunks_exit_2_with_one_line(flags, tmp_path):
+    import subprocess
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    for script in ("model_accuracy.py", "md_stability.py"):
+        p = subprocess.run([sys.executable, str(bench / script), *flags, "--out",
+                            str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, (script, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and "--data-chunks" in lines[0], (script, p.stderr)
+    assert not (tmp_path / "x.json").exists()
