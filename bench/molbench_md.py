@@ -189,23 +189,17 @@ def run_md(numbers: np.ndarray, positions: np.ndarray, calc: Any, temperature: f
     unphysical frame (checked every ``record_every`` steps) or calculator error. The centre
     of mass is held by ``FixCom`` (Langevin's ``fixcm`` is deprecated in ASE 3.28+)."""
     from ase import Atoms, units
-    from ase.constraints import FixCom
-    from ase.md import velocitydistribution as vd
     from ase.md.langevin import Langevin
     from ase.md.verlet import VelocityVerlet
+
+    from convergent.sim.samplers import thermalise
 
     if ensemble not in ("langevin", "nve"):
         raise ValueError(f"ensemble must be langevin or nve, not {ensemble!r}")
     atoms = Atoms(numbers=numbers, positions=positions)
     atoms.calc = calc
-    atoms.set_constraint(FixCom())  # no centre-of-mass drift (ASE's advice over fixcm)
     rng = np.random.default_rng(seed)
-    thermalise = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
-    thermalise(atoms, temperature_K=temperature, rng=rng)
-    vd.Stationary(atoms)
-    if len(atoms) > 2:
-        with np.errstate(invalid="ignore", divide="ignore"):  # linear molecules: Ip = 0
-            vd.ZeroRotation(atoms)
+    thermalise(atoms, temperature, rng)  # the same rng then drives Langevin's noise
     traj = Trajectory()
     w0, c0 = time.perf_counter(), time.thread_time()
     lang = Langevin(atoms, timestep_fs * units.fs, temperature_K=temperature,

@@ -44,6 +44,22 @@ def md_seed(seed: int, molecule_id: str, temperature: float, replica: int) -> in
     return stable_int("md", seed, molecule_id, f"{float(temperature):g}", replica)
 
 
+def thermalise(atoms, temperature: float, rng: np.random.Generator) -> None:  # noqa: ANN001
+    """Hold ``atoms``' centre of mass (``FixCom``: ASE's advice over Langevin's deprecated
+    ``fixcm``) and draw seeded Maxwell-Boltzmann velocities at ``temperature`` K with no
+    net momentum or rotation."""
+    from ase.constraints import FixCom
+    from ase.md import velocitydistribution as vd
+
+    atoms.set_constraint(FixCom())
+    draw = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
+    draw(atoms, temperature_K=temperature, rng=rng)
+    vd.Stationary(atoms)
+    if len(atoms) > 2:
+        with np.errstate(invalid="ignore", divide="ignore"):  # linear molecules: Ip = 0
+            vd.ZeroRotation(atoms)
+
+
 def langevin_frames(
     mol: Molecule,
     calculator,
@@ -62,21 +78,13 @@ def langevin_frames(
     rotation); ``warmup`` steps run before the first saved frame. ``friction`` in 1/fs.
     A failing force call raises the calculator's exception; frames yielded before stay valid.
     """
-    from ase.constraints import FixCom
-    from ase.md import velocitydistribution as vd
     from ase.md.langevin import Langevin
     from ase.units import fs
 
     atoms = mol.to_atoms()
     atoms.calc = calculator
-    atoms.set_constraint(FixCom())  # no centre-of-mass drift
     rng = np.random.default_rng(md_seed(seed, mol.molecule_id, temperature, replica))
-    thermalize = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
-    thermalize(atoms, temperature_K=temperature, rng=rng)
-    vd.Stationary(atoms)
-    if len(atoms) > 2:
-        with np.errstate(invalid="ignore", divide="ignore"):  # linear molecules: Ip = 0
-            vd.ZeroRotation(atoms)
+    thermalise(atoms, temperature, rng)  # the same rng then drives Langevin's noise
     dyn = Langevin(
         atoms,
         timestep=timestep_fs * fs,
