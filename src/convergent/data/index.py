@@ -38,23 +38,32 @@ def pack_index(columns: dict[str, np.ndarray]) -> bytes:
     return head + b"".join(blobs)
 
 
-def unpack_index(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
-    """Inverse of :func:`pack_index` (arrays are read-only views of ``buf``)."""
+def column_table(read, index_len: int, where: str) -> dict[str, tuple[np.dtype, int, list[int]]]:
+    """The column table of an index of ``index_len`` bytes, read through ``read(offset,
+    n)`` (offsets from the index start): name -> (dtype, data offset from the index
+    start, shape), each column checked to lie inside the index."""
     try:
-        (hl,) = struct.unpack_from("<I", buf, 0)
-        table = json.loads(bytes(buf[4 : 4 + hl]))
+        (hl,) = struct.unpack("<I", read(0, 4))
+        if 4 + hl > index_len:
+            raise ValueError("column table past the index end")
         base = 4 + hl
         out = {}
-        for col in table:
+        for col in json.loads(bytes(read(4, hl))):
             dt = np.dtype(col["dtype"])
             count = int(np.prod(col["shape"])) if col["shape"] else 1
-            if col["offset"] + col["nbytes"] + base > len(buf) or count * dt.itemsize != col["nbytes"]:
+            if base + col["offset"] + col["nbytes"] > index_len or count * dt.itemsize != col["nbytes"]:
                 raise ValueError(f"column {col['name']!r} out of bounds")
-            arr = np.frombuffer(buf, dt, count, base + col["offset"]).reshape(col["shape"])
-            out[col["name"]] = arr
+            out[col["name"]] = (dt, base + col["offset"], list(col["shape"]))
         return out
     except (ValueError, KeyError, TypeError, struct.error) as exc:
         raise DataError(f"{where}: malformed shard index: {exc}") from None
+
+
+def unpack_index(buf: bytes | memoryview, where: str) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack_index` (arrays are read-only views of ``buf``)."""
+    table = column_table(lambda o, n: buf[o: o + n], len(buf), where)
+    return {name: np.frombuffer(buf, dt, int(np.prod(shape)) if shape else 1, off).reshape(shape)
+            for name, (dt, off, shape) in table.items()}
 
 
 def strings(cols: dict[str, np.ndarray], name: str) -> list[str]:

@@ -10,15 +10,14 @@ reads the requested column rows on demand with ``pread``.
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import zlib
 from pathlib import Path
 
 import numpy as np
 
 from convergent.data import format as fmt
+from convergent.data.index import column_table
 from convergent.data.manifest import ShardInfo
 from convergent.errors import DataError
 
@@ -69,22 +68,10 @@ class IndexScan:
 
     def _table(self, ends: fmt.ShardEnds) -> dict[str, tuple[np.dtype, int, int]]:
         """Column name -> (dtype, absolute file offset, count), bounds checked."""
-        where = f"shard {self.name} at offset {ends.index_offset}"
-        try:
-            (hl,) = struct.unpack("<I", self._read(ends.index_offset, 4))
-            if 4 + hl > ends.index_len:
-                raise ValueError("column table past the index end")
-            base = 4 + hl
-            out = {}
-            for col in json.loads(self._read(ends.index_offset + 4, hl)):
-                dt = np.dtype(col["dtype"])
-                count = int(np.prod(col["shape"])) if col["shape"] else 1
-                if base + col["offset"] + col["nbytes"] > ends.index_len or count * dt.itemsize != col["nbytes"]:
-                    raise ValueError(f"column {col['name']!r} out of bounds")
-                out[col["name"]] = (dt, ends.index_offset + base + col["offset"], count)
-            return out
-        except (ValueError, KeyError, TypeError, struct.error) as exc:
-            raise DataError(f"{where}: malformed shard index: {exc}") from None
+        table = column_table(lambda o, n: self._read(ends.index_offset + o, n), ends.index_len,
+                             f"shard {self.name} at offset {ends.index_offset}")
+        return {name: (dt, ends.index_offset + off, int(np.prod(shape)) if shape else 1)
+                for name, (dt, off, shape) in table.items()}
 
     def has(self, name: str) -> bool:
         """Whether the index holds column ``name`` (a string column: ``name.off``)."""
