@@ -94,7 +94,23 @@ def _collective(kind: str, full: torch.Tensor, part: torch.Tensor, pg) -> None: 
     work.wait()
 
 
-def calibrate(nodes: list[list[int]], sizes: list[int], reps: int,
+def level_groups(nodes: list[list[int]]) -> dict:
+    """This rank's process group and its size per level: ``world`` (the default group),
+    ``intra`` (its node), ``cross`` (the ranks of its local rank on every node). Every
+    rank creates every group, in the same order."""
+    rank = dist.get_rank()
+    L = len(nodes[0])
+    groups = {"intra": nodes, "cross": [[n[i] for n in nodes] for i in range(L)]}
+    mine: dict = {"world": (None, dist.get_world_size())}
+    for level, gs in groups.items():
+        for g in gs:
+            pg = dist.new_group(sorted(g))
+            if rank in g:
+                mine[level] = (pg, len(g))
+    return mine
+
+
+def calibrate(nodes: list[list[int]], mine: dict, sizes: list[int], reps: int,
               phases: list[str]) -> dict:
     """Median seconds per size of (a) a 2-rank all-reduce across nodes (``slow``) and
     inside one node (``fast``), one pair at a time: the raw link figures; (b) each
@@ -105,14 +121,6 @@ def calibrate(nodes: list[list[int]], sizes: list[int], reps: int,
     (c) ``copy``: the hierarchical hook's local passes over a bucket (copy in, scale,
     copy back; its work buffers are kept across steps) on every rank at once."""
     rank = dist.get_rank()
-    L = len(nodes[0])
-    groups = {"intra": nodes, "cross": [[n[i] for n in nodes] for i in range(L)]}
-    mine: dict = {"world": None}
-    for level, gs in groups.items():
-        for g in gs:
-            pg = dist.new_group(sorted(g))
-            if rank in g:
-                mine[level] = (pg, len(g))
     pairs = {"slow": [nodes[0][0], nodes[1][0]], "fast": nodes[0][:2]}
     pair_groups = {k: dist.new_group(sorted(v)) for k, v in pairs.items()}
     out: dict = {}
@@ -125,7 +133,7 @@ def calibrate(nodes: list[list[int]], sizes: list[int], reps: int,
                 reps)
     for phase in phases:
         level, kind = phase.split("_")
-        pg, p = mine[level] if level != "world" else (None, dist.get_world_size())
+        pg, p = mine[level]
         out[phase] = {}
         for size in sizes:
             n = size // 4 // p * p
@@ -244,18 +252,12 @@ def main() -> None:
                                  mesh_dim_names=("replicate", "shard"))}
     result: dict = {"nodes": nodes, "world": world, "variants": {}}
     if args.calib:
-        result["calibration"] = calibrate(nodes, [int(s) for s in args.calib.split(",")], 5,
+        mine = level_groups(nodes)
+        result["calibration"] = calibrate(nodes, mine, [int(s) for s in args.calib.split(",")], 5,
                                           [p for p in args.calib_phases.split(",") if p])
         n = sum(p.numel() for p in build(args.dim, args.layers).parameters())
-        L = len(nodes[0])
-        sync_groups = {"world": None}
-        for level, gs in (("intra", nodes), ("cross", [[n[i] for n in nodes] for i in range(L)])):
-            for g in gs:
-                pg = dist.new_group(sorted(g))
-                if rank in g:
-                    sync_groups[level] = pg
         result["calibration"]["sync_s"] = sync_cost(args.dim, args.layers, args.batch,
-                                                    sync_groups)
+                                                    {lv: pg for lv, (pg, _) in mine.items()})
         result["calibration"]["topk_compute_s"] = topk_compute(
             n // len(nodes[0]), args.topk_ratio, groups=len(nodes))
     eval_x, eval_y = batch(args.dim, 256, 999_999)
