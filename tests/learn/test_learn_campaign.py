@@ -150,3 +150,31 @@ def test_failed_label_is_quarantined_and_the_batch_refilled(tmp_path):
     assert again.labelled == [] and again.skipped == 3  # nothing is labelled twice
     q = [json.loads(x) for x in (data / "quarantine.jsonl").read_text().splitlines()]
     assert [e["key"] for e in q] == [bad.key] and "apart" in q[0]["reason"]
+
+
+def test_label_above_the_force_trust_limit_is_quarantined(tmp_path):
+    """A squeezed (but not too close) molecule is computed by xTB; its huge forces put it
+    in quarantine and the batch is refilled, so it never reaches the training data."""
+    from ase.build import molecule
+
+    from convergent.cluster import dask_client
+    from convergent.learn.engine import Pool
+    from convergent.learn.label import label_batch
+    from convergent.learn.pool import Candidate
+    from convergent.sim.calculators import CalcSpec
+    from convergent.sim.config import ClusterConfig
+
+    good = [Candidate.make(n, molecule(n).numbers, molecule(n).positions) for n in ("CH4", "H2O")]
+    squeezed = molecule("H2O")
+    squeezed.positions *= 0.62  # O-H 0.6 A: passes min_distance, forces of tens of eV/A
+    bad = Candidate.make("H2O-squeezed", squeezed.numbers, squeezed.positions)
+    ranked = [bad, good[0], good[1]]
+    data = tmp_path / "labels"
+    with dask_client(ClusterConfig(n_workers=1, dashboard_address=None)) as client:
+        pool = Pool(client, tmp_path / "timeline.jsonl")
+        out = label_batch(pool, data, ranked, 2, CalcSpec().to_dict(), rnd=1, strategy="random",
+                          chunk=1, max_force=20.0)
+    assert out.quarantined == [bad.key] and out.refills == 1
+    assert sorted(_keys(data)) == sorted(c.key for c in good)
+    q = [json.loads(x) for x in (data / "quarantine.jsonl").read_text().splitlines()]
+    assert [e["key"] for e in q] == [bad.key] and "learn.max_force=20" in q[0]["reason"]

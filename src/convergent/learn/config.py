@@ -61,6 +61,7 @@ class LearnConfig(Section):
     calculator: Literal["xtb", "dft", "emt"] = "xtb"
     dft_from_round: Count0 = 0  # 0: never; else label with PySCF from this round on
     min_distance: NonNegative = 0.5  # Å; closer atoms are quarantined
+    max_force: NonNegative = 50.0  # eV/Å; labels with a larger force are quarantined (0: off)
     # committee training (same compute per round for every strategy)
     train_steps: Count = 60  # optimiser steps per member per round
     first_train_steps: Count = 120  # steps of a cold start (round 1)

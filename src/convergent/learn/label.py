@@ -5,7 +5,9 @@ priority. Each finished chunk is appended to the dataset and committed at once (
 killed driver loses at most the chunks in flight), with provenance in every record's
 meta: round, strategy, score at selection, rank, origin. A structure whose calculation
 fails is quarantined (``<dataset>/quarantine.jsonl``) and the batch is refilled with the
-next candidate of the ranked list; a chunk whose worker dies is retried, then its
+next candidate of the ranked list, and so is a label whose largest force exceeds
+``max_force`` (a broken geometry or an unconverged calculation: one such label skews
+the element references and the committee for every later round); a chunk whose worker dies is retried, then its
 structures are quarantined. Keys already in the dataset or quarantined are never
 submitted again, so a resumed campaign labels nothing twice.
 """
@@ -18,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from convergent.data.writer import DatasetWriter
 from convergent.learn.engine import Pool
@@ -56,6 +60,25 @@ def _item(c: Candidate, prov: dict[str, Any]) -> dict[str, Any]:
             "meta": meta}
 
 
+def _trusted(records: list[dict[str, Any]], max_force: float, rnd: int
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``records`` split into those within the force trust limit and quarantine entries
+    for the others (``max_force`` 0: all trusted)."""
+    if max_force <= 0:
+        return list(records), []
+    keep, bad = [], []
+    for rec in records:
+        f = rec.get("forces")
+        fmax = float(np.abs(np.asarray(f, dtype=np.float64)).max()) if f is not None and len(f) else 0.0
+        if np.isfinite(fmax) and fmax <= max_force:
+            keep.append(rec)
+        else:
+            bad.append(quarantine_entry(rec["key"], str(rec.get("molecule_id", "")),
+                                        f"largest force {fmax:.4g} eV/A above learn.max_force={max_force:g}",
+                                        round=rnd))
+    return keep, bad
+
+
 def label_batch(
     pool: Pool,
     dataset: Path,
@@ -69,10 +92,12 @@ def label_batch(
     chunk: int = 2,
     retries: int = 1,
     min_distance: float = 0.5,
+    max_force: float = 0.0,
     log: Path | None = None,
     on_chunk: Callable[[int], None] | None = None,
 ) -> LabelOutcome:
-    """Label the first ``k`` usable candidates of ``ranked`` (refilling after failures)."""
+    """Label the first ``k`` usable candidates of ``ranked`` (refilling after failures;
+    ``max_force`` eV/Å > 0 quarantines labels with a larger force component)."""
     t0 = time.perf_counter()
     out = LabelOutcome()
     qlog = QuarantineLog(dataset / QUARANTINE_NAME)
@@ -130,6 +155,9 @@ def label_batch(
                 qlog.append([quarantine_entry(c.key, c.molecule_id, reason, round=rnd) for c in cands])
                 failed = [c.key for c in cands]
             else:
+                records, untrusted = _trusted(res.records, max_force, rnd)
+                res.records = records
+                res.quarantined = [*res.quarantined, *untrusted]
                 for rec in res.records:
                     writer.write(rec)
                 writer.flush()

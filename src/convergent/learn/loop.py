@@ -156,6 +156,7 @@ class Campaign:
         return label_batch(self.pool, dataset or self.p.labels, ranked, k, self.calc(rnd),
                            rnd=rnd, strategy=strategy, scores=scores, chunk=self.L.label_chunk,
                            retries=self.L.label_retries, min_distance=self.L.min_distance,
+                           max_force=self.L.max_force,
                            log=self.p.root / LABEL_LOG if dataset is None else None)
 
     # ---------------------------------------------------------------- round 0
