@@ -88,3 +88,19 @@ def test_candidates_round_trip_and_holdout_split_is_stable(tmp_path):
     ids = [f"m{i}" for i in range(400)]
     held = [i for i in ids if is_holdout(i, 0.25, 3)]
     assert 60 < len(held) < 140 and held == [i for i in ids if is_holdout(i, 0.25, 3)]
+
+
+def test_uncertainty_skips_near_copies_of_labelled_structures():
+    z, pos = WATER
+    copy = pos + np.array([[0.03, 0.0, 0.0], [0.0, 0.02, 0.0], [0.0, 0.0, 0.0]])  # a rattled conformer
+    other = pos.copy()
+    other[1, 0] += 0.5  # far from the labelled one
+    cands = [Candidate.make("w", z, copy), Candidate.make("w2", z, other),
+             Candidate.make("w3", z, other + np.array([[0.0, 0.0, 0.0], [0.3, 0.0, 0.0], [0.0, 0.0, 0.0]]))]
+    scores = np.array([0.9, 0.5, 0.1])
+    labelled = [(z, pos)]
+    assert select_batch(cands, scores, 2, tol=0.0) == [0, 1]  # the rule off: the copy first
+    assert select_batch(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.1) == [1, 2]
+    assert select_batch(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.0) == [0, 1]
+    # random ignores the rule (it is the baseline)
+    assert len(select_batch(cands, scores, 3, "random", labelled=labelled, labelled_tol=0.1)) == 3

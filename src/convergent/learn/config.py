@@ -30,7 +30,8 @@ class LearnConfig(Section):
     molecule) and from short surrogate-driven Langevin MD (``md_trajectories`` per round
     from labelled structures), scores them by committee disagreement, selects ``batch``
     by ``strategy`` (``uncertainty``: highest score first with no two structures of one
-    batch within ``diversity_tol`` Å of each other; ``random``: a seeded random draw),
+    batch within ``diversity_tol`` Å of each other, nor within ``labelled_tol`` Å of a
+    structure already labelled; ``random``: a seeded random draw),
     labels them on Dask and appends them with provenance. Stops at ``label_budget``
     labels, ``wall_budget_s`` seconds (0: off), ``target_energy_mae`` eV/atom on the
     held-out set (0: off) or after ``rounds`` rounds. ``pipelined``: exploration and
@@ -85,6 +86,7 @@ class LearnConfig(Section):
     # force-dominated score picks the most distorted structures, bench/active_learning.py)
     force_weight_score: NonNegative = 0.02
     diversity_tol: NonNegative = 0.05  # Å, sorted-distance fingerprint tolerance
+    labelled_tol: NonNegative = 0.0  # Å; > 0: skip candidates this close to a labelled structure
     max_per_molecule: Count0 = 0  # 0: no limit per molecule in one batch
     # stopping
     wall_budget_s: NonNegative = 0.0

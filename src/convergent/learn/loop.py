@@ -305,6 +305,19 @@ class Campaign:
             free = [free[i] for i in sorted(rng.choice(len(free), L.pool_sample, replace=False))]
         return free + [c for c in self.md_candidates(rnd) if c.key not in exclude]
 
+    def labelled_structures(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(numbers, positions) of every structure this campaign has labelled."""
+        from convergent.data.format import MANIFEST_NAME
+        from convergent.data.reader import open_dataset
+
+        if not (self.p.labels / MANIFEST_NAME).is_file():
+            return []
+        ds = open_dataset(self.p.labels)
+        try:
+            return [(np.asarray(r["numbers"]), np.asarray(r["positions"])) for r in (ds[i] for i in range(len(ds)))]
+        finally:
+            ds.close()
+
     def select(self, rnd: int, k: int) -> tuple[list[Candidate], dict[str, float]]:
         """The ranked candidates of round ``rnd`` (computed once, then read from disk)."""
         path = self.p.selection(rnd)
@@ -318,7 +331,9 @@ class Campaign:
         cands = self.candidates(rnd, exclude)
         scores = self.score(rnd, cands) if L.strategy == "uncertainty" else np.full(len(cands), np.nan)
         picked = select_batch(cands, scores, 2 * k + 4, L.strategy, L.diversity_tol,
-                              _seed("select", L.seed, rnd), exclude, L.max_per_molecule)
+                              _seed("select", L.seed, rnd), exclude, L.max_per_molecule,
+                              self.labelled_structures() if L.labelled_tol > 0 else (),
+                              L.labelled_tol)
         ranked = [cands[i] for i in picked]
         by = {cands[i].key: float(scores[i]) for i in picked if np.isfinite(scores[i])}
         atomic_write_text(path, json.dumps({

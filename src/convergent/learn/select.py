@@ -4,7 +4,11 @@ The score of a candidate is ``E_std / n_atoms + w * max_atoms |F_std|`` (eV/atom
 eV/Å from the committee spread, :mod:`convergent.screen.predict`). ``uncertainty``
 takes candidates in decreasing score and skips one that is a near-duplicate of a
 structure already in the batch: same atoms and sorted interatomic distances all within
-``tol`` Å (a fingerprint invariant to translation, rotation and atom order). ``random``
+``tol`` Å (a fingerprint invariant to translation, rotation and atom order); with
+``labelled_tol`` > 0 it also skips one within ``labelled_tol`` Å of a structure already
+labelled (a committee keeps disagreeing on hard chemistry, and without this rule it asks
+for near-copies of what it has: on the NCI pool of bench/active_learning.py, 53 of 176
+labels went to second or third conformers of a compound). ``random``
 draws a seeded random batch (the baseline). Already labelled or quarantined keys are
 never selected.
 """
@@ -50,8 +54,11 @@ def select_batch(
     seed: int = 0,
     exclude: set[str] | frozenset[str] = frozenset(),
     max_per_molecule: int = 0,
+    labelled: Sequence[tuple[np.ndarray, np.ndarray]] = (),
+    labelled_tol: float = 0.0,
 ) -> list[int]:
-    """Indices into ``cands`` of the batch, in selection order (at most ``k``)."""
+    """Indices into ``cands`` of the batch, in selection order (at most ``k``);
+    ``labelled``: (numbers, positions) of the structures labelled so far."""
     ok = [i for i, c in enumerate(cands) if c.key not in exclude]
     if strategy == "random":
         rng = np.random.default_rng(seed)
@@ -72,6 +79,10 @@ def select_batch(
     ok.sort(key=lambda i: (-s[i], cands[i].key))  # ties: by key, so the order is reproducible
     picked: list[int] = []
     prints: list[tuple[bytes, np.ndarray]] = []
+    known: dict[bytes, list[np.ndarray]] = {}  # labelled fingerprints by composition
+    for z, pos in (labelled if labelled_tol > 0 else ()):
+        atoms, dist = fingerprint(z, pos)
+        known.setdefault(atoms, []).append(dist)
     per_mol: Counter[str] = Counter()
     keys: set[str] = set()
     for i in ok:
@@ -82,6 +93,8 @@ def select_batch(
             continue
         fp = fingerprint(c.numbers, c.positions)
         if tol > 0 and any(near_duplicate(fp, q, tol) for q in prints):
+            continue
+        if any(near_duplicate(fp, (fp[0], d), labelled_tol) for d in known.get(fp[0], ())):
             continue
         picked.append(i)
         prints.append(fp)
