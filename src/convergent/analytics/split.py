@@ -178,13 +178,14 @@ class Written:
 
 
 _NONE = np.zeros(0, np.uint64)
+_NO_GROUPS = np.zeros(0, np.int32)  # the dtype of the group numbers the write tasks get
 
 
 def _write_task(task: ShardTask, run: str, specs: dict[str, OutSpec], names: list[str],
                 where: np.ndarray, groups: np.ndarray | None) -> Written:
     """Copy each record into its split's sink, split by split (each sink gets its records
     in shard order, as before); per split, what was appended (see :class:`Written`)."""
-    out = Written([0] * len(names), [_NONE] * len(names), [_NONE] * len(names))
+    out = Written([0] * len(names), [_NO_GROUPS] * len(names), [_NONE] * len(names))
     v = ShardView(task)
     try:
         for s, n in enumerate(names):
@@ -356,7 +357,7 @@ def leakage(names: list[str], mode: str, written: list[Written], scaffolds: Scaf
            for s, n in enumerate(names)}
     rep: dict[str, Any] = {"molecules_in_two_splits": gk.in_two(list(per.values()))}
     if mode != "random":
-        groups = [np.unique(np.concatenate([w.groups[s] for w in written] or [_NONE]))
+        groups = [np.unique(np.concatenate([w.groups[s] for w in written] or [_NO_GROUPS]))
                   for s in range(len(names))]
         rep[f"{mode}_groups_in_two_splits"] = gk.in_two(groups)
     if mode == "scaffold":
