@@ -356,16 +356,22 @@ class Engine:
                 futs.append(self.client.submit(*call, pure=False, workers=ws,
                                                allow_other_workers=False if ws else None, key=key))
             pos = {f.key: j for j, f in enumerate(futs)}
+            # a future is dropped once its result is here, so its worker frees the result
+            # then, not after the whole stage (a worker's memory does not grow with tasks)
+            pending = {f.key: f for f in futs}
+            done = as_completed(futs, loop=self.client.loop)
+            del futs
             out = [None] * len(tasks)
             try:
-                for f in as_completed(futs, loop=self.client.loop):
+                for f in done:
                     unit = units[pos[f.key]]
                     res = f.result()
+                    del pending[f.key]
                     for k, r in zip(unit, res if batch else [res], strict=True):
                         out[k] = r
                     bar.advance(t, len(unit))
             except BaseException:
-                for f in futs:
+                for f in pending.values():
                     f.cancel()
                 raise
             return out
