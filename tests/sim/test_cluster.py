@@ -66,8 +66,8 @@ def test_local_nanny_survives_back_to_back_restarts(sim_client):
 
 
 def test_local_workers_run_with_the_malloc_settings(sim_client):
-    """Every worker process starts with glibc's trim threshold and top pad set (read from
-    the workers' own environment)."""
+    """Every worker process starts with glibc's malloc settings (trim threshold, top pad,
+    mmap threshold), read from the workers' own environment."""
     import os
 
     got = sim_client.run(lambda: {k: os.environ.get(k) for k in WORKER_MALLOC})
