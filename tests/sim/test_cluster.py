@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from convergent.cluster import local_workers, make_cluster, make_slurm_cluster
+from convergent.cluster import WORKER_MALLOC, local_workers, make_cluster, make_slurm_cluster
 from convergent.clusterconfig import ClusterConfig, SlurmConfig
 from convergent.errors import ConfigError
 from convergent.resources import usable_cpus
@@ -63,3 +63,13 @@ def test_local_nanny_survives_back_to_back_restarts(sim_client):
     time.sleep(2.0)
     sim_client.wait_for_workers(2, timeout=30)
     assert len(sim_client.scheduler_info()["workers"]) == 2
+
+
+def test_local_workers_run_with_the_malloc_settings(sim_client):
+    """Every worker process starts with glibc's malloc settings (trim threshold, top pad,
+    mmap threshold), read from the workers' own environment."""
+    import os
+
+    got = sim_client.run(lambda: {k: os.environ.get(k) for k in WORKER_MALLOC})
+    assert len(got) == 2 and all(v == WORKER_MALLOC for v in got.values()), got
+    assert int(WORKER_MALLOC["MALLOC_TOP_PAD_"]) >= 2**20

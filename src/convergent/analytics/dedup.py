@@ -2,7 +2,7 @@
 
 Three Dask stages, with a disk-backed shuffle between the first two:
 
-1. **scan** (one task per shard): per record its global index, structure hash,
+1. **scan** (one task per shard, a few shards per Dask task): per record its global index, structure hash,
    composition hash and fingerprint (:func:`~convergent.analytics.derived.fingerprint`,
    32 floats), bucketed by composition hash into ``P`` partitions (P grows with the
    dataset: ``records / partition_records``) and appended to the worker's spill file
@@ -16,7 +16,8 @@ Three Dask stages, with a disk-backed shuffle between the first two:
    :func:`_near`; no pair is missed), then all 32 values are checked. The first record
    (lowest global index) of a cluster is kept; a record is dropped if it matches an
    earlier kept one.
-3. **write** (one task per shard): the kept records into per-worker sinks.
+3. **write** (one task per shard, a few shards per Dask task): the kept records into
+   per-worker sinks.
 
 Output: the kept set (a dataset) and ``dropped.jsonl`` in it (key, reason, kept key,
 distance) listing every dropped record.
@@ -209,7 +210,7 @@ def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tole
     scratch = spill.spill_dir(out, run)
     try:
         scratch.mkdir()
-        scanned = engine.map(_scan_task, tasks, parts, str(scratch), run, label="dedup: scan")
+        scanned = engine.map(_scan_task, tasks, parts, str(scratch), run, label="dedup: scan", batch=True)
         spilled = spill.usage(scratch)
         per_part = [([s[p] for s in scanned],) for p in range(parts)]
         largest = max(sum(b.rows for b in blocks) for (blocks,) in per_part)
@@ -219,7 +220,7 @@ def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tole
         order = np.argsort(match["drop"])
         drop = match["drop"][order]
         per = [(drop[slice(*np.searchsorted(drop, [t.start, t.start + t.info.records]))],) for t in tasks]
-        engine.map(_write_task, tasks, run, spec, label="dedup: write", per_task=per)
+        engine.map(_write_task, tasks, run, spec, label="dedup: write", per_task=per, batch=True)
     except BaseException:
         spill.remove(scratch)
         engine.abort(run, {OUT: spec})

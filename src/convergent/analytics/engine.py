@@ -195,14 +195,24 @@ def sink(run: str, name: str, spec: OutSpec) -> DatasetWriter:
 
 
 def seal_sinks(run: str) -> dict[str, list[dict[str, Any]]]:
-    """Seal this process's sinks of ``run``; their new shards by output name."""
+    """Seal this process's sinks of ``run``; their new shards by output name.
+
+    The sinks (one per output, each its own files and directory) are sealed in parallel
+    threads: sealing is mostly waiting for ``fsync``, and the file system serves several
+    at once (one journal commit for all of them) instead of one after another."""
     with _SINK_LOCK:
         per_run = _SINKS.pop(run, {})
-    out = {}
-    for name, w in per_run.items():
-        w.flush()
-        out[name] = [vars(s) for s in w.new_shards]
-    return out
+    writers = list(per_run.values())
+    if len(writers) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(writers), thread_name_prefix="seal") as pool:
+            for f in [pool.submit(w.flush) for w in writers]:
+                f.result()
+    else:
+        for w in writers:
+            w.flush()
+    return {name: [vars(s) for s in w.new_shards] for name, w in per_run.items()}
 
 
 def abort_sinks(run: str) -> None:
@@ -346,16 +356,22 @@ class Engine:
                 futs.append(self.client.submit(*call, pure=False, workers=ws,
                                                allow_other_workers=False if ws else None, key=key))
             pos = {f.key: j for j, f in enumerate(futs)}
+            # a future is dropped once its result is here, so its worker frees the result
+            # then, not after the whole stage (a worker's memory does not grow with tasks)
+            pending = {f.key: f for f in futs}
+            done = as_completed(futs, loop=self.client.loop)
+            del futs
             out = [None] * len(tasks)
             try:
-                for f in as_completed(futs, loop=self.client.loop):
+                for f in done:
                     unit = units[pos[f.key]]
                     res = f.result()
+                    del pending[f.key]
                     for k, r in zip(unit, res if batch else [res], strict=True):
                         out[k] = r
                     bar.advance(t, len(unit))
             except BaseException:
-                for f in futs:
+                for f in pending.values():
                     f.cancel()
                 raise
             return out

@@ -74,6 +74,15 @@ def molecule_key(molecule_id: str, key: str) -> str:
     return molecule_id or f"record:{key}"
 
 
+def distinct_molecules(molecule_ids: list[str], keys: list[str], rows: list[int]) -> np.ndarray:
+    """The distinct hashed :func:`molecule_key` of records ``rows`` (``molecule_ids`` and
+    ``keys``: a shard's columns; for a schema without molecule ids pass the keys as
+    ``molecule_ids``), sorted. A Python set over the rows, then one hash per distinct
+    molecule: cheaper than hashing every row when a shard holds few molecules."""
+    mols = {molecule_ids[i] or f"record:{keys[i]}" for i in rows}
+    return np.unique(hash_list(list(mols)))
+
+
 def molecule_keys(scan: IndexScan, a: int, b: int) -> np.ndarray:
     """Hashed :func:`molecule_key` of rows ``a:b`` of a shard (the ``key`` for a shard
     whose schema has no molecule ids)."""

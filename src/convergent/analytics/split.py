@@ -10,8 +10,11 @@ xxh3-64 hashes (:mod:`.groupkeys`), so the driver joins and counts them with num
 **write**: each record into its split's per-worker sink. Between them the driver assigns
 whole groups to splits (seeded order, then a greedy fill to the requested fractions or
 record counts; a vectorised cut of the same order past 20,000 groups), so no group is in
-two splits. The leakage check reads the molecules back from the written shards' indices,
-in pieces, one task per shard, and intersects the splits' hash arrays.
+two splits. The leakage check is derived from what the write tasks appended: each task
+copies its records split by split, and returns per split how many it appended and their
+distinct groups and molecules (hashed, from the very index fields each record is written
+with); the driver unions them, intersects the splits' hash arrays and checks the counts
+against the committed manifests (no second pass over the written shards).
 """
 
 from __future__ import annotations
@@ -163,18 +166,43 @@ def _group_task(task: ShardTask, mode: str) -> ShardGroups:
         v.close()
 
 
+@dataclass
+class Written:
+    """What one write task appended to each split (lists indexed like the split names):
+    record counts, distinct group numbers and distinct molecules (hashed
+    :func:`.groupkeys.molecule_key`, sorted)."""
+
+    records: list[int]
+    groups: list[np.ndarray]
+    molecules: list[np.ndarray]
+
+
+_NONE = np.zeros(0, np.uint64)
+_NO_GROUPS = np.zeros(0, np.int32)  # the dtype of the group numbers the write tasks get
+
+
 def _write_task(task: ShardTask, run: str, specs: dict[str, OutSpec], names: list[str],
-                where: np.ndarray, groups: np.ndarray | None) -> dict[str, np.ndarray]:
-    """Copy each record into its split's sink; the distinct groups written per split."""
+                where: np.ndarray, groups: np.ndarray | None) -> Written:
+    """Copy each record into its split's sink, split by split (each sink gets its records
+    in shard order, as before); per split, what was appended (see :class:`Written`)."""
+    out = Written([0] * len(names), [_NO_GROUPS] * len(names), [_NONE] * len(names))
     v = ShardView(task)
-    ws = [sink(run, n, specs[n]) if (where == s).any() else None for s, n in enumerate(names)]
-    for i, s in enumerate(where.tolist()):
-        if s >= 0:
-            v.copy_to(ws[s], i)
-    v.close()
-    if groups is None:
-        return {}
-    return {n: np.unique(groups[where == s]) for s, n in enumerate(names) if ws[s] is not None}
+    try:
+        for s, n in enumerate(names):
+            rows = np.flatnonzero(where == s)
+            if not rows.size:
+                continue
+            w = sink(run, n, specs[n])
+            idx = rows.tolist()
+            for i in idx:
+                v.copy_to(w, i)
+            out.records[s] = len(idx)
+            out.molecules[s] = gk.distinct_molecules(v.molecule_ids, v.keys, idx)
+            if groups is not None:
+                out.groups[s] = np.unique(groups[rows])
+    finally:
+        v.close()
+    return out
 
 
 GREEDY_MAX_GROUPS = 20_000  # above: each group is small against the targets, cut vectorised
@@ -216,6 +244,11 @@ def _greedy(sizes: np.ndarray, targets: list[int], order: np.ndarray) -> np.ndar
         out[g] = s
         filled[s] += sz[g]
     return out
+
+
+def _records_split(split_g: np.ndarray, group_all: np.ndarray) -> np.ndarray:
+    """Split number of each record (-1: unused): its group's."""
+    return split_g[group_all].astype(np.int8)
 
 
 @dataclass
@@ -291,7 +324,7 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
             res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}", batch=True)
             group_all, n_groups, scaf = _join(res, mode)
             split_g = _assign(np.bincount(group_all, minlength=n_groups), tlist, rng)
-            where_all = split_g[group_all].astype(np.int8)
+            where_all = _records_split(split_g, group_all)
         per = [(where_all[t.start: t.start + t.info.records],
                 None if group_all is None else group_all[t.start: t.start + t.info.records].astype(np.int32))
                for t in tasks]
@@ -304,45 +337,35 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
     mans = commit(engine, run, specs, lin, "split")
     report = {"input": str(src), "output": str(out), "by": mode, "seed": seed,
               "requested": targets, "records": {n: mans[n].records for n in names},
-              "groups": n_groups, "leakage": leakage(out, names, mode, written, scaf, engine)}
+              "groups": n_groups,
+              "leakage": leakage(names, mode, written, scaf, {n: mans[n].records for n in names})}
     atomic_write_text(Path(out) / REPORT, json.dumps(report, indent=1) + "\n")
     return report
 
 
-def _molecules_task(task: ShardTask) -> np.ndarray:
-    """The distinct molecules (hashed :func:`.groupkeys.molecule_key`) of one written
-    shard, read from its index in pieces: memory bounded by the distinct molecules, not
-    by the shard (outputs roll at up to ``shard_bytes``)."""
-    acc = np.zeros(0, np.uint64)
-    with IndexScan(Path(task.dataset), task.info) as sc:
-        for a in range(0, sc.count, gk.ROWS):
-            acc = np.union1d(acc, gk.molecule_keys(sc, a, min(a + gk.ROWS, sc.count)))
-    return acc
-
-
-def leakage(out: str | os.PathLike[str], names: list[str], mode: str,
-            written: list[dict[str, np.ndarray]], scaffolds: Scaffolds | None = None,
-            engine: Engine | None = None) -> dict[str, Any]:
-    """Groups, molecules and scaffolds found in more than one split, from what was written
-    (write tasks' group lists, and the output datasets' molecules read back by one task
-    per written shard)."""
-    none = np.zeros(0, np.uint64)
-    groups = {n: np.unique(np.concatenate([w[n] for w in written if n in w] or [none])) for n in names}
-    mols: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    tasks, _ = plan([Path(out) / n for n in names])
-    for t, ids in zip(tasks, (engine or Engine(progress=False)).map(
-            _molecules_task, tasks, label="split: leakage check"), strict=True):
-        mols[names[t.input_no]].append(ids)
-    per = {n: np.unique(np.concatenate(v or [none])) for n, v in mols.items()}
+def leakage(names: list[str], mode: str, written: list[Written], scaffolds: Scaffolds | None = None,
+            committed: dict[str, int] | None = None) -> dict[str, Any]:
+    """Groups, molecules and scaffolds found in more than one split, from what the write
+    tasks appended (:class:`Written`). ``committed``: records per split in the committed
+    manifests, which must equal the records appended (DataError otherwise)."""
+    if committed is not None:
+        appended = {n: sum(w.records[s] for w in written) for s, n in enumerate(names)}
+        if appended != committed:
+            raise DataError(f"split: the write tasks appended {appended} records, the committed "
+                            f"outputs hold {committed}")
+    per = {n: np.unique(np.concatenate([w.molecules[s] for w in written] or [_NONE]))
+           for s, n in enumerate(names)}
     rep: dict[str, Any] = {"molecules_in_two_splits": gk.in_two(list(per.values()))}
     if mode != "random":
-        rep[f"{mode}_groups_in_two_splits"] = gk.in_two(list(groups.values()))
+        groups = [np.unique(np.concatenate([w.groups[s] for w in written] or [_NO_GROUPS]))
+                  for s in range(len(names))]
+        rep[f"{mode}_groups_in_two_splits"] = gk.in_two(groups)
     if mode == "scaffold":
         sc = []
         for m in per.values() if scaffolds is not None else []:
             pos, found = scaffolds.lookup(m)
             ring = found & ~scaffolds.acyclic[pos] if len(scaffolds.molecules) else found
-            sc.append(np.unique(scaffolds.scaffold[pos][ring]) if ring.any() else none)
+            sc.append(np.unique(scaffolds.scaffold[pos][ring]) if ring.any() else _NONE)
         rep["scaffolds_in_two_splits"] = gk.in_two(sc)
     key = {"random": None, "molecule": "molecules_in_two_splits", "scaffold": "scaffolds_in_two_splits",
            "composition": "composition_groups_in_two_splits"}[mode]
