@@ -104,3 +104,23 @@ def test_uncertainty_skips_near_copies_of_labelled_structures():
     assert select_batch(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.0) == [0, 1]
     # random ignores the rule (it is the baseline)
     assert len(select_batch(cands, scores, 3, "random", labelled=labelled, labelled_tol=0.1)) == 3
+
+
+def test_power_acquisition_is_seeded_prefers_high_scores_and_keeps_the_rules():
+    z, pos = WATER
+    cands = [Candidate.make(f"m{i}", z, pos + np.array([[0.0, 0.0, 0.0], [0.3 * i, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+             for i in range(6)]
+    scores = np.array([1e-6, 1e-6, 1e-6, 1e-6, 1.0, 0.0])
+    a = select_batch(cands, scores, 3, tol=0.0, seed=4, acquisition="power")
+    assert a == select_batch(cands, scores, 3, tol=0.0, seed=4, acquisition="power")  # seeded
+    assert a[0] == 4 and 5 not in a  # a million times likelier first; a zero score last
+    draws = {tuple(select_batch(cands, scores, 3, tol=0.0, seed=s, acquisition="power")) for s in range(8)}
+    assert len(draws) > 1  # not top-k in disguise
+    flat = np.ones(6)
+    assert set(select_batch(cands, flat, 6, tol=0.0, seed=1, acquisition="power")) == set(range(6))
+    # the rules still hold: candidate 4's copy is a near-duplicate and never joins it
+    dup = [*cands, Candidate.make("m4-copy", z, cands[4].positions + 1e-3)]
+    picked = select_batch(dup, np.append(scores, 1.0), 7, tol=0.05, seed=2, acquisition="power")
+    assert not ({4, 6} <= set(picked))
+    with pytest.raises(ValueError, match="acquisition"):
+        select_batch(cands, scores, 3, acquisition="greedy")

@@ -31,7 +31,8 @@ class LearnConfig(Section):
     from labelled structures), scores them by committee disagreement, selects ``batch``
     by ``strategy`` (``uncertainty``: highest score first with no two structures of one
     batch within ``diversity_tol`` Å of each other, nor within ``labelled_tol`` Å of a
-    structure already labelled; ``random``: a seeded random draw),
+    structure already labelled; ``acquisition: power`` walks the candidates in a seeded
+    draw ∝ score**``power_beta`` instead of strictly by score; ``random``: a seeded random draw),
     labels them on Dask and appends them with provenance. Stops at ``label_budget``
     labels, ``wall_budget_s`` seconds (0: off), ``target_energy_mae`` eV/atom on the
     held-out set (0: off) or after ``rounds`` rounds. ``pipelined``: exploration and
@@ -87,6 +88,9 @@ class LearnConfig(Section):
     force_weight_score: NonNegative = 0.02
     diversity_tol: NonNegative = 0.05  # Å, sorted-distance fingerprint tolerance
     labelled_tol: NonNegative = 0.0  # Å; > 0: skip candidates this close to a labelled structure
+    # top: strictly by score; power: a seeded draw with probability ∝ score**power_beta
+    acquisition: Literal["top", "power"] = "top"
+    power_beta: float = Field(1.0, gt=0, le=20, allow_inf_nan=False)
     max_per_molecule: Count0 = 0  # 0: no limit per molecule in one batch
     # stopping
     wall_budget_s: NonNegative = 0.0

@@ -333,7 +333,7 @@ class Campaign:
         picked = select_batch(cands, scores, 2 * k + 4, L.strategy, L.diversity_tol,
                               _seed("select", L.seed, rnd), exclude, L.max_per_molecule,
                               self.labelled_structures() if L.labelled_tol > 0 else (),
-                              L.labelled_tol)
+                              L.labelled_tol, L.acquisition, L.power_beta)
         ranked = [cands[i] for i in picked]
         by = {cands[i].key: float(scores[i]) for i in picked if np.isfinite(scores[i])}
         atomic_write_text(path, json.dumps({

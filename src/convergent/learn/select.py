@@ -9,7 +9,12 @@ structure already in the batch: same atoms and sorted interatomic distances all 
 labelled (a committee keeps disagreeing on hard chemistry, and without this rule it asks
 for near-copies of what it has: on the NCI pool of bench/active_learning.py, 53 of 176
 labels went to second or third conformers of a compound). ``random``
-draws a seeded random batch (the baseline). Already labelled or quarantined keys are
+draws a seeded random batch (the baseline). ``acquisition="power"`` walks the candidates
+in a seeded random order drawn with probability proportional to ``score ** beta``
+(without replacement, by the Gumbel-top-k trick) instead of strictly by score, under the
+same rules: top-k of a committee's disagreement piles a batch into the few most unusual
+compounds, while power sampling keeps most of the preference and spreads the batch
+(Kirsch et al., "Stochastic batch acquisition", TMLR 2023). Already labelled or quarantined keys are
 never selected.
 """
 
@@ -56,6 +61,8 @@ def select_batch(
     max_per_molecule: int = 0,
     labelled: Sequence[tuple[np.ndarray, np.ndarray]] = (),
     labelled_tol: float = 0.0,
+    acquisition: str = "top",
+    beta: float = 1.0,
 ) -> list[int]:
     """Indices into ``cands`` of the batch, in selection order (at most ``k``);
     ``labelled``: (numbers, positions) of the structures labelled so far."""
@@ -77,6 +84,13 @@ def select_batch(
     s = np.asarray(scores, dtype=np.float64)
     ok = [i for i in ok if np.isfinite(s[i])]
     ok.sort(key=lambda i: (-s[i], cands[i].key))  # ties: by key, so the order is reproducible
+    if acquisition == "power" and ok:
+        gumbel = np.random.default_rng(seed).gumbel(size=len(ok))
+        with np.errstate(divide="ignore"):
+            keys = beta * np.log(np.maximum(s[ok], 0.0)) + gumbel
+        ok = [ok[j] for j in np.argsort(-keys, kind="stable")]
+    elif acquisition != "top":
+        raise ValueError(f"unknown acquisition {acquisition!r} (top | power)")
     picked: list[int] = []
     prints: list[tuple[bytes, np.ndarray]] = []
     known: dict[bytes, list[np.ndarray]] = {}  # labelled fingerprints by composition
