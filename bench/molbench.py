@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -136,20 +137,26 @@ def xtb_dataset(n_conf: int = 25, seed: int = 0) -> list[dict[str, Any]]:
     return read_records(path)
 
 
-def nci_small(max_atoms: int = 20, min_atoms: int = 3) -> list[str]:
+def nci_small(max_atoms: int = 20, min_atoms: int = 3, elements: Iterable[str] = "CNOF",
+              radicals: bool = True) -> list[str]:
     """Canonical SMILES (stereo dropped, deduplicated) of the NCI compounds shipped with
-    RDKit that are neutral, one fragment, H/C/N/O/F only, with min..max atoms incl. H."""
+    RDKit that are neutral, one fragment, H + ``elements`` only, with min..max atoms incl.
+    H (``radicals=False`` also drops those with unpaired electrons)."""
     from rdkit import Chem, RDLogger
+    from rdkit.Chem import Descriptors
 
     from convergent.sim.smiles import nci_smiles_path, read_smiles_file
 
     RDLogger.DisableLog("rdApp.*")
+    allowed = set(elements)
     out = set()
     for entry in read_smiles_file(nci_smiles_path()):
         m = Chem.MolFromSmiles(entry.smiles)
         if m is None or len(Chem.GetMolFrags(m)) > 1 or any(a.GetFormalCharge() for a in m.GetAtoms()):
             continue
-        if not {a.GetSymbol() for a in m.GetAtoms()} <= set("CNOF"):
+        if not {a.GetSymbol() for a in m.GetAtoms()} <= allowed:
+            continue
+        if not radicals and Descriptors.NumRadicalElectrons(m):
             continue
         if min_atoms <= Chem.AddHs(m).GetNumAtoms() <= max_atoms:
             out.add(Chem.MolToSmiles(m, isomericSmiles=False))

@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from molbench import DATA, write_extxyz  # noqa: E402
+from molbench import DATA, nci_small, write_extxyz  # noqa: E402
 
 ELEMENTS = ("H", "C", "N", "O", "F", "S", "Cl")
 
@@ -91,23 +91,10 @@ ROOT = DATA / "nci2k_v1"
 @functools.lru_cache(maxsize=4)
 def compounds(settings: Nci2kSettings = Nci2kSettings()) -> tuple[Compound, ...]:
     """The compounds that pass the filter, in the seeded shuffled build order."""
-    from rdkit import Chem, RDLogger
-    from rdkit.Chem import Descriptors
-
     from convergent.analytics.split import scaffold_of
     from convergent.sim.molecules import stable_int
-    from convergent.sim.smiles import nci_smiles_path, read_smiles_file
 
-    RDLogger.DisableLog("rdApp.*")
-    keep = set()
-    for entry in read_smiles_file(nci_smiles_path()):
-        m = Chem.MolFromSmiles(entry.smiles)
-        if m is None or len(Chem.GetMolFrags(m)) > 1 or any(a.GetFormalCharge() for a in m.GetAtoms()):
-            continue
-        if Descriptors.NumRadicalElectrons(m) or not {a.GetSymbol() for a in m.GetAtoms()} <= set(settings.elements):
-            continue
-        if settings.min_atoms <= Chem.AddHs(m).GetNumAtoms() <= settings.max_atoms:
-            keep.add(Chem.MolToSmiles(m, isomericSmiles=False))
+    keep = nci_small(settings.max_atoms, settings.min_atoms, settings.elements, radicals=False)
     order = sorted(keep, key=lambda s: (stable_int("nci2k", settings.seed, s), s))
     if settings.max_compounds is not None:
         order = order[: settings.max_compounds]

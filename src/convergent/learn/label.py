@@ -156,20 +156,19 @@ def label_batch(
                 failed = [c.key for c in cands]
             else:
                 records, untrusted = _trusted(res.records, max_force, rnd)
-                res.records = records
-                res.quarantined = [*res.quarantined, *untrusted]
-                for rec in res.records:
+                rejected = [*res.quarantined, *untrusted]
+                for rec in records:
                     writer.write(rec)
                 writer.flush()
                 if log is not None:
                     with log.open("a", encoding="utf-8") as fh:
-                        for rec in res.records:
+                        for rec in records:
                             fh.write(json.dumps({"key": rec["key"], "round": rnd, "strategy": strategy,
                                                  "time": time.time()}) + "\n")
-                out.labelled += [rec["key"] for rec in res.records]
-                if res.quarantined:
-                    qlog.append([{**q, "round": rnd} for q in res.quarantined])
-                failed = [q["key"] for q in res.quarantined]
+                out.labelled += [rec["key"] for rec in records]
+                if rejected:
+                    qlog.append([{**q, "round": rnd} for q in rejected])
+                failed = [q["key"] for q in rejected]
             out.quarantined += failed
             refill = []
             for _ in failed:  # refill the batch with the next candidates of the ranking
