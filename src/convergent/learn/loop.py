@@ -283,7 +283,9 @@ class Campaign:
         return self.curve.get(rnd)
 
     # ---------------------------------------------------------------- scoring
-    def score(self, rnd: int, cands: list[Candidate]) -> np.ndarray:
+    def predict(self, rnd: int, cands: list[Candidate]) -> dict[str, np.ndarray]:
+        """Committee ``rnd`` on ``cands`` (chunked score tasks on the pool): arrays
+        ``energy_pred``, ``energy_std``, ``force_std_max``, ``n_atoms``."""
         L = self.L
         futs = []
         for i in range(0, len(cands), L.score_chunk):
@@ -291,10 +293,12 @@ class Campaign:
             futs.append(self.pool.submit("score", f"c{i}", rnd, tasks.score_records, self.members(rnd),
                                          recs, L.batch_atoms, device="cpu"))
         parts = [self.pool.result(f) for f in futs]
-        e_std = np.concatenate([p["energy_std"] for p in parts]) if parts else np.zeros(0)
-        f_max = np.concatenate([p["force_std_max"] for p in parts]) if parts else np.zeros(0)
-        n = np.concatenate([p["n_atoms"] for p in parts]) if parts else np.zeros(0)
-        return combined_score(e_std, f_max, n, L.force_weight_score)
+        return {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0)
+                for k in ("energy_pred", "energy_std", "force_std_max", "n_atoms")}
+
+    def score(self, rnd: int, cands: list[Candidate]) -> np.ndarray:
+        p = self.predict(rnd, cands)
+        return combined_score(p["energy_std"], p["force_std_max"], p["n_atoms"], self.L.force_weight_score)
 
     def candidates(self, rnd: int, exclude: set[str]) -> list[Candidate]:
         """A seeded sample of the unlabelled pool, then this round's exploration frames."""
