@@ -28,7 +28,8 @@ class LearnConfig(Section):
     round), proposes candidates from the unlabelled ``pool`` (``nci`` | ``g2`` | ``s22`` |
     an .xyz/.extxyz path | ``smiles:<file>``; ``pool_conformers`` rattled copies of each
     molecule) and from short surrogate-driven Langevin MD (``md_trajectories`` per round
-    from labelled structures), scores them by committee disagreement, selects ``batch``
+    from labelled structures), scores them by committee disagreement (``bootstrap``: each
+    member trains on its own resample of the labels), selects ``batch``
     by ``strategy`` (``uncertainty``: highest score first with no two structures of one
     batch within ``diversity_tol`` Å of each other, nor within ``labelled_tol`` Å of a
     structure already labelled; ``acquisition: power`` walks the candidates in a seeded
@@ -72,6 +73,9 @@ class LearnConfig(Section):
     force_weight: NonNegative = 10.0
     train_retries: Count0 = 2
     refit_reference: bool = True  # warm starts refit the element reference energies
+    # bagging: each member trains on its own seeded resample (with replacement) of the
+    # labels, element references included, so the committee disagrees where labels are thin
+    bootstrap: bool = False
     init_model: PathStr | None = None  # warm start of round 1 (a saved model directory)
     init_dataset: PathStr | None = None  # already labelled structures (counted as labels)
     # exploration: short Langevin MD driven by the committee's mean

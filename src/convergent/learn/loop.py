@@ -193,7 +193,8 @@ class Campaign:
                 self.cfg.model.model_dump(mode="json"), init, str(self.p.member(rnd, k)), steps,
                 L.lr, L.batch_atoms, L.force_weight, _seed("member", L.seed, rnd, k),
                 device="cpu", fault_marker=fault,
-                refit_reference=L.refit_reference and not (rnd == 1 and L.init_model))
+                refit_reference=L.refit_reference and not (rnd == 1 and L.init_model),
+                bootstrap=L.bootstrap)
 
         futs = {k: (submit(k), 0) for k in range(L.committee) if k not in done}
         summaries, retried = [], 0

@@ -88,8 +88,10 @@ def _fault_once(marker: str | None) -> None:
 def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, Any],
                  init_dir: str | None, out_dir: str, steps: int, lr: float, batch_atoms: int,
                  force_weight: float, seed: int, device: str = "cpu",
-                 fault_marker: str | None = None, refit_reference: bool = False) -> dict[str, Any]:
-    """Train one member and save it to ``out_dir``; returns its training summary."""
+                 fault_marker: str | None = None, refit_reference: bool = False,
+                 bootstrap: bool = False) -> dict[str, Any]:
+    """Train one member and save it to ``out_dir``; returns its training summary.
+    ``bootstrap``: on a resample of the labels drawn with replacement (seeded by ``seed``)."""
     torch, device = _torch_setup(device)
     from convergent.data.reader import open_dataset
     from convergent.models.batching import batches_by_atom_budget, collate_records
@@ -113,6 +115,9 @@ def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, A
     records.sort(key=lambda r: r["key"])
     if not records:
         raise ValueError("no labelled structures to train on")
+    if bootstrap:
+        draw = np.random.default_rng(seed).integers(0, len(records), len(records))
+        records = [records[i] for i in np.sort(draw)]
     torch.manual_seed(seed)
     cfg = ModelConfig.model_validate(model_cfg)
     if init_dir:
@@ -146,7 +151,7 @@ def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, A
             step += 1
         epoch += 1
     model.to("cpu").eval()
-    summary = {"steps": step, "records": len(records), "final_loss": float(np.mean(losses[-10:])),
+    summary = {"steps": step, "records": len(records), "bootstrap": bootstrap, "final_loss": float(np.mean(losses[-10:])),
                "seconds": time.perf_counter() - t0, "warm_start": bool(init_dir), "seed": seed}
     save_model(model, cfg, out_dir, extra={"learn": summary})
     return summary
