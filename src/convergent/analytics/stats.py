@@ -75,19 +75,24 @@ def _stats_task(task: ShardTask, epa_edges: np.ndarray) -> Partial:
     if v.schema != "molecular":
         raise DataError(f"{task.dataset}: data stats needs a molecular dataset, not {v.schema!r}")
     zs_all, fn_all, n_at, energies = [], [], np.zeros(v.n, np.int64), np.zeros(v.n)
+    keys: set[str] = set()
+    srcs, samplers, rounds = [], [], []  # raw meta values, counted once per shard below
     for i in range(v.n):
-        r = v.record(i)
-        z = r["numbers"]
+        r = v.reader.fields(i)  # no positions, cell or strings decoded, no array copies
+        z = r.numbers
         n_at[i] = len(z)
         zs_all.append(z)
-        meta = r["meta"] or {}
-        p.meta_keys.update(meta.keys())
-        p.source[str(meta.get("source", meta.get("origin", "")) or "(none)").split(":")[0]] += 1
-        p.sampler[str(meta.get("sampler", "") or "(none)")] += 1
-        p.round[str(meta.get("round", "(none)"))] += 1
-        energies[i] = r["energy"]
-        f = r["forces"]
-        fn_all.append(f)
+        meta = r.meta or {}
+        keys.update(meta)
+        srcs.append(meta.get("source", meta.get("origin", "")) or "(none)")
+        samplers.append(meta.get("sampler", "") or "(none)")
+        rounds.append(meta.get("round", "(none)"))
+        energies[i] = r.energy
+        fn_all.append(r.forces if r.forces is not None else np.full((len(z), 3), np.nan))
+    p.meta_keys.update(keys)
+    for counter, raw, name in ((p.source, srcs, _source), (p.sampler, samplers, str), (p.round, rounds, str)):
+        for value, c in _count(raw):
+            counter[name(value)] += c
     p.records = v.n
     p.atoms = int(n_at.sum())
     ks, cs = np.unique(n_at, return_counts=True)
@@ -118,6 +123,21 @@ def _stats_task(task: ShardTask, epa_edges: np.ndarray) -> Partial:
     p.epa_hist = np.bincount(_bins(epa_edges, a), minlength=len(epa_edges) + 1)
     p.epa_moments = np.array([a.size, a.sum(), (a * a).sum()])
     return p
+
+
+def _source(value: Any) -> str:
+    """The source a record's ``meta.source`` (or ``origin``) names: up to its first colon."""
+    return str(value).split(":")[0]
+
+
+def _count(values: list[Any]) -> list[tuple[Any, int]]:
+    """Counts of meta values, 1, 1.0 and True apart (a list or dict counted by its text)."""
+    try:
+        typed = Counter(zip(map(type, values), values, strict=True))
+    except TypeError:  # an unhashable value
+        typed = Counter((type(v), v if isinstance(v, str | int | float | bool) or v is None else str(v))
+                        for v in values)
+    return [(v, c) for (_, v), c in typed.items()]
 
 
 def _bins(edges: np.ndarray, x: np.ndarray) -> np.ndarray:

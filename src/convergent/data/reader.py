@@ -25,7 +25,13 @@ import numpy as np
 from convergent.data import format as fmt
 from convergent.data.index import strings
 from convergent.data.manifest import Manifest, ShardInfo, read_manifest
-from convergent.data.records import decode_bytes, decode_molecular, decode_plain_bytes_frames
+from convergent.data.records import (
+    MolecularFields,
+    decode_bytes,
+    decode_molecular,
+    decode_plain_bytes_frames,
+    molecular_fields,
+)
 from convergent.errors import DataError
 
 if TYPE_CHECKING:
@@ -166,6 +172,16 @@ class ShardReader:
             self._map()
         fast = decode_plain_bytes_frames(self._view, self._offsets_np, local)  # type: ignore[arg-type]
         return [r if r is not None else self.record(i) for r, i in zip(fast, local, strict=True)]
+
+    def fields(self, i: int) -> MolecularFields:
+        """Numbers, energy, forces and meta of molecular local record ``i`` (same checks and
+        errors as :meth:`record`; arrays are read-only views)."""
+        body = self.frame_body(i)
+        try:
+            return molecular_fields(body)
+        except Exception as exc:
+            where = f"shard {self.name} record {i} at offset {self._offsets[i]}"  # type: ignore[index]
+            raise DataError(f"{where}: malformed record body: {exc}") from None
 
     def record(self, i: int) -> dict[str, Any]:
         """Decode local record ``i`` into a record dict."""

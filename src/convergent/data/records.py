@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 import xxhash
 
 from convergent.data.format import FRAME_SEED_SALT, FRAME_SIZE
@@ -141,6 +142,43 @@ def decode_molecular(body: bytes | memoryview) -> dict[str, Any]:
         "multiplicity": mult,
         "meta": meta,
     }
+
+
+@dataclass
+class MolecularFields:
+    """What a scan over labels reads of a molecular record (see :func:`molecular_fields`)."""
+
+    numbers: np.ndarray  # uint8[n], a read-only view
+    energy: float
+    forces: np.ndarray | None  # float64[n, 3], a read-only view; None without forces
+    meta: dict[str, Any]
+
+
+def _loads(raw: bytes | memoryview) -> Any:
+    """JSON with orjson (several times faster than the stdlib on meta dicts), falling back to
+    the stdlib for what orjson refuses but ``json.dumps`` writes (NaN, Infinity)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(bytes(raw))
+
+
+def molecular_fields(body: bytes | memoryview) -> MolecularFields:
+    """Atomic numbers, energy, forces and meta of a molecular frame body, without copying
+    the arrays nor decoding positions, cell, key and molecule id (the per-record cost of
+    :func:`decode_molecular` that label statistics do not need)."""
+    n, energy, _, _, _, flags, kl, ml, metal = _MOL.unpack_from(body, 0)
+    o = _MOL.size + kl + ml
+    numbers = np.frombuffer(body, np.uint8, n, o)
+    o += 25 * n  # numbers, positions
+    forces = None
+    if flags & _MOL_HAS_FORCES:
+        forces = np.frombuffer(body, np.float64, 3 * n, o).reshape(n, 3)
+        o += 24 * n
+    o += 72  # cell
+    if o + metal != len(body):
+        raise ValueError("molecular frame body has trailing bytes")
+    return MolecularFields(numbers, energy, forces, _loads(body[o: o + metal]) if metal else {})
 
 
 def encode_bytes(rec: dict[str, Any], inline_bytes: int) -> Encoded:
