@@ -41,12 +41,12 @@ RESULTS = ROOT / "results"
 def pool_labels(seed: int) -> dict[str, Any]:
     """Reference energy of every pool structure of ``seed`` (key -> eV), labelled with the
     campaign's own code on a fresh LocalCluster; and how many were quarantined."""
+    from convergent.cluster import dask_client
     from convergent.config import load_config
     from convergent.data.reader import open_dataset
     from convergent.learn.engine import Pool
     from convergent.learn.loop import Campaign
     from convergent.runs import open_run
-    from convergent.cluster import dask_client
 
     path = al.WORK / f"pool-labels-s{seed}"
     shutil.rmtree(path, ignore_errors=True)

@@ -69,9 +69,15 @@ def hash_list(strings: list[str]) -> np.ndarray:
     return np.fromiter((_h(s.encode()) for s in strings), np.uint64, len(strings))
 
 
+#: A record without a molecule id is its own molecule, ``record:<key>`` (one spelling for the
+#: per-record, per-row-set and index-column forms below: split's groups and its leakage
+#: check must hash the same string).
+RECORD_PREFIX = "record:"
+
+
 def molecule_key(molecule_id: str, key: str) -> str:
     """The molecule a record belongs to: its ``molecule_id``, or itself when it has none."""
-    return molecule_id or f"record:{key}"
+    return molecule_id or RECORD_PREFIX + key
 
 
 def distinct_molecules(molecule_ids: list[str], keys: list[str], rows: list[int]) -> np.ndarray:
@@ -79,7 +85,7 @@ def distinct_molecules(molecule_ids: list[str], keys: list[str], rows: list[int]
     ``keys``: a shard's columns; for a schema without molecule ids pass the keys as
     ``molecule_ids``), sorted. A Python set over the rows, then one hash per distinct
     molecule: cheaper than hashing every row when a shard holds few molecules."""
-    mols = {molecule_ids[i] or f"record:{keys[i]}" for i in rows}
+    mols = {molecule_ids[i] or RECORD_PREFIX + keys[i] for i in rows}
     return np.unique(hash_list(list(mols)))
 
 
@@ -94,7 +100,8 @@ def molecule_keys(scan: IndexScan, a: int, b: int) -> np.ndarray:
     if empty.size:
         koff, kdata = scan.strings("key", a, b)
         ko = koff.tolist()
-        h[empty] = [_h(b"record:" + kdata[ko[i]: ko[i + 1]]) for i in empty.tolist()]
+        prefix = RECORD_PREFIX.encode()
+        h[empty] = [_h(prefix + kdata[ko[i]: ko[i + 1]]) for i in empty.tolist()]
     return h
 
 

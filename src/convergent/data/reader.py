@@ -179,9 +179,12 @@ class ShardReader:
         body = self.frame_body(i)
         try:
             return molecular_fields(body)
-        except Exception as exc:
-            where = f"shard {self.name} record {i} at offset {self._offsets[i]}"  # type: ignore[index]
-            raise DataError(f"{where}: malformed record body: {exc}") from None
+        except Exception as exc:  # any decode failure of a checksum-valid frame
+            raise self._malformed(i, exc) from None
+
+    def _malformed(self, i: int, exc: Exception) -> DataError:
+        where = f"shard {self.name} record {i} at offset {self._offsets[i]}"  # type: ignore[index]
+        return DataError(f"{where}: malformed record body: {exc}")
 
     def record(self, i: int) -> dict[str, Any]:
         """Decode local record ``i`` into a record dict."""
@@ -202,8 +205,7 @@ class ShardReader:
         except DataError:
             raise
         except Exception as exc:  # any decode failure of a checksum-valid frame
-            where = f"shard {self.name} record {i} at offset {self._offsets[i]}"  # type: ignore[index]
-            raise DataError(f"{where}: malformed record body: {exc}") from None
+            raise self._malformed(i, exc) from None
 
 
 def _string_at(cols: dict[str, np.ndarray], name: str, i: int) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
@@ -107,28 +107,55 @@ def encode_molecular(rec: dict[str, Any]) -> Encoded:
     return Encoded(key, b"".join(parts), mol_id, n, energy, charge, mult)
 
 
+class _MolLayout(NamedTuple):
+    """A molecular frame body's header fields and where each part of it starts."""
+
+    n: int
+    energy: float
+    charge: int
+    mult: int
+    pbc_bits: int
+    key: int
+    mol: int
+    numbers: int
+    positions: int
+    forces: int | None  # None: the record has no forces
+    cell: int
+    meta: int
+    end: int
+
+
+def _layout(body: bytes | memoryview) -> _MolLayout:
+    """Parse the header of a frame body written by :func:`encode_molecular` (one place that
+    knows the part order: key, molecule id, numbers, positions, [forces], cell, meta)."""
+    n, energy, charge, mult, pbc_bits, flags, kl, ml, metal = _MOL.unpack_from(body, 0)
+    key = _MOL.size
+    numbers = key + kl + ml
+    positions = numbers + n
+    forces = positions + 24 * n if flags & _MOL_HAS_FORCES else None
+    cell = (forces if forces is not None else positions) + 24 * n
+    meta = cell + 72
+    if meta + metal != len(body):
+        raise ValueError("molecular frame body has trailing bytes")
+    return _MolLayout(n, energy, charge, mult, pbc_bits, key, key + kl, numbers, positions, forces,
+                      cell, meta, meta + metal)
+
+
 def decode_molecular(body: bytes | memoryview) -> dict[str, Any]:
     """Inverse of :func:`encode_molecular`; arrays are fresh, writable copies."""
-    n, energy, charge, mult, pbc_bits, flags, kl, ml, metal = _MOL.unpack_from(body, 0)
-    o = _MOL.size
-    key = bytes(body[o : o + kl]).decode()
-    o += kl
-    mol_id = bytes(body[o : o + ml]).decode()
-    o += ml
-    numbers = np.frombuffer(body, np.uint8, n, o).astype(np.int64)
-    o += n
-    pos = np.frombuffer(body, np.float64, 3 * n, o).reshape(n, 3).copy()
-    o += 24 * n
-    if flags & _MOL_HAS_FORCES:
-        forces = np.frombuffer(body, np.float64, 3 * n, o).reshape(n, 3).copy()
-        o += 24 * n
+    L = _layout(body)
+    n = L.n
+    key = bytes(body[L.key: L.mol]).decode()
+    mol_id = bytes(body[L.mol: L.numbers]).decode()
+    numbers = np.frombuffer(body, np.uint8, n, L.numbers).astype(np.int64)
+    pos = np.frombuffer(body, np.float64, 3 * n, L.positions).reshape(n, 3).copy()
+    if L.forces is not None:
+        forces = np.frombuffer(body, np.float64, 3 * n, L.forces).reshape(n, 3).copy()
     else:
         forces = np.full((n, 3), np.nan)
-    cell = np.frombuffer(body, np.float64, 9, o).reshape(3, 3).copy()
-    o += 72
-    meta = json.loads(bytes(body[o : o + metal])) if metal else {}
-    if o + metal != len(body):
-        raise ValueError("molecular frame body has trailing bytes")
+    cell = np.frombuffer(body, np.float64, 9, L.cell).reshape(3, 3).copy()
+    meta = json.loads(bytes(body[L.meta: L.end])) if L.end > L.meta else {}
+    energy, charge, mult, pbc_bits = L.energy, L.charge, L.mult, L.pbc_bits
     return {
         "key": key,
         "molecule_id": mol_id,
@@ -167,18 +194,10 @@ def molecular_fields(body: bytes | memoryview) -> MolecularFields:
     """Atomic numbers, energy, forces and meta of a molecular frame body, without copying
     the arrays nor decoding positions, cell, key and molecule id (the per-record cost of
     :func:`decode_molecular` that label statistics do not need)."""
-    n, energy, _, _, _, flags, kl, ml, metal = _MOL.unpack_from(body, 0)
-    o = _MOL.size + kl + ml
-    numbers = np.frombuffer(body, np.uint8, n, o)
-    o += 25 * n  # numbers, positions
-    forces = None
-    if flags & _MOL_HAS_FORCES:
-        forces = np.frombuffer(body, np.float64, 3 * n, o).reshape(n, 3)
-        o += 24 * n
-    o += 72  # cell
-    if o + metal != len(body):
-        raise ValueError("molecular frame body has trailing bytes")
-    return MolecularFields(numbers, energy, forces, _loads(body[o: o + metal]) if metal else {})
+    L = _layout(body)
+    forces = None if L.forces is None else np.frombuffer(body, np.float64, 3 * L.n, L.forces).reshape(L.n, 3)
+    return MolecularFields(np.frombuffer(body, np.uint8, L.n, L.numbers), L.energy, forces,
+                           _loads(body[L.meta: L.end]) if L.end > L.meta else {})
 
 
 def encode_bytes(rec: dict[str, Any], inline_bytes: int) -> Encoded:
