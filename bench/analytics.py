@@ -6,10 +6,16 @@ Three sides run the same work on the same dataset:
              worker processes (per-shard tasks, per-worker sinks, one manifest commit);
 * ``single`` the same code path in one process (``Engine(client=None)``);
 * ``naive``  a plain dask.bag version on the same cluster: records as a bag of dicts,
-             ``groupby`` for dedup, one output shard file per partition (and split).
+             ``groupby`` for dedup, one output shard file per partition (and split);
+* ``ideal``  the machine's ceiling for 2-way parallelism of this work: two ``single``
+             processes at once, each on its own half of the shards (no scheduler, no
+             coordination, no shared output); its wall time is the slower half's. Against
+             ``single`` it measures what two busy cores give on this machine (shared caches,
+             memory bandwidth, the host's share of the cores, one disk). For dedup the halves
+             do less than the whole (no pairs across halves): a bound, not the same work.
 
 Each measurement runs in a fresh subprocess (fresh cluster) so its peak RSS is its own;
-``dask`` and ``single`` are interleaved within each round (bench/_harness.py,
+``dask``, ``single`` and ``ideal`` are interleaved within each round (bench/_harness.py,
 ``--rounds``); ``naive``, several times slower, runs ``--naive-rounds`` interleaved rounds
 of its own after them (its ratio is a floor of 1.5, not a close call). Medians over rounds
 are reported with their spread (min/max/IQR). Files and bytes written per stage are
@@ -51,8 +57,8 @@ cloudpickle.register_pickle_by_value(analytics_naive)
 DATA = ROOT / "data"
 RESULTS = ROOT / "results" / "analytics.json"
 COMMANDS = ("stats", "dedup", "split")
-SIDES = ("dask", "single", "naive")
-PAIRED = ("dask", "single")  # interleaved in the main rounds; naive in rounds of its own
+SIDES = ("dask", "single", "naive", "ideal")
+PAIRED = ("dask", "single", "ideal")  # interleaved in the main rounds; naive in rounds of its own
 ELEMENTS = np.array([1, 6, 7, 8])
 SHARD_BYTES = 2**30  # output shards roll at 1 GiB: one shard per worker and output at this size
 
@@ -220,16 +226,59 @@ def _cpu(client) -> dict[str, float]:
     return out
 
 
+def halves(src: Path) -> list[Path]:
+    """Two datasets of the first and second half of ``src``'s shards (symlinked)."""
+    from convergent.data.manifest import Manifest, read_manifest, write_manifest
+
+    m = read_manifest(src)
+    k = len(m.shards) // 2
+    out = []
+    for j, part in enumerate((m.shards[:k], m.shards[k:])):
+        dst = DATA / f"{src.name}-half{j}"
+        if dst.exists():
+            shutil.rmtree(dst)
+        dst.mkdir(parents=True)
+        for s in part:
+            (dst / s.name).symlink_to(src.resolve() / s.name)
+        write_manifest(dst, Manifest(schema=m.schema, compression=m.compression, shards=part))
+        out.append(dst)
+    return out
+
+
+def _ideal(cmd: str, src: Path, args) -> dict:
+    """Two ``single`` processes at once, one per half of the shards; wall = the slower."""
+    procs = [_spawn("single", cmd, h, DATA / f"analytics-out-ideal{j}-{cmd}", args)
+             for j, h in enumerate(halves(src))]
+    res = [_result(p.communicate(), p.returncode) for p in procs]
+    bad = [r for r in res if "error" in r]
+    if bad:
+        return bad[0]
+    return {"wall_s": max(r["wall_s"] for r in res), "halves_wall_s": [r["wall_s"] for r in res],
+            "cpu_s": {f"half{j}": r["cpu_s"]["driver"] for j, r in enumerate(res)},
+            "files": sum(r["files"] for r in res), "bytes": sum(r["bytes"] for r in res)}
+
+
+def _spawn(side: str, cmd: str, src: Path, out: Path, args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, "--one", side, cmd, "--src", str(src),
+                             "--child-out", str(out), "--workers", str(args.workers),
+                             "--tolerance", str(args.tolerance),
+                             "--naive-partitions", str(args.naive_partitions)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
+
+
+def _result(outs: tuple[str, str], rc: int) -> dict:
+    stdout, stderr = outs
+    if rc != 0:
+        return {"error": (stderr or stdout).strip().splitlines()[-1:]}
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
 def _child(side: str, cmd: str, src: Path, args) -> dict:
-    out = DATA / f"analytics-out-{side}-{cmd}"
-    p = subprocess.run([sys.executable, __file__, "--one", side, cmd, "--src", str(src),
-                        "--child-out", str(out),
-                        "--workers", str(args.workers), "--tolerance", str(args.tolerance),
-                        "--naive-partitions", str(args.naive_partitions)],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
-    if p.returncode != 0:
-        return {"error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    if side == "ideal":
+        return _ideal(cmd, src, args)
+    p = _spawn(side, cmd, src, DATA / f"analytics-out-{side}-{cmd}", args)
+    return _result(p.communicate(), p.returncode)
 
 
 def _autogroup() -> bool | None:
@@ -259,7 +308,7 @@ def main() -> None:
     ap.add_argument("--one", nargs=2, metavar=("SIDE", "CMD"), help=argparse.SUPPRESS)
     ap.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
-    add_args(ap, str(RESULTS), rounds=3)
+    add_args(ap, str(RESULTS), rounds=5)
     args = ap.parse_args()
     if args.one:
         print(json.dumps(measure(args.one[0], args.one[1], args.src, args.child_out, args.workers,
@@ -288,6 +337,8 @@ def main() -> None:
                    **common, "workers": 1},
         "naive": {"engine": "dask.bag on a LocalCluster", **common,
                   "partitions": args.naive_partitions},
+        "ideal": {"engine": "two single processes at once, one per half of the shards "
+                            "(the machine's 2-core ceiling)", **common},
     }
 
     def side(c: str, s: str) -> Side:
@@ -297,6 +348,8 @@ def main() -> None:
                      differences=[
         "single is one process (1 core of 2); dask and naive use a LocalCluster of "
         f"{args.workers} single-threaded workers (cluster start-up not timed)",
+        "ideal is two single processes started at once on the two halves of the shards; its "
+        "wall time is the slower one's (dedup's halves skip pairs across halves: less work)",
         f"naive (dask.bag) writes one output shard per partition ({args.naive_partitions} "
         "partitions), ours per-worker sinks; same records, tolerance and split fractions",
         f"naive runs {args.naive_rounds} interleaved round(s) of its own after the "
@@ -347,6 +400,11 @@ def main() -> None:
             "peak_rss_mib_per_worker_quarter_dataset": (quarter_peaks[c] or [None])[-1],
             "intermediate_files": last("dask", "intermediate_files") or 0,
             "intermediate_bytes": last("dask", "intermediate_bytes") or 0,
+            # what two busy cores give this work on this machine, and ours against it
+            "ideal_speedup_vs_single": res.ratio(f"{c}_single", f"{c}_ideal", "wall_s")
+            if ok["single"] and ok["ideal"] else None,
+            "share_of_ideal": res.ratio(f"{c}_ideal", f"{c}_dask", "wall_s")
+            if ok["ideal"] and ok["dask"] else None,
         }
         full = summary[c]["peak_rss_mib_per_worker"]["dask"]
         summary[c]["peak_rss_mib_per_worker_by_records"] = {
@@ -364,6 +422,9 @@ def main() -> None:
         "speedup_vs_naive_dask": min(x for x in sn if x is not None) if any(x is not None for x in sn) else None,
         "speedup_vs_naive_dask_commands": [c for c, x in zip(commands, sn, strict=True) if x is not None],
         "cpu_bound_speedup_vs_single": min(x for x in cb if x is not None) if any(x is not None for x in cb) else None,
+        # the ceiling of 2-way parallelism here (two single processes on halves, at once)
+        "ideal_speedup_vs_single": {c: summary[c]["ideal_speedup_vs_single"] for c in commands},
+        "share_of_ideal": {c: summary[c]["share_of_ideal"] for c in commands},
         "files_per_stage_max": max(summary[c]["files_per_output_dataset"]["dask"] or 0 for c in commands),
         "workers": args.workers,
         # peak RSS of the busiest worker, dask side, at a quarter of the records and at all of

@@ -161,6 +161,23 @@ class ShardReader:
             self._dctx = zstandard.ZstdDecompressor()
         return fmt.unpack_frame(self._view[a:b], self.name, self._dctx, i, a)  # type: ignore[index]
 
+    def raw_frame(self, i: int) -> bytes:
+        """Local record ``i``'s frame as stored (checksum checked, not decompressed; b"" if
+        inlined): what a writer with the same schema and codec appends unchanged."""
+        offs = self._offsets
+        if offs is None:
+            self.meta  # noqa: B018 - loads and checks the index
+            offs = self._offsets
+            assert offs is not None
+        a, b = offs[i], offs[i + 1]
+        if a == b:
+            return b""
+        if self._pid != _PID[0] or self._view is None:
+            self._map()
+        buf = self._view[a:b]  # type: ignore[index]
+        fmt.check_frame(buf, self.name, i, a)
+        return bytes(buf)
+
     def records(self, local: list[int]) -> list[dict[str, Any]]:
         """Decode the local records ``local`` (one pass over the shard's map for the common
         case of uncompressed bytes frames; same checks and errors as :meth:`record`)."""
