@@ -143,8 +143,8 @@ class ShardReader:
                 pass  # a caller still holds a view: the map closes when it is collected
         self._mm, self._view, self._pid = None, None, -1
 
-    def frame_body(self, i: int) -> bytes | memoryview:
-        """Checked, decompressed frame body of local record ``i`` (empty if inlined)."""
+    def _frame_view(self, i: int) -> memoryview | None:
+        """The stored bytes of local record ``i``'s frame (None if inlined), unchecked."""
         offs = self._offsets
         if offs is None:
             self.meta  # noqa: B018 - loads and checks the index
@@ -152,30 +152,29 @@ class ShardReader:
             assert offs is not None
         a, b = offs[i], offs[i + 1]
         if a == b:
-            return b""
+            return None
         if self._pid != _PID[0] or self._view is None:
             self._map()
+        return self._view[a:b]  # type: ignore[index]
+
+    def frame_body(self, i: int) -> bytes | memoryview:
+        """Checked, decompressed frame body of local record ``i`` (empty if inlined)."""
+        buf = self._frame_view(i)
+        if buf is None:
+            return b""
         if self._dctx is None and self._meta.codec == 1:  # type: ignore[union-attr]
             import zstandard
 
             self._dctx = zstandard.ZstdDecompressor()
-        return fmt.unpack_frame(self._view[a:b], self.name, self._dctx, i, a)  # type: ignore[index]
+        return fmt.unpack_frame(buf, self.name, self._dctx, i, self._offsets[i])  # type: ignore[index]
 
     def raw_frame(self, i: int) -> bytes:
         """Local record ``i``'s frame as stored (checksum checked, not decompressed; b"" if
         inlined): what a writer with the same schema and codec appends unchanged."""
-        offs = self._offsets
-        if offs is None:
-            self.meta  # noqa: B018 - loads and checks the index
-            offs = self._offsets
-            assert offs is not None
-        a, b = offs[i], offs[i + 1]
-        if a == b:
+        buf = self._frame_view(i)
+        if buf is None:
             return b""
-        if self._pid != _PID[0] or self._view is None:
-            self._map()
-        buf = self._view[a:b]  # type: ignore[index]
-        fmt.check_frame(buf, self.name, i, a)
+        fmt.check_frame(buf, self.name, i, self._offsets[i])  # type: ignore[index]
         return bytes(buf)
 
     def records(self, local: list[int]) -> list[dict[str, Any]]:
