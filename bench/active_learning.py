@@ -74,6 +74,10 @@ SETTINGS = {
     # per compound in a batch (the held-out set is other compounds), and no near-copy
     # (0.25 A: 99% of two conformers of one pool compound are closer) of a labelled one
     "learn.force_weight_score": 0.0, "learn.max_per_molecule": 1, "learn.labelled_tol": 0.25,
+    # the batch: greedily the largest spread x (how much the candidate's label lowers the
+    # mean last-layer posterior variance over the pool), conditioned on each pick
+    # (convergent.learn.posterior; the spread alone, top-k, needed 0.69x the labels)
+    "learn.acquisition": "posterior", "learn.posterior_gain": "pool", "learn.posterior_alpha": 1.0,
 }
 
 

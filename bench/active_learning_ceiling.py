@@ -36,6 +36,8 @@ import active_learning as al  # noqa: E402
 from _harness import Side, add_args, check_clean, interleave, spread, write_result  # noqa: E402
 
 RESULTS = ROOT / "results"
+# the oracle ranks by its score (top-k under ours' rules): a perfect uncertainty, no posterior
+ORACLE = {"learn.acquisition": "top"}
 
 
 def pool_labels(seed: int) -> dict[str, Any]:
@@ -77,12 +79,15 @@ def oracle_campaign(seed: int, energy: dict[str, float]) -> dict[str, Any]:
         ref = np.array([energy.get(c.key, np.nan) for c in cands], dtype=np.float64)
         return np.abs(p["energy_pred"] - ref) / np.maximum(p["n_atoms"], 1.0)
 
-    original = Campaign.score
+    original, settings = Campaign.score, dict(al.SETTINGS)
     Campaign.score = true_error
+    al.SETTINGS.update(ORACLE)
     try:
         return al.run_campaign(f"oracle-s{seed}", "uncertainty", seed)
     finally:
         Campaign.score = original
+        al.SETTINGS.clear()
+        al.SETTINGS.update(settings)
 
 
 def main() -> None:
@@ -113,7 +118,7 @@ def main() -> None:
         return run
 
     res = interleave("active_learning_ceiling", [
-        Side("oracle", side("oracle"), {**al.SETTINGS, "learn.strategy": "uncertainty",
+        Side("oracle", side("oracle"), {**al.SETTINGS, **ORACLE, "learn.strategy": "uncertainty",
                                         "score": "committee's true error |E_mean - E_ref| / n_atoms"}),
         Side("random", side("random"), {**al.SETTINGS, "learn.strategy": "random"})],
         rounds=len(args.seeds), differences=[

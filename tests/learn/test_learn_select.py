@@ -124,3 +124,60 @@ def test_power_acquisition_is_seeded_prefers_high_scores_and_keeps_the_rules():
     assert not ({4, 6} <= set(picked))
     with pytest.raises(ValueError, match="acquisition"):
         select_batch(cands, scores, 3, acquisition="greedy")
+
+
+def test_posterior_variance_is_what_the_labels_leave_unexplained():
+    from convergent.learn.posterior import Posterior
+
+    rng = np.random.default_rng(0)
+    lab = rng.normal(size=(40, 3)) * np.array([1.0, 1.0, 0.0])  # labels span two directions only
+    cand = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    post = Posterior(lab, np.concatenate([cand, [[0.0, 0.0, -1.0]]]), ridge=1.0)
+    x = post.transform(cand)
+    v = post.variance(x)
+    assert v[1] > 10 * v[0]  # the unseen direction keeps its prior variance
+    post.condition(x[1])
+    after = post.variance(x)
+    assert after[1] < 0.6 * v[1] and after[0] <= v[0] + 1e-12  # an observation only removes variance
+
+
+def test_posterior_acquisition_spreads_a_batch_over_feature_space_and_keeps_the_rules():
+    z, pos = WATER
+    cands = [Candidate.make(f"m{i}", z, pos + np.array([[0.0, 0.0, 0.0], [0.3 * i, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+             for i in range(6)]
+    # candidates 0-2 nearly one point of feature space, 3-5 another; 0-2 have the larger spread
+    feats = np.array([[1.0, 0.0], [1.0, 0.01], [1.01, 0.0], [0.0, 1.0], [0.0, 1.01], [0.01, 1.0]])
+    labelled = np.zeros((0, 2))
+    scores = np.array([1.0, 0.99, 0.98, 0.5, 0.5, 0.5])
+    top = select_batch(cands, scores, 2, tol=0.0)
+    post = select_batch(cands, scores, 2, tol=0.0, acquisition="posterior", features=(feats, labelled))
+    assert top == [0, 1]  # top-k spends both labels on one region
+    assert post[0] == 0 and post[1] in (3, 4, 5)  # the posterior knows 1 is explained by 0
+    # alpha = 0: the scores do not matter, only what the labels leave unexplained
+    labelled = np.array([[1.0, 0.0], [1.0, 0.005]] * 5)
+    pure = select_batch(cands, scores, 1, tol=0.0, acquisition="posterior", features=(feats, labelled), alpha=0.0)
+    assert pure[0] in (3, 4, 5)
+    # the rules hold: one structure per molecule
+    same = [Candidate.make("one", c.numbers, c.positions) for c in cands]
+    assert len(select_batch(same, scores, 3, tol=0.0, max_per_molecule=1, acquisition="posterior",
+                            features=(feats, np.zeros((0, 2))))) == 1
+    with pytest.raises(ValueError, match="features"):
+        select_batch(cands, scores, 2, acquisition="posterior")
+
+
+def test_pool_gain_prefers_what_informs_many_candidates_over_a_lone_outlier():
+    z, pos = WATER
+    cands = [Candidate.make(f"m{i}", z, pos + np.array([[0.0, 0.0, 0.0], [0.05 * i, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+             for i in range(13)]
+    # twelve candidates in one dense cluster, one outlier
+    rng = np.random.default_rng(1)
+    feats = np.concatenate([np.array([0.0, 1.0, 0.0]) + 0.3 * rng.normal(size=(12, 3)), [[2.0, 0.0, 0.0]]])
+    lab = np.array([[0.0, 0.0, 0.0], [0.1, 0.0, 0.0]])
+    flat = np.ones(13)
+    var = select_batch(cands, flat, 1, tol=0.0, acquisition="posterior", features=(feats, lab), alpha=0.0)
+    pool = select_batch(cands, flat, 1, tol=0.0, acquisition="posterior", features=(feats, lab), alpha=0.0,
+                        gain="pool")
+    assert var == [12]  # the outlier has the largest variance of its own
+    assert pool[0] < 12  # one of the cluster lowers the variance of twelve candidates
+    with pytest.raises(ValueError, match="gain"):
+        select_batch(cands, flat, 1, acquisition="posterior", features=(feats, lab), gain="other")

@@ -33,7 +33,12 @@ class LearnConfig(Section):
     by ``strategy`` (``uncertainty``: highest score first with no two structures of one
     batch within ``diversity_tol`` Å of each other, nor within ``labelled_tol`` Å of a
     structure already labelled; ``acquisition: power`` walks the candidates in a seeded
-    draw ∝ score**``power_beta`` instead of strictly by score; ``random``: a seeded random draw),
+    draw ∝ score**``power_beta`` instead of strictly by score; ``acquisition: posterior``
+    takes greedily the largest score**``posterior_alpha`` times a gain under a Bayesian
+    linear model on the committee's last-layer features, fitted to the labels and
+    conditioned on each pick (``posterior_gain``: ``pool``, how much the candidate's label
+    lowers the mean posterior variance over all candidates, or ``variance``, its own);
+    ``random``: a seeded random draw),
     labels them on Dask and appends them with provenance. Stops at ``label_budget``
     labels, ``wall_budget_s`` seconds (0: off), ``target_energy_mae`` eV/atom on the
     held-out set (0: off) or after ``rounds`` rounds. ``pipelined``: exploration and
@@ -92,9 +97,16 @@ class LearnConfig(Section):
     force_weight_score: NonNegative = 0.02
     diversity_tol: NonNegative = 0.05  # Å, sorted-distance fingerprint tolerance
     labelled_tol: NonNegative = 0.0  # Å; > 0: skip candidates this close to a labelled structure
-    # top: strictly by score; power: a seeded draw with probability ∝ score**power_beta
-    acquisition: Literal["top", "power"] = "top"
+    # top: strictly by score; power: a seeded draw with probability ∝ score**power_beta;
+    # posterior: greedy by score**posterior_alpha x last-layer posterior variance, the
+    # posterior conditioned on each pick (convergent.learn.posterior)
+    acquisition: Literal["top", "power", "posterior"] = "posterior"
     power_beta: float = Field(1.0, gt=0, le=20, allow_inf_nan=False)
+    posterior_alpha: float = Field(1.0, ge=0, le=8, allow_inf_nan=False)
+    posterior_ridge: float = Field(1.0, gt=0, le=1e6, allow_inf_nan=False)
+    # variance: the candidate's own posterior variance; pool: how much its label lowers the
+    # mean posterior variance over every candidate (the pool stands in for the held-out set)
+    posterior_gain: Literal["variance", "pool"] = "pool"
     max_per_molecule: Count0 = 0  # 0: no limit per molecule in one batch
     # stopping
     wall_budget_s: NonNegative = 0.0

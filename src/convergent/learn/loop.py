@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ase.data import atomic_numbers
 from rich.console import Console
 
 from convergent.cluster import dask_client
@@ -284,18 +285,23 @@ class Campaign:
         return self.curve.get(rnd)
 
     # ---------------------------------------------------------------- scoring
-    def predict(self, rnd: int, cands: list[Candidate]) -> dict[str, np.ndarray]:
-        """Committee ``rnd`` on ``cands`` (chunked score tasks on the pool): arrays
-        ``energy_pred``, ``energy_std``, ``force_std_max``, ``n_atoms``."""
+    def predict(self, rnd: int, cands: list[Candidate], records: list[dict[str, Any]] | None = None,
+                features: bool = False) -> dict[str, np.ndarray]:
+        """Committee ``rnd`` on ``cands`` (or on ``records``; chunked score tasks on the
+        pool): arrays ``energy_pred``, ``energy_std``, ``force_std_max``, ``n_atoms`` and,
+        with ``features``, the last-layer ``features`` (:mod:`convergent.learn.posterior`)."""
         L = self.L
+        recs_all = records if records is not None else [c.record() for c in cands]
+        elements = [atomic_numbers[e] for e in L.elements] if features else None
         futs = []
-        for i in range(0, len(cands), L.score_chunk):
-            recs = [c.record() for c in cands[i:i + L.score_chunk]]
+        for i in range(0, len(recs_all), L.score_chunk):
             futs.append(self.pool.submit("score", f"c{i}", rnd, tasks.score_records, self.members(rnd),
-                                         recs, L.batch_atoms, device="cpu"))
+                                         recs_all[i:i + L.score_chunk], L.batch_atoms, device="cpu",
+                                         elements=elements))
         parts = [self.pool.result(f) for f in futs]
-        return {k: np.concatenate([p[k] for p in parts]) if parts else np.zeros(0)
-                for k in ("energy_pred", "energy_std", "force_std_max", "n_atoms")}
+        names = ("energy_pred", "energy_std", "force_std_max", "n_atoms") + (("features",) if features else ())
+        return {k: np.concatenate([np.asarray(p[k], np.float64) for p in parts]) if parts else np.zeros(0)
+                for k in names}
 
     def score(self, rnd: int, cands: list[Candidate]) -> np.ndarray:
         p = self.predict(rnd, cands)
@@ -310,18 +316,21 @@ class Campaign:
             free = [free[i] for i in sorted(rng.choice(len(free), L.pool_sample, replace=False))]
         return free + [c for c in self.md_candidates(rnd) if c.key not in exclude]
 
-    def labelled_structures(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(numbers, positions) of every structure this campaign has labelled."""
+    def labelled_records(self) -> list[dict[str, Any]]:
+        """Every structure this campaign has labelled (records, sorted by key)."""
         from convergent.data.format import MANIFEST_NAME
-        from convergent.data.reader import open_dataset
 
         if not (self.p.labels / MANIFEST_NAME).is_file():
             return []
         ds = open_dataset(self.p.labels)
         try:
-            return [(np.asarray(r["numbers"]), np.asarray(r["positions"])) for r in (ds[i] for i in range(len(ds)))]
+            recs = [ds[i] for i in range(len(ds))]
         finally:
             ds.close()
+        return sorted(({"key": r["key"], "molecule_id": r.get("molecule_id", ""),
+                        "numbers": np.asarray(r["numbers"]), "positions": np.asarray(r["positions"]),
+                        "charge": r.get("charge", 0), "multiplicity": r.get("multiplicity", 1)}
+                       for r in recs), key=lambda r: r["key"])
 
     def select(self, rnd: int, k: int) -> tuple[list[Candidate], dict[str, float]]:
         """The ranked candidates of round ``rnd`` (computed once, then read from disk)."""
@@ -334,11 +343,24 @@ class Campaign:
         L = self.L
         exclude = committed_keys(self.p.labels) | quarantined_keys(self.p.labels)
         cands = self.candidates(rnd, exclude)
-        scores = self.score(rnd, cands) if L.strategy == "uncertainty" else np.full(len(cands), np.nan)
+        feats = None
+        lab_recs = self.labelled_records() if L.labelled_tol > 0 or L.acquisition == "posterior" else []
+        if L.strategy != "uncertainty":
+            scores = np.full(len(cands), np.nan)
+        elif L.acquisition == "posterior":  # the candidates' and the labels' last-layer features, in one go
+            p = self.predict(rnd, [], records=[c.record() for c in cands] + lab_recs, features=True)
+            n = len(cands)
+            scores = combined_score(p["energy_std"][:n], p["force_std_max"][:n], p["n_atoms"][:n],
+                                    L.force_weight_score)
+            x = p["features"].reshape(n + len(lab_recs), -1)
+            feats = (x[:n], x[n:])
+        else:
+            scores = self.score(rnd, cands)
+        labelled = [(r["numbers"], r["positions"]) for r in lab_recs] if L.labelled_tol > 0 else ()
         picked = select_batch(cands, scores, 2 * k + 4, L.strategy, L.diversity_tol,
                               _seed("select", L.seed, rnd), exclude, L.max_per_molecule,
-                              self.labelled_structures() if L.labelled_tol > 0 else (),
-                              L.labelled_tol, L.acquisition, L.power_beta)
+                              labelled, L.labelled_tol, L.acquisition, L.power_beta,
+                              feats, L.posterior_alpha, L.posterior_ridge, L.posterior_gain)
         ranked = [cands[i] for i in picked]
         by = {cands[i].key: float(scores[i]) for i in picked if np.isfinite(scores[i])}
         atomic_write_text(path, json.dumps({

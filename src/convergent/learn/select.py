@@ -14,8 +14,10 @@ in a seeded random order drawn with probability proportional to ``score ** beta`
 (without replacement, by the Gumbel-top-k trick) instead of strictly by score, under the
 same rules: top-k of a committee's disagreement piles a batch into the few most unusual
 compounds, while power sampling keeps most of the preference and spreads the batch
-(Kirsch et al., "Stochastic batch acquisition", TMLR 2023). Already labelled or quarantined keys are
-never selected.
+(Kirsch et al., "Stochastic batch acquisition", TMLR 2023). ``acquisition="posterior"``
+picks greedily by ``score ** alpha`` times the candidate's variance under the committee's
+last-layer posterior (:mod:`convergent.learn.posterior`), conditioning that posterior on
+each pick, under the same rules. Already labelled or quarantined keys are never selected.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from convergent.learn.pool import Candidate
+from convergent.learn.posterior import Posterior
 
 
 def fingerprint(numbers: np.ndarray, positions: np.ndarray) -> tuple[bytes, np.ndarray]:
@@ -63,9 +66,15 @@ def select_batch(
     labelled_tol: float = 0.0,
     acquisition: str = "top",
     beta: float = 1.0,
+    features: tuple[np.ndarray, np.ndarray] | None = None,
+    alpha: float = 1.0,
+    ridge: float = 1.0,
+    gain: str = "variance",
 ) -> list[int]:
     """Indices into ``cands`` of the batch, in selection order (at most ``k``);
-    ``labelled``: (numbers, positions) of the structures labelled so far."""
+    ``labelled``: (numbers, positions) of the structures labelled so far; ``features``:
+    (candidates' rows, labelled structures' rows) of
+    :func:`convergent.learn.posterior.structure_features` (``acquisition="posterior"``)."""
     ok = [i for i, c in enumerate(cands) if c.key not in exclude]
     if strategy == "random":
         rng = np.random.default_rng(seed)
@@ -89,29 +98,82 @@ def select_batch(
         with np.errstate(divide="ignore"):
             keys = beta * np.log(np.maximum(s[ok], 0.0)) + gumbel
         ok = [ok[j] for j in np.argsort(-keys, kind="stable")]
-    elif acquisition != "top":
-        raise ValueError(f"unknown acquisition {acquisition!r} (top | power)")
-    picked: list[int] = []
-    prints: list[tuple[bytes, np.ndarray]] = []
-    known: dict[bytes, list[np.ndarray]] = {}  # labelled fingerprints by composition
-    for z, pos in (labelled if labelled_tol > 0 else ()):
-        atoms, dist = fingerprint(z, pos)
-        known.setdefault(atoms, []).append(dist)
-    per_mol: Counter[str] = Counter()
-    keys: set[str] = set()
+    elif acquisition not in ("top", "posterior"):
+        raise ValueError(f"unknown acquisition {acquisition!r} (top | power | posterior)")
+    rule = _Rules(cands, k, tol, max_per_molecule, labelled if labelled_tol > 0 else (), labelled_tol)
+    if acquisition == "posterior":
+        if features is None:
+            raise ValueError("acquisition 'posterior' needs the candidates' and labelled features")
+        return _greedy_posterior(ok, s, features, alpha, ridge, gain, rule)
     for i in ok:
-        if len(picked) >= k:
+        if rule.full():
             break
-        c = cands[i]
-        if c.key in keys or (max_per_molecule and per_mol[c.molecule_id] >= max_per_molecule):
-            continue
+        rule.offer(i)
+    return rule.picked
+
+
+def _greedy_posterior(ok: list[int], s: np.ndarray, features: tuple[np.ndarray, np.ndarray],
+                      alpha: float, ridge: float, gain: str, rule: _Rules) -> list[int]:
+    """The largest ``s ** alpha * gain`` first, the posterior conditioned on each pick (a
+    candidate the rules refuse is dropped without conditioning). ``gain``: ``variance``
+    (the candidate's own posterior variance) or ``pool`` (how much its label would lower
+    the mean posterior variance over all candidates)."""
+    if gain not in ("variance", "pool"):
+        raise ValueError(f"unknown posterior gain {gain!r} (variance | pool)")
+    cand_x, lab_x = features
+    post = Posterior(lab_x, cand_x, ridge)
+    x = post.transform(cand_x[ok])
+    moment = x.T @ x / max(len(x), 1)
+    weight = np.maximum(s[ok], 0.0) ** alpha
+
+    def value() -> np.ndarray:
+        return weight * (post.pool_gain(x, moment) if gain == "pool" else post.variance(x))
+
+    alive = np.ones(len(ok), bool)
+    g = value()
+    while not rule.full() and alive.any():
+        j = int(np.argmax(np.where(alive, g, -np.inf)))
+        alive[j] = False
+        if rule.offer(ok[j]):
+            post.condition(x[j])
+            g = value()
+    return rule.picked
+
+
+class _Rules:
+    """The batch so far and the rules a candidate must pass to join it: a new key, at most
+    ``max_per_molecule`` per molecule, no near-duplicate within the batch (``tol``) or of a
+    labelled structure (``labelled_tol``)."""
+
+    def __init__(self, cands: Sequence[Candidate], k: int, tol: float, max_per_molecule: int,
+                 labelled: Sequence[tuple[np.ndarray, np.ndarray]], labelled_tol: float) -> None:
+        self.cands, self.k, self.tol, self.max_per_molecule = cands, k, tol, max_per_molecule
+        self.labelled_tol = labelled_tol
+        self.picked: list[int] = []
+        self.prints: list[tuple[bytes, np.ndarray]] = []
+        self.known: dict[bytes, list[np.ndarray]] = {}  # labelled fingerprints by composition
+        for z, pos in labelled:
+            atoms, dist = fingerprint(z, pos)
+            self.known.setdefault(atoms, []).append(dist)
+        self.per_mol: Counter[str] = Counter()
+        self.keys: set[str] = set()
+
+    def full(self) -> bool:
+        return len(self.picked) >= self.k
+
+    def offer(self, i: int) -> bool:
+        """Add candidate ``i`` to the batch if it passes the rules; whether it did."""
+        c = self.cands[i]
+        if c.key in self.keys or (self.max_per_molecule and self.per_mol[c.molecule_id] >= self.max_per_molecule):
+            return False
         fp = fingerprint(c.numbers, c.positions)
-        if tol > 0 and any(near_duplicate(fp, q, tol) for q in prints):
-            continue
-        if any(near_duplicate(fp, (fp[0], d), labelled_tol) for d in known.get(fp[0], ())):
-            continue
-        picked.append(i)
-        prints.append(fp)
-        keys.add(c.key)
-        per_mol[c.molecule_id] += 1
-    return picked
+        if self.tol > 0 and any(near_duplicate(fp, q, self.tol) for q in self.prints):
+            return False
+        if any(near_duplicate(fp, (fp[0], d), self.labelled_tol) for d in self.known.get(fp[0], ())):
+            return False
+        self.picked.append(i)
+        self.prints.append(fp)
+        self.keys.add(c.key)
+        self.per_mol[c.molecule_id] += 1
+        return True
+

@@ -167,14 +167,22 @@ def _models(model_dirs: list[str], device: str):
 
 
 def score_records(model_dirs: list[str], records: list[dict[str, Any]], batch_atoms: int,
-                  device: str = "cpu") -> dict[str, list[float]]:
-    """Committee mean energy, energy spread (eV) and largest force spread (eV/Å)."""
+                  device: str = "cpu", elements: list[int] | None = None) -> dict[str, list[Any]]:
+    """Committee mean energy, energy spread (eV) and largest force spread (eV/Å); with
+    ``elements``, also each structure's last-layer features
+    (:func:`convergent.learn.posterior.structure_features`)."""
     _, device = _torch_setup(device)
     from convergent.screen.predict import predict_records
 
-    res = predict_records(_models(model_dirs, device), records, batch_atoms, device)
-    return {"energy_pred": res.energy_pred.tolist(), "energy_std": res.energy_std.tolist(),
-            "force_std_max": res.force_std_max.tolist(), "n_atoms": res.n_atoms.tolist()}
+    models = _models(model_dirs, device)
+    res = predict_records(models, records, batch_atoms, device)
+    out: dict[str, list[Any]] = {"energy_pred": res.energy_pred.tolist(), "energy_std": res.energy_std.tolist(),
+                                 "force_std_max": res.force_std_max.tolist(), "n_atoms": res.n_atoms.tolist()}
+    if elements is not None:
+        from convergent.learn.posterior import structure_features
+
+        out["features"] = structure_features(models, records, batch_atoms, device, elements).tolist()
+    return out
 
 
 def evaluate(model_dirs: list[str], dataset: str, batch_atoms: int, device: str = "cpu") -> dict[str, float]:
