@@ -128,16 +128,34 @@ def generate(path: Path, records: int, shard_mib: int, seed: int = 0) -> None:
 
 def subset(src: Path, dst: Path, fraction: float) -> None:
     """A dataset of the first ``fraction`` of ``src``'s shards (symlinked, own manifest)."""
+    from convergent.data.manifest import read_manifest
+
+    shards = read_manifest(src).shards
+    _link(src, dst, slice(0, max(1, round(len(shards) * fraction))))
+
+
+def halves(src: Path) -> list[Path]:
+    """Two datasets of the first and second half of ``src``'s shards (symlinked)."""
+    from convergent.data.manifest import read_manifest
+
+    k = len(read_manifest(src).shards) // 2
+    out = [DATA / f"{src.name}-half{j}" for j in (0, 1)]
+    _link(src, out[0], slice(0, k))
+    _link(src, out[1], slice(k, None))
+    return out
+
+
+def _link(src: Path, dst: Path, part: slice) -> None:
+    """``dst``: the shards ``part`` of ``src`` symlinked, with their own manifest."""
     from convergent.data.manifest import Manifest, read_manifest, write_manifest
 
     m = read_manifest(src)
-    k = max(1, round(len(m.shards) * fraction))
     if dst.exists():
         shutil.rmtree(dst)
     dst.mkdir(parents=True)
-    for s in m.shards[:k]:
+    for s in m.shards[part]:
         (dst / s.name).symlink_to(src.resolve() / s.name)
-    write_manifest(dst, Manifest(schema=m.schema, compression=m.compression, shards=m.shards[:k]))
+    write_manifest(dst, Manifest(schema=m.schema, compression=m.compression, shards=m.shards[part]))
 
 
 # --------------------------------------------------------------------------- one measurement
@@ -223,25 +241,6 @@ def _cpu(client) -> dict[str, float]:
     out = {"driver": _self_cpu()}
     if client is not None:
         out.update({f"worker{k}": v for k, v in enumerate(client.run(_self_cpu).values())})
-    return out
-
-
-def halves(src: Path) -> list[Path]:
-    """Two datasets of the first and second half of ``src``'s shards (symlinked)."""
-    from convergent.data.manifest import Manifest, read_manifest, write_manifest
-
-    m = read_manifest(src)
-    k = len(m.shards) // 2
-    out = []
-    for j, part in enumerate((m.shards[:k], m.shards[k:])):
-        dst = DATA / f"{src.name}-half{j}"
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for s in part:
-            (dst / s.name).symlink_to(src.resolve() / s.name)
-        write_manifest(dst, Manifest(schema=m.schema, compression=m.compression, shards=part))
-        out.append(dst)
     return out
 
 

@@ -98,8 +98,8 @@ class LearnConfig(Section):
     diversity_tol: NonNegative = 0.05  # Å, sorted-distance fingerprint tolerance
     labelled_tol: NonNegative = 0.0  # Å; > 0: skip candidates this close to a labelled structure
     # top: strictly by score; power: a seeded draw with probability ∝ score**power_beta;
-    # posterior: greedy by score**posterior_alpha x last-layer posterior variance, the
-    # posterior conditioned on each pick (convergent.learn.posterior)
+    # posterior: greedy by score**posterior_alpha x a gain (posterior_gain) under the
+    # committee's last-layer posterior, conditioned on each pick (convergent.learn.posterior)
     acquisition: Literal["top", "power", "posterior"] = "posterior"
     power_beta: float = Field(1.0, gt=0, le=20, allow_inf_nan=False)
     posterior_alpha: float = Field(1.0, ge=0, le=8, allow_inf_nan=False)

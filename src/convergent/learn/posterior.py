@@ -35,11 +35,9 @@ def structure_features(models: Sequence[Any], records: Sequence[Mapping[str, Any
     penultimate activations, then the fraction of each element of ``elements``."""
     n_atoms = np.array([len(r["numbers"]) for r in records], dtype=np.int64)
     parts = [_member_features(m, records, n_atoms, batch_atoms, device) for m in models]
-    frac = np.zeros((len(records), len(elements)))
-    for i, r in enumerate(records):
-        z = np.asarray(r["numbers"], dtype=np.int64)
-        for j, e in enumerate(elements):
-            frac[i, j] = float((z == e).mean()) if len(z) else 0.0
+    els = np.asarray(elements, dtype=np.int64)
+    frac = np.array([(np.asarray(r["numbers"], np.int64)[:, None] == els).mean(0) if len(r["numbers"])
+                     else np.zeros(len(els)) for r in records]).reshape(len(records), len(els))
     return np.concatenate([*parts, frac], axis=1)
 
 

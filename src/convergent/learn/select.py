@@ -15,9 +15,10 @@ in a seeded random order drawn with probability proportional to ``score ** beta`
 same rules: top-k of a committee's disagreement piles a batch into the few most unusual
 compounds, while power sampling keeps most of the preference and spreads the batch
 (Kirsch et al., "Stochastic batch acquisition", TMLR 2023). ``acquisition="posterior"``
-picks greedily by ``score ** alpha`` times the candidate's variance under the committee's
-last-layer posterior (:mod:`convergent.learn.posterior`), conditioning that posterior on
-each pick, under the same rules. Already labelled or quarantined keys are never selected.
+picks greedily by ``score ** alpha`` times a gain under the committee's last-layer
+posterior (:mod:`convergent.learn.posterior`: the candidate's own variance, or how much its
+label lowers the mean variance over all candidates), conditioning that posterior on each
+pick, under the same rules. Already labelled or quarantined keys are never selected.
 """
 
 from __future__ import annotations
