@@ -215,3 +215,21 @@ def test_batched_units_cover_every_task_once_shrink_at_the_end_and_keep_placemen
     free = [len(u) for u in units if not placed.get(u[0])]
     assert free[0] == BATCH_MAX and free[-1] == 1 and free == sorted(free, reverse=True)
     assert [len(u) for u in _units(5, {}, 2, batch=False)] == [1] * 5
+
+
+def test_even_units_one_run_per_worker_cut_by_records_and_keep_placement():
+    from convergent.analytics.engine import EVEN, _units
+
+    sizes = [10] * 40 + [30] * 20  # the last third of the tasks hold 3x the records
+    units = _units(60, {}, 2, EVEN, sizes)
+    assert len(units) == 2 and [k for u in units for k in u] == list(range(60))
+    loads = [sum(sizes[k] for k in u) for u in units]
+    assert abs(loads[0] - loads[1]) <= 30  # within one task's records of an equal share
+    assert len(units[0]) > len(units[1])  # so the runs differ in tasks, not in records
+    placed = {k: ["w1"] for k in range(0, 60, 3)}
+    units = _units(60, placed, 3, EVEN, sizes)
+    assert sorted(k for u in units for k in u) == list(range(60))
+    pinned = [u for u in units if placed.get(u[0])]
+    assert len(pinned) == 1 and all(placed.get(k) for k in pinned[0])  # one worker: one run
+    assert len(units) == 4  # the other tasks: one run per worker of three
+    assert _units(2, {}, 5, EVEN, [1, 1]) == [[0], [1]]  # never an empty run

@@ -30,6 +30,7 @@ import numpy as np
 from convergent.analytics import derived
 from convergent.analytics import groupkeys as gk
 from convergent.analytics.engine import (
+    EVEN,
     Engine,
     OutSpec,
     ShardTask,
@@ -321,7 +322,9 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
                 where_all[perm[cuts[s]: cuts[s + 1]]] = s
             group_all, n_groups, scaf = None, m.records, None
         else:
-            res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}", batch=True)
+            # by molecule: from the index alone, a few ms per shard: one task per worker
+            res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}",
+                             batch=EVEN if mode == "molecule" else True)
             group_all, n_groups, scaf = _join(res, mode)
             split_g = _assign(np.bincount(group_all, minlength=n_groups), tlist, rng)
             where_all = _records_split(split_g, group_all)
