@@ -352,7 +352,7 @@ class Engine:
             placed = self._placement(tasks) if shards else {}
             if shards:
                 self.placed = placed
-            sizes = [t.info.records for t in tasks] if shards else None
+            sizes = [t.info.records for t in tasks] if shards and batch == EVEN else None
             futs, units = [], _units(len(tasks), placed, self.workers if batch else 1, batch, sizes)
             for j, unit in enumerate(units):
                 ws = placed.get(unit[0])

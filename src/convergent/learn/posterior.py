@@ -79,7 +79,7 @@ class Posterior:
         width = np.shape(candidates)[1]
         self.mean = both.mean(0) if len(both) else np.zeros(width)
         sd = both.std(0) if len(both) else np.ones(width)
-        self.scale = np.where(sd > 1e-12, 1.0 / np.where(sd > 1e-12, sd, 1.0), 0.0)
+        self.scale = np.divide(1.0, sd, out=np.zeros_like(sd, dtype=float), where=sd > 1e-12)
         self.ridge = float(ridge)
         lab = self.transform(labelled)
         d = lab.shape[1]
