@@ -32,11 +32,13 @@ Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
 ``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``, ``lm_mfu_bf16``,
 ``lm_vs_hf_train`` (eager vs eager), ``lm_vs_hf_train_compiled``,
 ``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``, ``torch``, ``cuda``,
-``provenance``, ``differences``; the harness result of each part under ``molecular``,
+``provenance``, ``differences``, ``complete`` and ``parts`` (the JSON is written after every
+part, so a run cut short keeps what it finished); the harness result of each part under ``molecular``,
 ``lm``, ``serve`` (settings, per_round, summary).
 
-Usage: ``python bench/gpu.py [--rounds 3] [--steps 30] [--lm-steps 20]
-[--only molecular,lm,serve]`` (every part runs ``--rounds`` rounds).
+Usage: ``python bench/gpu.py [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
+[--only molecular,lm,serve]`` (every part runs ``--rounds`` rounds; serving, the longest,
+``--serve-rounds`` if given).
 """
 
 from __future__ import annotations
@@ -382,11 +384,52 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _result(res: dict[str, Any], args: argparse.Namespace, prov: dict[str, Any], t0: float,
+            torch: Any, complete: bool) -> dict[str, Any]:
+    """The JSON written: the named top-level keys from the parts in ``res`` so far."""
+    prov = {**prov, "load_avg_after": list(os.getloadavg()),
+            "finished_utc": datetime.now(UTC).isoformat(timespec="seconds")}
+    mol, lm, srv = res.get("molecular", {}), res.get("lm", {}), res.get("serve", {})
+    return {
+        "benchmark": "gpu",
+        "commit": prov["commit"],
+        "dirty": prov["dirty"],
+        "complete": complete,
+        "parts": list(res),
+        "device": torch.cuda.get_device_name(0),
+        "molecular_atoms_per_s_bf16": _med(mol, "ours_bf16"),
+        "molecular_batch_atoms": args.mol_atoms,
+        "molecular_bf16_speedup_vs_fp32": _ratio(_med(mol, "ours_bf16"), _med(mol, "ours_fp32")),
+        "data_wait_fraction": _med(mol, "ours_bf16", "data_wait_fraction"),
+        "lm_mfu_bf16": _med(lm, "ours_bf16", "mfu"),
+        "lm_mfu_bf16_compile": _med(lm, "ours_bf16_compile", "mfu"),
+        "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_eager_bf16")),
+        "lm_vs_hf_train_compiled": _ratio(_med(lm, "ours_bf16_compile"),
+                                          _med(lm, "hf_sdpa_compile_bf16")),
+        "serve_output_tok_s_bf16": _med(srv, "ours_bf16"),
+        "serve_vs_hf_generate": _ratio(_med(srv, "ours_bf16"),
+                                       _med(srv, "hf_generate_bf16_batch64")),
+        "statistic": "median over rounds of each side's per-round median (spread in summary)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rounds": args.rounds,
+        "serve_rounds": args.serve_rounds or args.rounds,
+        "steps": args.steps,
+        "lm_steps": args.lm_steps,
+        "wall_s": time.monotonic() - t0,
+        "provenance": prov,
+        "differences": {k: v.get("differences", []) for k, v in res.items()},
+        **res,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30, help="molecular steps per side and round")
     ap.add_argument("--lm-steps", type=int, default=20, help="LM steps per side and round")
+    ap.add_argument("--serve-rounds", type=int, default=None,
+                    help="rounds of the serving part (default: --rounds)")
     ap.add_argument("--mol-atoms", type=int, default=16384, help="atoms per batch (<= 32768)")
     ap.add_argument("--only", default="molecular,lm,serve")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json")
@@ -407,48 +450,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     prov = provenance()
     res: dict[str, Any] = {}
+    parts = {"molecular": lambda tmp: bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms),
+             "lm": lambda tmp: bench_lm(tmp, args.rounds, args.lm_steps),
+             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds)}
+    out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="convergent-gpu-bench-") as d:
-        tmp = Path(d)
-        if "molecular" in only:
-            print("molecular", flush=True)
-            res["molecular"] = bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms)
-        if "lm" in only:
-            print("lm", flush=True)
-            res["lm"] = bench_lm(tmp, args.rounds, args.lm_steps)
-        if "serve" in only:
-            print("serve", flush=True)
-            res["serve"] = bench_serve(tmp, args.rounds)
-    prov["load_avg_after"] = list(os.getloadavg())
-    prov["finished_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
-    mol, lm, srv = res.get("molecular", {}), res.get("lm", {}), res.get("serve", {})
-    out = {
-        "benchmark": "gpu",
-        "commit": prov["commit"],
-        "dirty": prov["dirty"],
-        "device": torch.cuda.get_device_name(0),
-        "molecular_atoms_per_s_bf16": _med(mol, "ours_bf16"),
-        "molecular_batch_atoms": args.mol_atoms,
-        "molecular_bf16_speedup_vs_fp32": _ratio(_med(mol, "ours_bf16"), _med(mol, "ours_fp32")),
-        "data_wait_fraction": _med(mol, "ours_bf16", "data_wait_fraction"),
-        "lm_mfu_bf16": _med(lm, "ours_bf16", "mfu"),
-        "lm_mfu_bf16_compile": _med(lm, "ours_bf16_compile", "mfu"),
-        "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_eager_bf16")),
-        "lm_vs_hf_train_compiled": _ratio(_med(lm, "ours_bf16_compile"),
-                                          _med(lm, "hf_sdpa_compile_bf16")),
-        "serve_output_tok_s_bf16": _med(srv, "ours_bf16"),
-        "serve_vs_hf_generate": _ratio(_med(srv, "ours_bf16"),
-                                       _med(srv, "hf_generate_bf16_batch64")),
-        "statistic": "median over rounds of each side's per-round median (spread in summary)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "wall_s": time.monotonic() - t0,
-        "provenance": prov,
-        "differences": {k: v.get("differences", []) for k, v in res.items()},
-        **res,
-    }
-    write_result(out, args)
+        for name, part in parts.items():
+            if name in only:
+                print(name, flush=True)
+                res[name] = part(Path(d))
+                # written after every part: a run cut short keeps the parts it finished
+                out = _result(res, args, prov, t0, torch, complete=set(res) == only & set(parts))
+                write_result(out, args)
     print(json.dumps({k: v for k, v in out.items() if k not in res and k != "provenance"},
                      indent=2))
     return 0
