@@ -37,8 +37,8 @@ part, so a run cut short keeps what it finished); the harness result of each par
 ``lm``, ``serve`` (settings, per_round, summary).
 
 Usage: ``python bench/gpu.py [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
-[--only molecular,lm,serve]`` (every part runs ``--rounds`` rounds; serving, the longest,
-``--serve-rounds`` if given).
+[--only molecular,lm,serve]`` (the parts run in ``--only``'s order; each runs ``--rounds``
+rounds, serving, the longest, ``--serve-rounds`` if given).
 """
 
 from __future__ import annotations
@@ -445,8 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.mol_atoms <= 32768:
         print("--mol-atoms must be between 1 and 32768", file=sys.stderr)
         return 2
+    order = list(dict.fromkeys(args.only.split(",")))
+    unknown = [n for n in order if n not in ("molecular", "lm", "serve")]
+    if unknown:
+        print(f"--only: unknown part {unknown[0]!r} (choose from molecular, lm, serve)",
+              file=sys.stderr)
+        return 2
     check_clean(args)
-    only = set(args.only.split(","))
     t0 = time.monotonic()
     prov = provenance()
     res: dict[str, Any] = {}
@@ -455,13 +460,12 @@ def main(argv: list[str] | None = None) -> int:
              "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds)}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="convergent-gpu-bench-") as d:
-        for name, part in parts.items():
-            if name in only:
-                print(name, flush=True)
-                res[name] = part(Path(d))
-                # written after every part: a run cut short keeps the parts it finished
-                out = _result(res, args, prov, t0, torch, complete=set(res) == only & set(parts))
-                write_result(out, args)
+        for name in order:  # in --only's order
+            print(name, flush=True)
+            res[name] = parts[name](Path(d))
+            # written after every part: a run cut short keeps the parts it finished
+            out = _result(res, args, prov, t0, torch, complete=len(res) == len(order))
+            write_result(out, args)
     print(json.dumps({k: v for k, v in out.items() if k not in res and k != "provenance"},
                      indent=2))
     return 0
