@@ -233,3 +233,23 @@ def test_even_units_one_run_per_worker_cut_by_records_and_keep_placement():
     assert len(pinned) == 1 and all(placed.get(k) for k in pinned[0])  # one worker: one run
     assert len(units) == 4  # the other tasks: one run per worker of three
     assert _units(2, {}, 5, EVEN, [1, 1]) == [[0], [1]]  # never an empty run
+
+
+def test_balanced_units_even_runs_then_a_tail_of_single_tasks():
+    from convergent.analytics.engine import BALANCED, TAIL_SHARE, _units
+
+    sizes = [10] * 40 + [30] * 20
+    units = _units(60, {}, 2, BALANCED, sizes)
+    assert [k for u in units for k in u] == list(range(60))
+    head, tail = units[:2], units[2:]
+    assert tail and all(len(u) == 1 for u in tail)  # the last shards: one task each
+    total = sum(sizes)
+    assert sum(sizes[u[0]] for u in tail) <= TAIL_SHARE * total + max(sizes)
+    loads = [sum(sizes[k] for k in u) for u in head]
+    assert abs(loads[0] - loads[1]) <= 30 and sum(loads) >= (1 - TAIL_SHARE) * total - 30
+    placed = {k: ["w1"] for k in range(0, 60, 3)}  # placement is kept, as with EVEN
+    units = _units(60, placed, 2, BALANCED, sizes)
+    assert sorted(k for u in units for k in u) == list(range(60))
+    for u in units:
+        assert len({tuple(placed.get(k) or ()) for k in u}) == 1
+    assert _units(3, {}, 2, BALANCED, [5, 5, 5]) == [[0], [1], [2]]  # never an empty run

@@ -30,6 +30,7 @@ import numpy as np
 from convergent.analytics import derived
 from convergent.analytics import groupkeys as gk
 from convergent.analytics.engine import (
+    BALANCED,
     EVEN,
     Engine,
     OutSpec,
@@ -334,8 +335,9 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
         per = [(where_all[t.start: t.start + t.info.records],
                 group_all[t.start: t.start + t.info.records].astype(np.int32) if ship else None)
                for t in tasks]
+        # a write task's cost follows its records: one long run per worker and a short tail
         written = engine.map(_write_task, tasks, run, specs, names, label="split: write", per_task=per,
-                             batch=True)
+                             batch=BALANCED)
     except BaseException:
         engine.abort(run, specs)
         raise
