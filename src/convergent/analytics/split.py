@@ -1,6 +1,8 @@
 """`data split`: random, by molecule, by Bemis–Murcko scaffold or by composition.
 
-Two Dask stages over the input shards (batched: a few shards per Dask task). **group**:
+Two Dask stages over the input shards, each a few Dask tasks of many shards (see
+``Engine.map``'s ``batch``: by molecule the group stage is one task per worker, the write
+stage one long task per worker and a tail of single shards). **group**:
 each record's group key — the record itself (random: no stage), its molecule
 (``molecule_id``, or the record itself when it has none; read from the shard index
 alone), its molecule's Murcko scaffold (RDKit; from ``meta.smiles`` when the record
