@@ -204,7 +204,8 @@ def test_writer_starts_writeback_as_a_shard_grows_and_the_shard_is_intact(monkey
 
 
 def test_batched_units_cover_every_task_once_shrink_at_the_end_and_keep_placement():
-    from convergent.analytics.engine import BATCH_MAX, _units
+    from convergent.analytics.batching import BATCH_MAX
+    from convergent.analytics.batching import units as _units
 
     placed = {k: ["w1"] for k in range(0, 100, 10)}  # every 10th task only on worker w1
     units = _units(100, placed, 2, batch=True)
@@ -218,7 +219,8 @@ def test_batched_units_cover_every_task_once_shrink_at_the_end_and_keep_placemen
 
 
 def test_even_units_one_run_per_worker_cut_by_records_and_keep_placement():
-    from convergent.analytics.engine import EVEN, _units
+    from convergent.analytics.batching import EVEN
+    from convergent.analytics.batching import units as _units
 
     sizes = [10] * 40 + [30] * 20  # the last third of the tasks hold 3x the records
     units = _units(60, {}, 2, EVEN, sizes)
@@ -236,7 +238,8 @@ def test_even_units_one_run_per_worker_cut_by_records_and_keep_placement():
 
 
 def test_balanced_units_even_runs_then_a_tail_of_single_tasks():
-    from convergent.analytics.engine import BALANCED, TAIL_SHARE, _units
+    from convergent.analytics.batching import BALANCED, TAIL_SHARE
+    from convergent.analytics.batching import units as _units
 
     sizes = [10] * 40 + [30] * 20
     units = _units(60, {}, 2, BALANCED, sizes)

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from convergent.analytics.batching import BALANCED, EVEN
+from convergent.analytics.batching import units as units_of
 from convergent.data import format as fmt
 from convergent.data.index import strings
 from convergent.data.manifest import (
@@ -229,55 +231,6 @@ def _cached(cache_dir: str, items: list[tuple[str, ShardInfo]], dask_worker: Any
 
 # --------------------------------------------------------------------------- driver
 
-BATCH_MAX = 8  # Engine.map(batch=True): most tasks run as one Dask task
-EVEN = "even"  # Engine.map(batch=EVEN): one run per worker, about equal records
-BALANCED = "balanced"  # batch=BALANCED: EVEN over most records, then single tasks
-TAIL_SHARE = 0.05  # batch=BALANCED: the share of records left to single tasks at the end
-
-
-def _units(n: int, placed: dict[int, list[str]], workers: int, batch: bool | str,
-           sizes: Sequence[int] | None = None) -> list[list[int]]:
-    """Task numbers ``0..n-1`` in runs of consecutive tasks that may run on the same
-    workers. With ``batch``, guided sizes: up to :data:`BATCH_MAX` tasks, and at most a
-    ``1 / (2 x workers)`` share of what is left, so the runs shrink to single tasks at the
-    end and no worker is left with a long run while the others are idle. With
-    ``batch=EVEN``, one run per worker, cut where the running total of ``sizes`` (records;
-    1 per task without) crosses each worker's equal share: for stages whose cost per task
-    is a few milliseconds and follows its records (split's molecule keys, read from the
-    shard index alone), where each Dask task's cost and the driver's handling of each result
-    outweigh the balancing that guided runs buy (100 shards on 2 workers: 0.22 s in 19
-    tasks, 0.15 s in 2). With ``batch=BALANCED``, the same equal runs over the first
-    ``1 - TAIL_SHARE`` of the records, then the last shards one task each, which the Dask
-    scheduler balances between the workers (queued until one is free, or stolen): for long stages whose cost follows their records
-    (split's write), where a dozen guided tasks cost the driver and the workers' event loops
-    CPU time that the tasks themselves lose on a small machine (split of 1M records on 2
-    cores: 0.26 CPU-s of scheduler, client and worker loops in 19 tasks, 0.17 in 7), and
-    the tail still evens out a worker that runs slower."""
-    if not batch:
-        return [[k] for k in range(n)]
-    by: dict[tuple[str, ...], list[int]] = {}
-    for k in range(n):
-        by.setdefault(tuple(placed.get(k) or ()), []).append(k)
-    out = []
-    for ws, ks in by.items():
-        w, i = max(len(ws) or workers, 1), 0
-        if batch in (EVEN, BALANCED):
-            cum = np.cumsum([sizes[k] if sizes is not None else 1 for k in ks])
-            head = len(ks) if batch == EVEN else int(
-                np.searchsorted(cum, cum[-1] * (1 - TAIL_SHARE), side="right"))
-            if head:
-                c = cum[:head]
-                cuts = np.searchsorted(c, c[-1] * np.arange(1, w) / w, side="right") if w > 1 else []
-                out.extend(p.tolist() for p in np.split(np.asarray(ks[:head]), cuts) if p.size)
-            out.extend([k] for k in ks[head:])
-            continue
-        while i < len(ks):
-            size = min(BATCH_MAX, -(-(len(ks) - i) // (2 * w)))
-            out.append(ks[i: i + size])
-            i += size
-    return out
-
-
 def _run_batch(fn: Callable[..., Any], items: list[tuple[Any, tuple[Any, ...]]],
                args: tuple[Any, ...]) -> list[Any]:
     """Worker side of a batched map: ``fn`` on each (task, per-task args) in turn."""
@@ -333,11 +286,11 @@ class Engine:
         (or here); results in task order. Shard tasks read through the cache and run where
         it holds their shard; other items (e.g. partition numbers) run anywhere.
 
-        ``batch``: run runs of consecutive tasks (same placement) as one Dask task each
-        (see :func:`_units`), for stages of many short tasks, where Dask's per-task cost
-        (a few ms of scheduler and worker time) matters; ``batch=EVEN``: one run per worker
-        of about equal records, for stages of a few ms per shard; ``batch=BALANCED``: those
-        runs over most records, then single tasks, for long stages (see :func:`_units`)."""
+        ``batch``: run runs of consecutive tasks (same placement) as one Dask task each,
+        for stages of many short tasks, where Dask's per-task cost (a few ms of scheduler
+        and worker time) matters; ``batch=EVEN``: one run per worker of about equal
+        records, for stages of a few ms per shard; ``batch=BALANCED``: those runs over most
+        records, then single tasks, for long stages (see :mod:`.batching`)."""
         extra = per_task if per_task is not None else [()] * len(tasks)
         shards = all(isinstance(t, ShardTask) for t in tasks)  # else: no locality (e.g. partitions)
         if shards:
@@ -367,7 +320,7 @@ class Engine:
             if shards:
                 self.placed = placed
             sizes = [t.info.records for t in tasks] if shards and batch in (EVEN, BALANCED) else None
-            futs, units = [], _units(len(tasks), placed, self.workers if batch else 1, batch, sizes)
+            futs, units = [], units_of(len(tasks), placed, self.workers if batch else 1, batch, sizes)
             for j, unit in enumerate(units):
                 ws = placed.get(unit[0])
                 key = f"{label.replace(' ', '-')}-{secrets.token_hex(4)}-{j}"

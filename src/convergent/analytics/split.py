@@ -31,9 +31,8 @@ import numpy as np
 
 from convergent.analytics import derived
 from convergent.analytics import groupkeys as gk
+from convergent.analytics.batching import BALANCED, EVEN
 from convergent.analytics.engine import (
-    BALANCED,
-    EVEN,
     Engine,
     OutSpec,
     ShardTask,
