@@ -29,11 +29,12 @@ def units(n: int, placed: dict[int, list[str]], workers: int, batch: bool | str,
     outweigh the balancing that guided runs buy (100 shards on 2 workers: 0.22 s in 19
     tasks, 0.15 s in 2). With ``batch=BALANCED``, the same equal runs over the first
     ``1 - TAIL_SHARE`` of the records, then the last shards one task each, which the Dask
-    scheduler balances between the workers (queued until one is free, or stolen): for long stages whose cost follows their records
-    (split's write), where a dozen guided tasks cost the driver and the workers' event loops
-    CPU time that the tasks themselves lose on a small machine (split of 1M records on 2
-    cores: 0.26 CPU-s of scheduler, client and worker loops in 19 tasks, 0.17 in 7), and
-    the tail still evens out a worker that runs slower."""
+    scheduler balances between the workers (queued until one is free, or stolen): for long
+    stages whose cost follows their records (split's write), where a dozen guided tasks
+    cost the driver and the workers' event loops CPU time that the tasks themselves lose on
+    a small machine (split of 1M records on 2 cores: 0.26 CPU-s of scheduler, client and
+    worker loops in 19 tasks, 0.17 in 7), and the tail still evens out a worker that runs
+    slower."""
     if not batch:
         return [[k] for k in range(n)]
     by: dict[tuple[str, ...], list[int]] = {}
