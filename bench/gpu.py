@@ -445,19 +445,19 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.mol_atoms <= 32768:
         print("--mol-atoms must be between 1 and 32768", file=sys.stderr)
         return 2
+    parts = {"molecular": lambda tmp: bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms),
+             "lm": lambda tmp: bench_lm(tmp, args.rounds, args.lm_steps),
+             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds)}
     order = list(dict.fromkeys(args.only.split(",")))
-    unknown = [n for n in order if n not in ("molecular", "lm", "serve")]
+    unknown = [n for n in order if n not in parts]
     if unknown:
-        print(f"--only: unknown part {unknown[0]!r} (choose from molecular, lm, serve)",
+        print(f"--only: unknown part {unknown[0]!r} (choose from {', '.join(parts)})",
               file=sys.stderr)
         return 2
     check_clean(args)
     t0 = time.monotonic()
     prov = provenance()
     res: dict[str, Any] = {}
-    parts = {"molecular": lambda tmp: bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms),
-             "lm": lambda tmp: bench_lm(tmp, args.rounds, args.lm_steps),
-             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds)}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="convergent-gpu-bench-") as d:
         for name in order:  # in --only's order

@@ -40,21 +40,36 @@ def units(n: int, placed: dict[int, list[str]], workers: int, batch: bool | str,
     by: dict[tuple[str, ...], list[int]] = {}
     for k in range(n):
         by.setdefault(tuple(placed.get(k) or ()), []).append(k)
-    out = []
+    out: list[list[int]] = []
     for ws, ks in by.items():
-        w, i = max(len(ws) or workers, 1), 0
+        w = max(len(ws) or workers, 1)
         if batch in (EVEN, BALANCED):
-            cum = np.cumsum([sizes[k] if sizes is not None else 1 for k in ks])
-            head = len(ks) if batch == EVEN else int(
-                np.searchsorted(cum, cum[-1] * (1 - TAIL_SHARE), side="right"))
-            if head:
-                c = cum[:head]
-                cuts = np.searchsorted(c, c[-1] * np.arange(1, w) / w, side="right") if w > 1 else []
-                out.extend(p.tolist() for p in np.split(np.asarray(ks[:head]), cuts) if p.size)
-            out.extend([k] for k in ks[head:])
-            continue
-        while i < len(ks):
-            size = min(BATCH_MAX, -(-(len(ks) - i) // (2 * w)))
-            out.append(ks[i: i + size])
-            i += size
+            out.extend(_even(ks, [sizes[k] if sizes is not None else 1 for k in ks], w,
+                             TAIL_SHARE if batch == BALANCED else 0.0))
+        else:
+            out.extend(_guided(ks, w))
+    return out
+
+
+def _even(ks: list[int], sizes: list[int], w: int, tail: float) -> list[list[int]]:
+    """``w`` runs of about equal ``sizes`` over the first ``1 - tail`` of them, then the
+    rest one task each (never an empty run)."""
+    cum = np.cumsum(sizes)
+    head = len(ks) if not tail else int(np.searchsorted(cum, cum[-1] * (1 - tail), side="right"))
+    out: list[list[int]] = []
+    if head:
+        c = cum[:head]
+        cuts = np.searchsorted(c, c[-1] * np.arange(1, w) / w, side="right") if w > 1 else []
+        out.extend(p.tolist() for p in np.split(np.asarray(ks[:head]), cuts) if p.size)
+    out.extend([k] for k in ks[head:])
+    return out
+
+
+def _guided(ks: list[int], w: int) -> list[list[int]]:
+    """Runs of at most :data:`BATCH_MAX`, and a ``1 / (2 w)`` share of what is left."""
+    out, i = [], 0
+    while i < len(ks):
+        size = min(BATCH_MAX, -(-(len(ks) - i) // (2 * w)))
+        out.append(ks[i: i + size])
+        i += size
     return out

@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from convergent.analytics.batching import BALANCED, EVEN
 from convergent.analytics.batching import units as units_of
 from convergent.data import format as fmt
 from convergent.data.index import strings
@@ -319,7 +318,7 @@ class Engine:
             placed = self._placement(tasks) if shards else {}
             if shards:
                 self.placed = placed
-            sizes = [t.info.records for t in tasks] if shards and batch in (EVEN, BALANCED) else None
+            sizes = [t.info.records for t in tasks] if shards else None  # EVEN cuts by records
             futs, units = [], units_of(len(tasks), placed, self.workers if batch else 1, batch, sizes)
             for j, unit in enumerate(units):
                 ws = placed.get(unit[0])
