@@ -11,7 +11,14 @@ This module gives it:
 * :class:`Result` / :func:`write_result` — one JSON per bench with ``commit`` at the top,
   each side's exact settings, the differences that remain between sides stated in words,
   and a refusal to write from a dirty tree unless ``--allow-dirty`` is given (the result
-  then says so).
+  then says so);
+* :class:`LoadGuard` (started by :func:`check_clean`) — a benchmark runs alone: when the
+  1-minute load average is above half the cores at the start (after waiting up to
+  ``--settle`` seconds for it to fall), or processes outside the benchmark's own process
+  tree take more than a quarter of the machine's CPU time during the run, no result is
+  written to ``bench/results/`` (one line, exit 2) unless ``--allow-load``, which marks the
+  file ``loaded: true``. A file written elsewhere (``--out /tmp/x.json``) is marked too,
+  never refused.
 
 Use::
 
@@ -46,7 +53,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from _load import LoadGuard
+
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+_GUARD: LoadGuard | None = None  # started by check_clean, read by write_result
 PACKAGES = ("convergent", "torch", "numpy", "dask", "distributed", "tblite", "pyscf", "ase",
             "transformers", "tokenizers", "pyarrow", "rdkit", "mlflow")
 
@@ -79,15 +90,29 @@ def versions() -> dict[str, str]:
     return out
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
+# the ISA features that change which kernels ATen and oneDNN pick (and so the numbers)
+ISA_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "avx512_fp16", "avx512_bf16",
+             "avx512_vnni", "avx512f", "avx2", "fma")
+
+
+def cpu_info() -> tuple[str, dict[str, bool]]:
+    """The CPU model and which of :data:`ISA_FLAGS` it has (from /proc/cpuinfo)."""
+    model, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
+    cpu = model or platform.processor() or ""
+    return cpu, {f: f in flags for f in ISA_FLAGS}
+
+
+def machine() -> dict[str, Any]:
+    cpu, flags = cpu_info()
     mem = None
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -101,7 +126,8 @@ def machine() -> dict[str, Any]:
             gpu = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    return {"host": platform.node(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+    return {"host": platform.node(), "cpu": cpu, "cpu_flags": flags,
+            "cores": len(os.sched_getaffinity(0)),
             "memory_gib": round(mem, 1) if mem else None, "gpu": gpu,
             "os": platform.platform()}
 
@@ -218,15 +244,73 @@ def add_args(ap: argparse.ArgumentParser, default_out: str, rounds: int = 5) -> 
     ap.add_argument("--allow-dirty", action="store_true",
                     help="write a result even though tracked files differ from the commit "
                          "(the JSON then says dirty: true)")
+    ap.add_argument("--allow-load", action="store_true",
+                    help="write to bench/results/ even though the machine was busy (load "
+                         "average above half the cores at the start, or other processes took "
+                         "over a quarter of the CPU); the JSON then says loaded: true")
+    ap.add_argument("--settle", type=float, default=150.0, metavar="S",
+                    help="seconds to wait at the start for the 1-minute load average to fall "
+                         "below half the cores (default 150)")
 
 
-def check_clean(args: argparse.Namespace) -> None:
-    """Refuse (exit 2) before any work when the tree is dirty and --allow-dirty is not set."""
+def _refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _to_results(args: argparse.Namespace) -> bool:
+    """Whether ``--out`` lies in bench/results/ (the files the README may quote)."""
+    out = Path(getattr(args, "out", "") or ".").resolve()
+    return out == RESULTS or RESULTS in out.parents
+
+
+def _check_dirty(args: argparse.Namespace) -> None:
     state = git_state()
     if state["dirty"] and not getattr(args, "allow_dirty", False):
         files = ", ".join(state["dirty_files"][:5])
-        sys.exit(f"error: the working tree has uncommitted changes ({files}); a result must "
-                 "come from a commit — commit first, or pass --allow-dirty")
+        _refuse(f"the working tree has uncommitted changes ({files}); a result must come "
+                "from a commit — commit first, or pass --allow-dirty")
+
+
+def check_clean(args: argparse.Namespace) -> None:
+    """Refuse (exit 2) before any work when the tree is dirty and --allow-dirty is not set,
+    or when a result for bench/results/ would start on a busy machine (unless --allow-load);
+    then start the :class:`LoadGuard` that :func:`write_result` reads."""
+    global _GUARD
+    _check_dirty(args)
+    guard = LoadGuard()
+    if _to_results(args):
+        load = guard.settle(getattr(args, "settle", 150.0))
+        if load > guard.max_load and not getattr(args, "allow_load", False):
+            _refuse(f"1-minute load average {load:.2f} > {guard.max_load:g} (half of "
+                    f"{guard.cores} cores): the machine is busy; run the benchmark alone, "
+                    "or pass --allow-load (the result is then marked loaded: true)")
+    else:
+        guard.load_start = os.getloadavg()[0]
+    if _GUARD is not None:
+        _GUARD.stop()
+    _GUARD = guard.start()
+
+
+def _mark_load(data: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Put the guard's record into the result (``loaded`` on top, the detail in the
+    provenance); refuse a busy run's result for bench/results/ unless --allow-load."""
+    if _GUARD is None:
+        if _to_results(args):
+            _refuse("no load guard ran (call check_clean(args) before the work); "
+                    f"nothing written to {args.out}")
+        return data
+    rec = _GUARD.report()
+    if rec["loaded"] and _to_results(args) and not getattr(args, "allow_load", False):
+        _refuse(f"{rec['reasons'][0]}; nothing written to {args.out} — run the benchmark "
+                "alone, or pass --allow-load (the result is then marked loaded: true)")
+    head = {k: data[k] for k in ("benchmark", "commit", "dirty") if k in data}
+    out = {**head, "loaded": rec["loaded"], **{k: v for k, v in data.items() if k not in head}}
+    if isinstance(out.get("provenance"), dict):
+        out["provenance"] = {**out["provenance"], "load_guard": rec}
+    else:
+        out["load_guard"] = rec
+    return out
 
 
 def stamp(benchmark: str, prov: dict[str, Any], data: dict[str, Any],
@@ -247,11 +331,13 @@ def spread(values: list[float]) -> dict[str, Any]:
 
 
 def write_result(res: Result | dict[str, Any], args: argparse.Namespace) -> Path:
-    """Write the result JSON atomically (refusing a dirty tree unless allowed)."""
-    check_clean(args)
+    """Write the result JSON atomically, refusing a dirty tree unless --allow-dirty and, for
+    bench/results/, a busy machine unless --allow-load."""
+    _check_dirty(args)
     data = res.to_dict() if isinstance(res, Result) else res
     if "commit" not in data:
         raise ValueError("a result must carry its commit (use provenance())")
+    data = _mark_load(data, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

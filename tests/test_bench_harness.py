@@ -2,8 +2,10 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,107 @@ def test_stamp_png_writes_the_commit_into_the_figure(tmp_path):
     assert h.png_commit(png) == "a" * 40
     with Image.open(png) as img:
         assert img.size == (4, 3) and img.getpixel((1, 1)) == (10, 20, 30)
+
+
+def test_machine_records_the_isa_flags_from_cpuinfo():
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    rec = h.machine()["cpu_flags"]
+    assert list(rec) == list(h.ISA_FLAGS)
+    assert rec == {f: f in flags for f in h.ISA_FLAGS}
+    assert "cpu_flags" in h.provenance()["machine"]
+
+
+_BUSY = """
+import os, sys, time
+open(sys.argv[1], "w").write(str(os.getpid()))
+while time.process_time() < float(sys.argv[2]):
+    pass
+open(sys.argv[1] + ".done", "w").write("1")
+"""
+
+
+def _outside_busy(tmp_path, cpu_s):
+    """A process outside this one's tree (setsid -f: its parent exits at once, so it is
+    re-parented) that burns ``cpu_s`` seconds of CPU; returns (pid, done-file)."""
+    pid_file = tmp_path / "outside.pid"
+    subprocess.run(["setsid", "-f", sys.executable, "-c", _BUSY, str(pid_file), str(cpu_s)],
+                   check=True)
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.05)
+    return int(pid_file.read_text()), Path(str(pid_file) + ".done")
+
+
+def _wait(path):
+    while not path.exists():
+        time.sleep(0.05)
+
+
+def test_guard_counts_cpu_outside_the_process_tree_not_its_own_children(tmp_path):
+    from _load import LoadGuard
+
+    outside_pid, outside_done = _outside_busy(tmp_path, 1.5)
+    guard = LoadGuard(interval=0.1).start()
+    own_pid_file = tmp_path / "own.pid"
+    own = subprocess.Popen([sys.executable, "-c", _BUSY, str(own_pid_file), "1.5"])
+    own.wait()
+    _wait(outside_done)
+    rec = guard.report()
+    guard.stop()
+    pids = {p["pid"] for p in rec["top_outside"]}
+    assert outside_pid in pids and own.pid not in pids
+    # its 1.5 CPU-s less at most one sampling interval's share missed before it exited
+    assert rec["outside_cpu_s"] >= 1.0, rec
+    assert rec["cores"] == len(os.sched_getaffinity(0)) and 0 < rec["outside_cpu_share"]
+
+
+def _busy_result(tmp_path, monkeypatch, load_start):
+    from _load import LoadGuard
+
+    monkeypatch.setattr(h, "RESULTS", tmp_path / "results")
+    guard = LoadGuard()
+    guard.load_start = load_start  # as settle() would have found it
+    monkeypatch.setattr(h, "_GUARD", guard.start())
+    return h.interleave("t", [h.Side("a", lambda r: {"x": 1.0})], rounds=1, progress=False)
+
+
+def test_a_busy_start_refuses_bench_results_unless_allowed(tmp_path, monkeypatch, capsys):
+    res = _busy_result(tmp_path, monkeypatch, load_start=4.0 * os.cpu_count())
+    out = tmp_path / "results" / "r.json"
+    ns = argparse.Namespace(out=str(out), allow_dirty=True, allow_load=False)
+    with pytest.raises(SystemExit) as exc:
+        h.write_result(res, ns)
+    assert exc.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1-minute load" in err[0] and "--allow-load" in err[0]
+    h.write_result(res, argparse.Namespace(out=str(out), allow_dirty=True, allow_load=True))
+    data = json.loads(out.read_text())
+    assert list(data)[:4] == ["benchmark", "commit", "dirty", "loaded"] and data["loaded"] is True
+    assert "1-minute load" in data["provenance"]["load_guard"]["reasons"][0]
+    # outside bench/results/ the file is written, marked, never refused
+    elsewhere = tmp_path / "elsewhere.json"
+    h.write_result(res, argparse.Namespace(out=str(elsewhere), allow_dirty=True))
+    assert json.loads(elsewhere.read_text())["loaded"] is True
+
+
+def test_a_quiet_run_is_written_as_not_loaded(tmp_path, monkeypatch):
+    res = _busy_result(tmp_path, monkeypatch, load_start=0.0)
+    out = tmp_path / "r.json"  # outside bench/results: other tests may run beside this one
+    h.write_result(res, argparse.Namespace(out=str(out), allow_dirty=True))
+    data = json.loads(out.read_text())
+    guard = data["provenance"]["load_guard"]
+    assert data["loaded"] is (guard["outside_cpu_share"] > guard["max_outside_share"])
+    assert guard["load_avg_start"] == 0.0 and guard["max_load"] == 0.5 * guard["cores"]
+
+
+def test_no_guard_no_result_in_bench_results(tmp_path, monkeypatch):
+    monkeypatch.setattr(h, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(h, "_GUARD", None)
+    res = h.interleave("t", [h.Side("a", lambda r: {"x": 1.0})], rounds=1, progress=False)
+    with pytest.raises(SystemExit) as exc:
+        h.write_result(res, argparse.Namespace(out=str(tmp_path / "results" / "r.json"),
+                                               allow_dirty=True))
+    assert exc.value.code == 2
