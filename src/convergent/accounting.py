@@ -27,6 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from convergent.fsutil import dumps_json
+
 ACCOUNTING_NAME = "accounting.jsonl"
 LIVE = {"RUNNING", "PENDING", "REQUEUED", "SUSPENDED", "COMPLETING", "CONFIGURING"}
 
@@ -54,7 +56,7 @@ def append_usage(run_dir: str | Path, records: list[Usage]) -> None:
         return
     path = Path(run_dir) / ACCOUNTING_NAME
     with path.open("a", encoding="utf-8") as fh:
-        fh.write("".join(json.dumps(asdict(r)) + "\n" for r in records))
+        fh.write("".join(dumps_json(asdict(r)) + "\n" for r in records))
         fh.flush()
         os.fsync(fh.fileno())
 

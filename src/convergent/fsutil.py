@@ -127,3 +127,50 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict]:
                 continue
             if isinstance(row, dict):
                 yield row
+
+
+# -- strict JSON ------------------------------------------------------------------------
+# Every JSON file the project writes is strict (RFC 8259): no NaN or Infinity, which
+# strict parsers reject. The one convention: a non-finite number becomes ``null`` and,
+# inside an object, a sibling ``<key>_null_reason`` says why (the caller's reason when
+# it gave one in ``reasons``, else "not a number" / "infinite").
+
+
+def _reason(x: float) -> str:
+    return "not a number (NaN)" if x != x else "infinite"
+
+
+def strict_json(obj: Any, reasons: dict[str, str] | None = None) -> Any:
+    """``obj`` with every non-finite float replaced by None (objects gain
+    ``<key>_null_reason``; ``reasons`` maps a key to its reason, at any depth)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        out: dict[Any, Any] = {}
+        for k, v in obj.items():
+            out[k] = strict_json(v, reasons)
+            if isinstance(v, float) and out[k] is None and f"{k}_null_reason" not in obj:
+                out[f"{k}_null_reason"] = (reasons or {}).get(str(k), _reason(v))
+        return out
+    if isinstance(obj, list | tuple):
+        return [strict_json(v, reasons) for v in obj]
+    return obj
+
+
+def dumps_json(obj: Any, reasons: dict[str, str] | None = None, **kwargs: Any) -> str:
+    """Strict JSON text of ``obj`` (see :func:`strict_json`); ``allow_nan=False``, so a
+    non-finite number that escaped the conversion (e.g. in a ``default=`` result) fails
+    loudly instead of writing ``NaN``."""
+    if not reasons:
+        try:  # the common case, all finite: one C-speed pass
+            return json.dumps(obj, allow_nan=False, **kwargs)
+        except ValueError:
+            pass
+    return json.dumps(strict_json(obj, reasons), allow_nan=False, **kwargs)
+
+
+def loads_strict(text: str) -> Any:
+    """Parse JSON as strict parsers do: ``NaN``/``Infinity`` raise ValueError."""
+    def refuse(name: str) -> Any:
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)

@@ -28,7 +28,7 @@ from typing import Any
 
 from convergent.config import ConvergentConfig, dump_config, save_config
 from convergent.errors import RunDirError
-from convergent.fsutil import atomic_write_text, read_jsonl
+from convergent.fsutil import atomic_write_text, dumps_json, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,13 @@ class RunDir:
 
         stages = self.stages()
         stages[stage] = {"finished_at": time.time(), "code": code_version().to_dict(), **summary}
-        atomic_write_text(self.stages_file, json.dumps(stages, indent=2))
+        atomic_write_text(self.stages_file, dumps_json(stages, indent=2))
 
     def log_metrics(self, record: dict[str, Any]) -> None:
         """Append one JSON line to metrics.jsonl (adds ``time`` if missing)."""
         record = {"time": time.time(), **record}
         with self.metrics.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(dumps_json(record) + "\n")
 
     def read_metrics(self, kind: str | None = None) -> list[dict[str, Any]]:
         """All metric records, optionally only those with ``record['kind'] == kind``."""

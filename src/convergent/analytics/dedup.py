@@ -25,7 +25,6 @@ distance) listing every dropped record.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from convergent.analytics.engine import (
     sink,
 )
 from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 OUT = "kept"
 DROPPED = "dropped.jsonl"
@@ -226,7 +225,7 @@ def dedup_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], tole
         engine.abort(run, {OUT: spec})
         raise
     keys = _keys(tasks, np.concatenate([drop, match["keep"]]))
-    lines = [json.dumps({"key": keys[int(d)], "reason": "exact" if ex else "near",
+    lines = [dumps_json({"key": keys[int(d)], "reason": "exact" if ex else "near",
                          "duplicate_of": keys[int(k)], "max_distance_diff": round(float(dd), 6)})
              for d, k, ex, dd in zip(drop, match["keep"][order], match["exact"][order], match["dist"][order],
                                      strict=True)]

@@ -21,7 +21,6 @@ against the committed manifests (no second pass over the written shards).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from convergent.analytics.engine import (
 )
 from convergent.data.indexscan import IndexScan
 from convergent.errors import DataError, InputError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 MODES = ("random", "molecule", "scaffold", "composition")
 REPORT = "split.json"
@@ -348,7 +347,7 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
               "requested": targets, "records": {n: mans[n].records for n in names},
               "groups": n_groups,
               "leakage": leakage(names, mode, written, scaf, {n: mans[n].records for n in names})}
-    atomic_write_text(Path(out) / REPORT, json.dumps(report, indent=1) + "\n")
+    atomic_write_text(Path(out) / REPORT, dumps_json(report, indent=1) + "\n")
     return report
 
 

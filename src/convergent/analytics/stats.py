@@ -8,7 +8,6 @@ the shard indices first), force norms on log-spaced bins (relative error < 0.5 %
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import Counter
@@ -21,7 +20,7 @@ import numpy as np
 from convergent.analytics import derived
 from convergent.analytics.engine import Engine, ShardTask, ShardView, plan
 from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 FORCE_EDGES = np.logspace(-4, 4, 1601)  # eV/Å
 STATS_JSON = "stats.json"
@@ -264,7 +263,7 @@ def write_stats(stats: dict[str, Any], out: str | os.PathLike[str]) -> dict[str,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figs = _plots(stats, out)
-    atomic_write_text(out / STATS_JSON, json.dumps(dict(stats, plots=figs), indent=1) + "\n")
+    atomic_write_text(out / STATS_JSON, dumps_json(dict(stats, plots=figs), indent=1) + "\n")
     return figs
 
 

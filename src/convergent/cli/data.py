@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import typer
+
+from convergent.fsutil import dumps_json
 
 data_app = typer.Typer(
     name="data",
@@ -77,7 +78,7 @@ def inspect(
 
     info = inspect_dataset(path, sample=sample)
     if as_json:
-        typer.echo(json.dumps(info, indent=1))
+        typer.echo(dumps_json(info, indent=1))
         return
     from rich.console import Console
     from rich.table import Table

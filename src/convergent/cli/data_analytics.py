@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from convergent.fsutil import dumps_json
 
 _CONFIG = typer.Option(None, "--config", "-c", help="YAML config (analytics, data and cluster sections).")
 _SET = typer.Option(None, "--set", "-s", help="Override a config value, e.g. analytics.seed=3 (repeatable).")
@@ -42,7 +43,7 @@ def _engine(config: Path | None, sets: list[str] | None, workers: int | None, si
 
 
 def _emit(result: dict[str, Any], as_json: bool, line: str) -> None:
-    typer.echo(json.dumps(result, indent=1, default=str) if as_json else line)
+    typer.echo(dumps_json(result, indent=1, default=str) if as_json else line)
 
 
 def register(app: typer.Typer) -> None:

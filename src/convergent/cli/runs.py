@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import typer
+
+from convergent.fsutil import dumps_json
 
 ROOT_OPT = typer.Option(Path("runs"), "--root", help="Directory holding the runs.")
 JSON_OPT = typer.Option(False, "--json", help="Print JSON (for scripts).")
@@ -58,7 +59,7 @@ def register(app: typer.Typer) -> None:
 
         found = list_runs(root)
         if as_json:
-            typer.echo(json.dumps([s.to_dict() for s in found], indent=1))
+            typer.echo(dumps_json([s.to_dict() for s in found], indent=1))
             return
         if not found:
             typer.echo(f"no runs under {root}")
@@ -78,7 +79,7 @@ def register(app: typer.Typer) -> None:
         s = summarize(run)
         stages = run.stages()
         if as_json:
-            typer.echo(json.dumps({**s.to_dict(), "stage_records": stages}, indent=1))
+            typer.echo(dumps_json({**s.to_dict(), "stage_records": stages}, indent=1))
             return
         typer.echo(f"run      {s.name}  ({s.path})")
         typer.echo(f"start    {_when(s.start)}   duration {_dur(s.duration_s)}   "
@@ -110,7 +111,7 @@ def register(app: typer.Typer) -> None:
         out = plot or Path(root) / ("compare_" + "_".join(r.path.name for r in runs) + ".png")
         comp = compare_runs(runs, out)
         if as_json:
-            typer.echo(json.dumps(comp.to_dict(), indent=1, default=str))
+            typer.echo(dumps_json(comp.to_dict(), indent=1, default=str))
             return
         head = ["", *comp.names]
         typer.echo(_table([head, ["code", *comp.code]]) + "\n")
@@ -132,7 +133,7 @@ def register(app: typer.Typer) -> None:
             find_run(s.path) for s in list_runs(root)]
         costs = [run_cost(r) for r in runs]
         if as_json:
-            typer.echo(json.dumps([c.to_dict() for c in costs], indent=1))
+            typer.echo(dumps_json([c.to_dict() for c in costs], indent=1))
             return
         rows = [["RUN", "STAGE", "WALL_S", "CORES", "CORE_S", "GPU_S", "SOURCE"]]
         for c in costs:

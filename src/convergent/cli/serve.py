@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from convergent.cli.common import CONFIG_ARG, SET_OPT, config_from_cli
+from convergent.fsutil import dumps_json
 
 MODEL_OPT = typer.Option(
     None,
@@ -134,7 +134,7 @@ def register(app: typer.Typer) -> None:
                 )
             req = eng.add_request(eng.make_request(prompt_ids, max_tokens, temperature=temperature))
             eng.run()
-        typer.echo(json.dumps(req.output) if ids else tok.decode(req.output))
+        typer.echo(dumps_json(req.output) if ids else tok.decode(req.output))
 
     @app.command("bench-serve")
     def _bench(
@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
         res["predictor"] = sc.predictor
         out.mkdir(parents=True, exist_ok=True)
         png = plot_kv_timeline({sc.scheduler: res}, out / "kv_usage.png")
-        atomic_write_text(out / "bench_serve.json", json.dumps(res, indent=1, default=str))
+        atomic_write_text(out / "bench_serve.json", dumps_json(res, indent=1, default=str))
         typer.echo(
             f"{sc.scheduler}: {res['requests']} requests in {res['wall_s']:.1f} s | "
             f"{res['req_s']:.2f} req/s | input {res['input_tok_s']:.0f} tok/s | "

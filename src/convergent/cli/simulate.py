@@ -11,12 +11,12 @@ re-running the same command resumes that dataset.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
 from convergent.cli.common import CONFIG_ARG, RESUME_OPT, RUN_DIR_OPT, SET_OPT, config_from_cli
+from convergent.fsutil import dumps_json
 
 
 def _shortcuts(**values: object) -> list[str]:
@@ -47,7 +47,7 @@ def _print_summary(console, title: str, summary) -> None:
     )
     console.print(f"  dataset: {s.dataset}")
     if s.quarantined or s.input_rejected:
-        console.print(f"  quarantine: {s.quarantine_file}  reasons: {json.dumps(s.reasons)}")
+        console.print(f"  quarantine: {s.quarantine_file}  reasons: {dumps_json(s.reasons)}")
 
 
 def register(app: typer.Typer) -> None:

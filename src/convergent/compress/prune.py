@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from convergent.errors import ConfigError
+from convergent.fsutil import dumps_json
 
 __all__ = ["PruneInfo", "prune_llama", "save_pruned_llama"]
 
@@ -124,5 +125,5 @@ def save_pruned_llama(model: Any, info: PruneInfo, out: Any, source: Any = None)
             f = Path(source) / name
             if f.is_file():
                 atomic_write_bytes(p / name, f.read_bytes())
-    atomic_write_text(p / "config.json", json.dumps(cfg, indent=2))
+    atomic_write_text(p / "config.json", dumps_json(cfg, indent=2))
     return p

@@ -32,7 +32,7 @@ from convergent.compress.quant import (
     quantize_weight_only,
 )
 from convergent.errors import ConfigError, InputError
-from convergent.fsutil import atomic_write_bytes, atomic_write_text
+from convergent.fsutil import atomic_write_bytes, atomic_write_text, dumps_json
 
 __all__ = [
     "QUANT_KEY",
@@ -84,7 +84,7 @@ def save_quantized_llama(model: nn.Module, info: QuantInfo, out: str | Path,
             f = Path(source) / name
             if f.is_file():
                 atomic_write_bytes(p / name, f.read_bytes())
-    atomic_write_text(p / "config.json", json.dumps(hf, indent=2))  # last: marks it complete
+    atomic_write_text(p / "config.json", dumps_json(hf, indent=2))  # last: marks it complete
     return p
 
 
@@ -177,7 +177,7 @@ def _load_int8_surrogate(d: Path, info: QuantInfo, quantize_method: str) -> nn.M
     from safetensors.torch import load_file
 
     from convergent.models.config import ModelConfig
-    from convergent.models.io import CONFIG, WEIGHTS
+    from convergent.models.io import CONFIG, WEIGHTS, attach_elements
     from convergent.models.molecular import build_model
 
     if quantize_method not in ("none", info.method):
@@ -194,4 +194,5 @@ def _load_int8_surrogate(d: Path, info: QuantInfo, quantize_method: str) -> nn.M
     if missing or unexpected:
         raise InputError(f"{d / WEIGHTS}: weights do not match the quantised config "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    attach_elements(model, meta, d)
     return model

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import tarfile
@@ -24,7 +23,7 @@ import numpy as np
 from convergent.data.mds import write_mds
 from convergent.data.reader import open_dataset
 from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 _ARRAYS = ("numbers", "positions", "forces", "cell", "pbc")
 
@@ -33,7 +32,7 @@ def _mol_members(rec: dict[str, Any]) -> tuple[bytes, bytes]:
     buf = io.BytesIO()
     np.savez(buf, **{k: rec[k] for k in _ARRAYS})
     scal = {k: rec[k] for k in ("key", "molecule_id", "energy", "charge", "multiplicity", "meta")}
-    return buf.getvalue(), json.dumps(scal).encode()
+    return buf.getvalue(), dumps_json(scal).encode()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -14,6 +14,7 @@ import struct
 import numpy as np
 
 from convergent.errors import DataError
+from convergent.fsutil import dumps_json
 
 
 def index_head(columns: list[tuple[str, str, int, int]]) -> bytes:
@@ -24,7 +25,7 @@ def index_head(columns: list[tuple[str, str, int, int]]) -> bytes:
         table.append({"name": name, "dtype": dtype, "shape": [count], "offset": pos,
                       "nbytes": nbytes})
         pos += nbytes + (-nbytes) % 8
-    head = json.dumps(table, separators=(",", ":")).encode()
+    head = dumps_json(table, separators=(",", ":")).encode()
     head += b" " * ((-(4 + len(head))) % 8)
     return struct.pack("<I", len(head)) + head
 

@@ -22,7 +22,7 @@ from convergent.data.format import (
     SCHEMAS,
 )
 from convergent.errors import DataError, parse_error_text
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Manifest:
         d = asdict(self)
         d["records"] = self.records
         d["bytes"] = self.bytes
-        return json.dumps(d, indent=1) + "\n"
+        return dumps_json(d, indent=1) + "\n"
 
 
 def manifest_path(path: str | Path) -> Path:

@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 
 from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 BYTES_COLUMNS = {"key": "str", "payload": "bytes"}
 MOLECULAR_COLUMNS = {
@@ -66,7 +66,7 @@ def encode_value(encoding: str, value: Any, name: str) -> bytes:
     if encoding == "float64":
         return struct.pack("<d", float(value))
     if encoding == "json":
-        return json.dumps(value.tolist() if isinstance(value, np.ndarray) else value).encode()
+        return dumps_json(value.tolist() if isinstance(value, np.ndarray) else value).encode()
     if encoding.startswith("ndarray:"):
         return _ndarray(value, encoding.split(":", 1)[1], name)
     raise DataError(f"MDS export of {name}: encoding {encoding!r} is not supported")
@@ -141,7 +141,7 @@ class MDSShardWriter:
         """Flush the last shard and write ``index.json``; returns the sample count."""
         self.flush()
         atomic_write_text(self.out / "index.json",
-                          json.dumps({"shards": self.shards, "version": 2}, sort_keys=True))
+                          dumps_json({"shards": self.shards, "version": 2}, sort_keys=True))
         return sum(s["samples"] for s in self.shards)
 
 

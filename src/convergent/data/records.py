@@ -16,6 +16,7 @@ import xxhash
 
 from convergent.data.format import FRAME_SEED_SALT, FRAME_SIZE
 from convergent.errors import DataError
+from convergent.fsutil import dumps_json
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -93,7 +94,7 @@ def encode_molecular(rec: dict[str, Any]) -> Encoded:
         raise DataError(f"record {key!r}: bad scalar field: {exc}") from None
     mol_id = str(rec.get("molecule_id", "") or "")
     try:
-        meta = json.dumps(rec.get("meta") or {}, separators=(",", ":"), sort_keys=True).encode()
+        meta = dumps_json(rec.get("meta") or {}, separators=(",", ":"), sort_keys=True).encode()
     except (TypeError, ValueError) as exc:
         raise DataError(f"record {key!r}: 'meta' is not JSON-serialisable: {exc}") from None
     kb, mb = key.encode(), mol_id.encode()

@@ -30,7 +30,7 @@ import numpy as np
 
 from convergent.data.config import TextConfig
 from convergent.errors import ConfigError, InputError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 __all__ = ["EOT", "TextConfig", "TextCorpus", "corpus_files", "prepare_corpus", "train_tokenizer"]
 
@@ -173,7 +173,7 @@ def _build(cfg: TextConfig, root: Path, train: list[str], val: list[str], d: Pat
         tok.save(str(tmp / "tokenizer.json"))
         tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT,
                 "bos_token": EOT, "unk_token": None, "model_max_length": 1_000_000}
-        atomic_write_text(tmp / "tokenizer_config.json", json.dumps(tcfg, indent=2))
+        atomic_write_text(tmp / "tokenizer_config.json", dumps_json(tcfg, indent=2))
         np.save(tmp / "train.npy", tr)
         np.save(tmp / "val.npy", va)
         meta = {"format": FORMAT, "source": cfg.source, "root": str(root),
@@ -182,7 +182,7 @@ def _build(cfg: TextConfig, root: Path, train: list[str], val: list[str], d: Pat
                 "train_tokens": int(tr.size), "val_tokens": int(va.size),
                 "train_bytes": sum(len(t.encode("utf-8")) for t in texts),
                 "val_file_list": val}
-        atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1))
+        atomic_write_text(tmp / "meta.json", dumps_json(meta, indent=1))
         try:
             tmp.rename(d)
         except OSError:  # another process built it meanwhile: keep theirs

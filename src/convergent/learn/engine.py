@@ -24,6 +24,7 @@ from typing import Any
 
 from convergent.cluster import WORKER_ENV
 from convergent.errors import ConfigError
+from convergent.fsutil import dumps_json
 from convergent.learn.tasks import Span, Timed, timed
 
 #: Dask priorities (higher runs first) per task kind.
@@ -64,7 +65,7 @@ class Pool:
 
     def record(self, span: Span) -> None:
         with self.timeline.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps({**asdict(span), "session": self.session,
+            fh.write(dumps_json({**asdict(span), "session": self.session,
                                  "workers": self.n_workers, "opened": self.started}) + "\n")
 
 

@@ -14,7 +14,6 @@ submitted again, so a resumed campaign labels nothing twice.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from convergent.data.writer import DatasetWriter
+from convergent.fsutil import dumps_json
 from convergent.learn.engine import Pool
 from convergent.learn.pool import Candidate
 from convergent.learn.tasks import label_items
@@ -163,7 +163,7 @@ def label_batch(
                 if log is not None:
                     with log.open("a", encoding="utf-8") as fh:
                         for rec in records:
-                            fh.write(json.dumps({"key": rec["key"], "round": rnd, "strategy": strategy,
+                            fh.write(dumps_json({"key": rec["key"], "round": rnd, "strategy": strategy,
                                                  "time": time.time()}) + "\n")
                 out.labelled += [rec["key"] for rec in records]
                 if rejected:

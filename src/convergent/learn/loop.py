@@ -35,13 +35,20 @@ from convergent.cluster import dask_client
 from convergent.config import ConvergentConfig
 from convergent.data.manifest import check_dataset
 from convergent.data.reader import open_dataset
+from convergent.elements import symbol
 from convergent.errors import InputError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.learn import tasks
 from convergent.learn.config import LearnConfig
 from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
 from convergent.learn.label import LABEL_LOG, committed_keys, label_batch, quarantined_keys
-from convergent.learn.pool import Candidate, build_pool, load_candidates, save_candidates
+from convergent.learn.pool import (
+    Candidate,
+    build_pool,
+    cover_elements,
+    load_candidates,
+    save_candidates,
+)
 from convergent.learn.report import build_learn_report
 from convergent.learn.select import combined_score, select_batch
 from convergent.runs import RunDir
@@ -121,7 +128,7 @@ class Campaign:
 
     def save(self) -> None:
         self.state["curve"] = {str(k): v for k, v in self.curve.items()}
-        atomic_write_text(self.p.state, json.dumps(self.state, indent=2))
+        atomic_write_text(self.p.state, dumps_json(self.state, indent=2))
 
     def elapsed(self) -> float:
         return float(self.state.get("elapsed_s", 0.0)) + time.time() - self.t0
@@ -162,16 +169,31 @@ class Campaign:
 
     # ---------------------------------------------------------------- round 0
     def start(self) -> None:
-        """Label the held-out set and the initial random labels (round 0)."""
-        held = self.label(0, self.held, len(self.held), "holdout", dataset=self.p.holdout)
+        """Label the held-out set and the initial random labels (round 0); the initial
+        labels hold every element of the pool and the held-out set (``cover_elements``)."""
         init = []
-        if not self.L.init_dataset:
+        if not self.L.init_dataset:  # refused before any label is spent
             rng = np.random.default_rng(_seed("init", self.L.seed))
             ranked = [self.cands[i] for i in rng.permutation(len(self.cands))]
-            init = ranked
+            init = cover_elements(ranked, self.held, self.L.init_labels)
+        held = self.label(0, self.held, len(self.held), "holdout", dataset=self.p.holdout)
+        if init:
             out = self.label(0, init, self.L.init_labels, "init")
+            self.check_cover(committed_keys(self.p.labels))
             self.say(f"round 0: {len(held.labelled)} held-out and {len(out.labelled)} initial "
                      f"labels ({len(out.quarantined)} quarantined)")
+
+    def check_cover(self, labelled: set[str]) -> None:
+        """Refuse to go on when quarantine left an element of the pool without a label."""
+        keys = set(labelled)
+        have = {int(z) for c in self.cands if c.key in keys for z in c.numbers}
+        need = {int(z) for c in self.cands + self.held for z in c.numbers}
+        if need - have:
+            z = min(need - have)
+            raise InputError(
+                f"learn: no initial label holds element {symbol(z)} (Z={z}): its "
+                "structures were quarantined, so the committee could not predict them",
+                hint="see learn/quarantine and raise learn.init_labels")
 
     # ---------------------------------------------------------------- training
     def members(self, rnd: int) -> list[str]:
@@ -363,7 +385,7 @@ class Campaign:
                               feats, L.posterior_alpha, L.posterior_ridge, L.posterior_gain)
         ranked = [cands[i] for i in picked]
         by = {cands[i].key: float(scores[i]) for i in picked if np.isfinite(scores[i])}
-        atomic_write_text(path, json.dumps({
+        atomic_write_text(path, dumps_json({
             "round": rnd, "strategy": L.strategy, "k": k, "ranked": [c.key for c in ranked],
             "scores": by, "candidates": len(cands),
             "from_md": sum(1 for c in cands if c.origin == "md"),
@@ -404,7 +426,7 @@ class Campaign:
                        "wall_s": time.time() - t_round, **tr}
                 self.state["rounds"][str(rnd)] = row
                 with self.p.rounds.open("a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(row) + "\n")
+                    fh.write(dumps_json(row) + "\n")
                 self.save()
                 self.say(f"round {rnd}: trained {L.committee} members ({tr['train_retries']} retried), "
                          f"labelled {len(out.labelled)} of {row['candidates']} candidates "

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from convergent.fsutil import atomic_write_bytes
+from convergent.elements import symbol
+from convergent.errors import InputError
+from convergent.fsutil import atomic_write_bytes, dumps_json
 from convergent.learn.config import LearnConfig
 from convergent.sim.molecules import Molecule, stable_int
 from convergent.sim.sources import load_molecules
@@ -67,6 +69,42 @@ class Candidate:
                 "multiplicity": self.multiplicity}
 
 
+def _elements(cands: list[Candidate]) -> set[int]:
+    return {int(z) for c in cands for z in np.unique(c.numbers)}
+
+
+def cover_elements(ranked: list[Candidate], held: list[Candidate], k: int) -> list[Candidate]:
+    """``ranked`` reordered so its first picks hold every element of ``ranked`` ∪ ``held``.
+
+    For each element (by Z) not yet held by the picks, the first candidate of ``ranked``
+    that holds it moves to the front (so the seeded order decides which); the rest keep
+    their order. A model trained on the first ``k`` then knows every element it will be
+    asked about. Raises :class:`InputError` when an element is only in the held-out set
+    or the cover needs more than ``k`` structures.
+    """
+    picks: list[Candidate] = []
+    covered: set[int] = set()
+    for z in sorted(_elements(ranked)):
+        if z not in covered:
+            first = next(c for c in ranked if z in c.numbers)
+            picks.append(first)
+            covered |= _elements([first])
+    only_held = sorted(_elements(held) - covered)
+    if only_held:
+        where = next(c for c in held if only_held[0] in c.numbers)
+        raise InputError(
+            f"learn: element {symbol(only_held[0])} (Z={only_held[0]}) is in the held-out "
+            f"structure {where.molecule_id} ({where.key}) but in no pool structure, so no "
+            "initial label can teach it", hint="add molecules with it to learn.pool")
+    if len(picks) > k:
+        raise InputError(
+            f"learn.init_labels={k} cannot cover the pool's {len(covered)} elements "
+            f"({', '.join(symbol(z) for z in sorted(covered))}): {len(picks)} structures "
+            "are needed", hint=f"set learn.init_labels to {len(picks)} or more")
+    chosen = {id(c) for c in picks}
+    return picks + [c for c in ranked if id(c) not in chosen]
+
+
 def is_holdout(molecule_id: str, fraction: float, seed: int) -> bool:
     """Whether a molecule is held out (a seeded hash of its id; independent of the rest)."""
     return stable_int("holdout", seed, molecule_id) < fraction * float(2**63)
@@ -110,7 +148,7 @@ def _unique(cands: list[Candidate]) -> list[Candidate]:
 def save_candidates(path: Path, cands: list[Candidate]) -> None:
     """Write candidates to one ``.npz`` (atomically); :func:`load_candidates` reads it."""
     arrays: dict[str, Any] = {
-        "meta": np.frombuffer(json.dumps([
+        "meta": np.frombuffer(dumps_json([
             {"key": c.key, "molecule_id": c.molecule_id, "charge": c.charge,
              "multiplicity": c.multiplicity, "origin": c.origin, "meta": c.meta} for c in cands
         ]).encode(), dtype=np.uint8),

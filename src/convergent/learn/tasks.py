@@ -117,7 +117,7 @@ def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, A
         raise ValueError("no labelled structures to train on")
     if bootstrap:
         draw = np.random.default_rng(seed).integers(0, len(records), len(records))
-        records = [records[i] for i in np.sort(draw)]
+        records = _keep_every_element(records, [records[i] for i in np.sort(draw)])
     torch.manual_seed(seed)
     cfg = ModelConfig.model_validate(model_cfg)
     if init_dir:
@@ -151,10 +151,25 @@ def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, A
             step += 1
         epoch += 1
     model.to("cpu").eval()
+    model.trained_elements = tuple(sorted({int(z) for r in records for z in r["numbers"]}
+                                          | set(getattr(model, "trained_elements", None) or ())))
     summary = {"steps": step, "records": len(records), "bootstrap": bootstrap, "final_loss": float(np.mean(losses[-10:])),
                "seconds": time.perf_counter() - t0, "warm_start": bool(init_dir), "seed": seed}
     save_model(model, cfg, out_dir, extra={"learn": summary})
     return summary
+
+
+def _keep_every_element(records: list[dict[str, Any]], drawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A bootstrap resample plus, for each element the draw missed, the first record (by
+    key) holding it: every member learns (and records) every element of the labels."""
+    have = {int(z) for r in drawn for z in r["numbers"]}
+    extra = []
+    for r in records:
+        new = {int(z) for z in r["numbers"]} - have
+        if new:
+            extra.append(r)
+            have |= new
+    return drawn + extra
 
 
 # ------------------------------------------------------------------------------- score

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from ase.calculators.calculator import Calculator, all_changes
 
+from convergent.elements import formula
 from convergent.models.batching import atoms_to_record, collate_records
+from convergent.models.io import check_elements
 
 
 class SurrogateCalculator(Calculator):
@@ -45,6 +47,8 @@ class SurrogateCalculator(Calculator):
 
     def calculate(self, atoms: Any = None, properties: Any = None, system_changes: Any = all_changes) -> None:
         super().calculate(atoms, properties or ["energy"], system_changes)
+        name = self.atoms.info.get("key") or formula(self.atoms.numbers)
+        check_elements(self.models, self.atoms.numbers, f"structure {name}")
         rec = atoms_to_record(self.atoms)
         rec.pop("energy", None)
         rec.pop("forces", None)

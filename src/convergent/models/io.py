@@ -1,20 +1,26 @@
 """Save / load the molecular surrogate: ``model.safetensors`` + ``model_config.json``.
 
 The directory is self-contained: the config (architecture), the weights and the buffers
-(element reference energies, scale, shift). Files are written atomically.
+(element reference energies, scale, shift), and ``elements``: the atomic numbers the model
+was trained on (:func:`trained_elements`; ``null`` for a model never fitted to data).
+Files are written atomically. :func:`check_elements` refuses a structure with any other
+element.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from convergent.elements import symbol
 from convergent.errors import InputError, parse_error_text
-from convergent.fsutil import atomic_write_bytes, atomic_write_text
+from convergent.fsutil import atomic_write_bytes, atomic_write_text, dumps_json
 from convergent.models.config import ModelConfig
 from convergent.provenance import code_version
 
@@ -50,10 +56,62 @@ def save_model(
             v = v.full_tensor()
         state[k] = v.detach().cpu().contiguous()
     atomic_write_bytes(out / WEIGHTS, save(state, metadata={"format": FORMAT}))
+    elements = trained_elements(model)
     meta = {"format": FORMAT, "model": cfg.model_dump(mode="json"), "extra": extra or {},
-            "code": code_version().to_dict()}
-    atomic_write_text(out / CONFIG, json.dumps(meta, indent=2))
+            "code": code_version().to_dict(),
+            "elements": list(elements) if elements is not None else None}
+    if elements is None:
+        meta["elements_null_reason"] = "no element reference energies: never fitted to data"
+    atomic_write_text(out / CONFIG, dumps_json(meta, indent=2))
     return out
+
+
+def trained_elements(model: nn.Module) -> tuple[int, ...] | None:
+    """The atomic numbers ``model`` was trained on, sorted: its ``trained_elements``
+    record (set by ``set_reference`` and by loading), else the elements with a fitted
+    reference energy (checkpoints saved before the record); None when neither exists."""
+    m = _unwrap(model)
+    rec = getattr(m, "trained_elements", None)
+    if rec is not None:
+        return tuple(sorted(int(z) for z in rec))
+    ref = getattr(m, "atomref", None)
+    if isinstance(ref, torch.Tensor) and bool((ref != 0).any()):
+        return tuple(int(z) for z in torch.nonzero(ref).flatten().tolist())
+    return None
+
+
+def attach_elements(model: nn.Module, meta: dict[str, Any], where: Path) -> None:
+    """Set ``model.trained_elements`` from a loaded config's ``elements`` record; a
+    checkpoint saved before the record falls back to its fitted reference energies and is
+    refused when it has none (nothing says which elements it knows)."""
+    if "elements" in meta:
+        rec = meta["elements"]
+        model.trained_elements = None if rec is None else tuple(int(z) for z in rec)
+        return
+    if trained_elements(model) is None:
+        raise InputError(
+            f"{where}: this checkpoint predates element recording and holds no element "
+            "reference energies, so the elements it was trained on are unknown",
+            hint="re-export it with this version (convergent train) so model_config.json "
+                 "records 'elements'")
+
+
+def check_elements(models: Sequence[nn.Module], numbers: Any, where: str) -> None:
+    """Raise :class:`InputError` naming the element and ``where`` (the structure) when
+    ``numbers`` holds an element some model was not trained on."""
+    present = sorted({int(z) for z in np.asarray(numbers).ravel()})
+    for m in models:
+        known = trained_elements(m)
+        if known is None:
+            continue  # never fitted to data: no element set to hold it to
+        bad = [z for z in present if z not in known]
+        if bad:
+            names = ", ".join(f"{symbol(z)} (Z={z})" for z in bad)
+            raise InputError(
+                f"{where}: element {names} not among those the model was trained on "
+                f"({', '.join(symbol(z) for z in known)}); its prediction would be meaningless",
+                hint="screen only structures of the model's elements, or train on data "
+                     "that contains them")
 
 
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
@@ -91,6 +149,7 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
         raise InputError(
             f"{w_path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+    attach_elements(model, meta, d)
     model.to(device).eval()
     return model, cfg
 

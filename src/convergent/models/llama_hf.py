@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from convergent.errors import ConfigError, InputError, parse_error_text
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.models.hf_check import check_supported
 from convergent.models.llama_config import LlamaConfig
 from convergent.models.llama_model import LlamaForCausalLM
@@ -105,5 +105,5 @@ def save_pretrained(model: LlamaForCausalLM, path: str | Path) -> Path:
     save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(p / "model.safetensors")
     hf = {**model.config.to_hf_dict(), "convergent_code": code_version().to_dict()}
-    atomic_write_text(p / "config.json", json.dumps(hf, indent=2))
+    atomic_write_text(p / "config.json", dumps_json(hf, indent=2))
     return p

@@ -104,6 +104,8 @@ class MolecularTransformer(nn.Module):
         self.register_buffer("shift", torch.zeros((), dtype=torch.float32))
         self.keep_fp32: list[str] = list(cfg.keep_fp32)
         self.last_neighbors: Any = None  # NeighborList of the last forward (diagnostics)
+        # atomic numbers of the training data (set_reference; models/io records it)
+        self.trained_elements: tuple[int, ...] | None = None
 
     # -- precision ---------------------------------------------------------------------
     def set_keep_fp32(self, patterns: Iterable[str]) -> None:
@@ -126,6 +128,7 @@ class MolecularTransformer(nn.Module):
                 raise ValueError(f"element Z={z} above model.max_z={self.cfg.max_z}")
             atomref[z] = e
         self.atomref.copy_(atomref)
+        self.trained_elements = tuple(sorted(int(z) for z in ref.energies))
         self.scale.fill_(ref.scale)
         self.shift.fill_(ref.shift)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from convergent.elements import formula, symbol
 from convergent.errors import RunDirError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 
 
 def _floats(xs: Any) -> list[float | None]:
@@ -124,7 +124,7 @@ class HeldoutPredictions:
             raise RunDirError(f"{source}: not a predictions record ({exc})") from None
 
     def save(self, path: Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_json()))
+        atomic_write_text(path, dumps_json(self.to_json()))
 
     @classmethod
     def load(cls, path: Path) -> HeldoutPredictions | None:

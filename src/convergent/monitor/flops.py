@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.resources import cpu_name
 
 # Dense peak FLOP/s per GPU (vendor datasheets, no structured sparsity).
@@ -135,7 +135,7 @@ def measured_cpu_peak(dtype: str = "fp32", use_cache: bool = True) -> Peak:
         "updated": time.time(),
     }
     try:
-        atomic_write_text(path, json.dumps(cache, indent=1))
+        atomic_write_text(path, dumps_json(cache, indent=1))
     except OSError:
         pass  # a read-only home still gets this run's measurement
     return Peak(best, f"measured:{key}")

@@ -7,11 +7,12 @@ TensorBoard scalars ``<kind>/<field>`` and Prometheus gauges ``convergent_<kind>
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
 from typing import Any
+
+from convergent.fsutil import dumps_json
 
 
 class JsonlSink:
@@ -24,7 +25,7 @@ class JsonlSink:
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
-        self._fh.write(json.dumps(record) + "\n")
+        self._fh.write(dumps_json(record) + "\n")
         self._fh.flush()
 
     def close(self) -> None:

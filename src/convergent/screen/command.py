@@ -8,7 +8,6 @@ screen leaves no half-written output directory.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +15,19 @@ from typing import Any
 
 from convergent.config import ConvergentConfig
 from convergent.errors import ConfigError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.resources import set_torch_threads, usable_cpus
 from convergent.screen.config import ScreenConfig
 from convergent.screen.predict import predict_dataset
 from convergent.screen.select import fetch_records, select_uncertain, write_selection
+
+# why a summary number is null (strict JSON has no NaN; fsutil.dumps_json)
+NULL_REASONS = {
+    "energy_mae_eV": "no structure has a reference energy",
+    "force_mae_eV_per_A": "no structure has reference forces",
+    "mean_energy_std_eV": "one model: no ensemble spread",
+    "mean_force_std_eV_per_A": "one model: no ensemble spread",
+}
 
 
 def screen_command(
@@ -74,5 +81,5 @@ def write_screen(result: Any, models: list[str], dataset: str, out_dir: Path, k:
         if k > 0:
             warn("one model: no uncertainty, nothing selected (pass several --model for an "
                  "ensemble)")
-    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out_dir / "summary.json", dumps_json(summary, NULL_REASONS, indent=2))
     return summary

@@ -8,9 +8,8 @@ uncertainty.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ import torch
 
 from convergent.data.reader import open_dataset
 from convergent.errors import InputError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.models.batching import atoms_to_record, batches_by_atom_budget, collate_records
+from convergent.models.io import check_elements
 from convergent.xyzfile import is_xyz, read_frames
 
 
@@ -103,7 +103,7 @@ class PredictionResult:
 
     def save_jsonl(self, path: str | Path) -> Path:
         """Write one JSON object per structure (atomically)."""
-        text = "".join(json.dumps(r) + "\n" for r in self.rows())
+        text = "".join(dumps_json(r) + "\n" for r in self.rows())
         atomic_write_text(path, text)
         return Path(path)
 
@@ -131,13 +131,17 @@ def predict_records(
     device: str = "cpu",
     indices: Sequence[int] | None = None,
     keep_atoms: bool = False,
+    source: str = "structure",
 ) -> PredictionResult:
-    """Predict energies/forces of in-memory ``records`` with every model (atom-budget batches)."""
+    """Predict energies/forces of in-memory ``records`` with every model (atom-budget
+    batches). ``source`` names them in errors: ``<source> #<index> (key <key>)``."""
     n_atoms = [len(r["numbers"]) for r in records]
     keys = [str(r.get("key", i)) for i, r in enumerate(records)]
     mids = [str(r.get("molecule_id", "") or "") for r in records]
+    pos = list(indices) if indices is not None else list(range(len(records)))
     return _predict(models, lambda idx: [records[i] for i in idx], n_atoms, keys, mids,
-                    batch_atoms, device, indices, keep_atoms)
+                    batch_atoms, device, indices, keep_atoms,
+                    where=lambda i: f"{source} #{pos[i]} (key {keys[i]})")
 
 
 def _predict(
@@ -150,9 +154,12 @@ def _predict(
     device: str,
     indices: Sequence[int] | None,
     keep_atoms: bool = False,
+    where: Callable[[int], str] = lambda i: f"structure {i}",
 ) -> PredictionResult:
     """Core loop: ``fetch(positions) -> records``; only one batch is in memory at a time.
-    ``keep_atoms`` also keeps every atom's number and predicted/reference forces."""
+    ``keep_atoms`` also keeps every atom's number and predicted/reference forces. A
+    structure with an element a model was not trained on raises InputError naming it
+    and ``where(position)``."""
     t0 = time.perf_counter()
     s = len(n_atoms_list)
     n_atoms = np.asarray(n_atoms_list, dtype=np.int64)
@@ -164,16 +171,10 @@ def _predict(
     per_atom_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * s
     for idx in batches_by_atom_budget(n_atoms, batch_atoms):
         recs = fetch(idx)
+        for k, i in enumerate(idx):
+            check_elements(models, recs[k]["numbers"], where(i))
         batch = collate_records(recs).to(device)
-        forces = []
-        for m_i, model in enumerate(models):
-            with torch.enable_grad():
-                pos = batch.positions.detach().clone().requires_grad_(True)
-                e = model(batch.with_positions(pos))
-                (g,) = torch.autograd.grad(e.sum(), pos)
-            e_all[m_i, idx] = e.detach().cpu().numpy()
-            forces.append((-g).detach().cpu().double().numpy())
-        fa = np.stack(forces)  # [M, Ntot, 3]
+        e_all[:, idx], fa = _batch_predict(models, batch)  # fa: [M, Ntot, 3]
         seg = batch.batch.cpu().numpy()
         counts = np.bincount(seg, minlength=len(idx))
         if len(models) > 1:
@@ -207,6 +208,19 @@ def _predict(
         force_std_max=f_std_max,
         **(_stack_atoms(per_atom_rows) if keep_atoms else {}),
     )
+
+
+def _batch_predict(models: Sequence[torch.nn.Module], batch: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Each model's energies [M, B] and forces [M, Ntot, 3] (autograd) of one batch."""
+    energies, forces = [], []
+    for model in models:
+        with torch.enable_grad():
+            pos = batch.positions.detach().clone().requires_grad_(True)
+            e = model(batch.with_positions(pos))
+            (g,) = torch.autograd.grad(e.sum(), pos)
+        energies.append(e.detach().cpu().numpy())
+        forces.append((-g).detach().cpu().double().numpy())
+    return np.stack(energies), np.stack(forces)
 
 
 def _keep_atoms(rows: list[Any], idx: Sequence[int], batch: Any, f_pred: np.ndarray,
@@ -282,7 +296,9 @@ def predict_dataset(
         keys = [all_keys[i] for i in idx]
         mids = [all_mids[i] for i in idx]
         return _predict(models, lambda pos: [ds[int(idx[j])] for j in pos], counts.tolist(),
-                        keys, mids, batch_atoms, device, idx, keep_atoms)
+                        keys, mids, batch_atoms, device, idx, keep_atoms,
+                        where=lambda j: f"{p} record #{int(idx[j])} (key {keys[j]})")
     records = read_structures(p)
     sel = list(range(len(records))) if indices is None else [int(i) for i in indices]
-    return predict_records(models, [records[i] for i in sel], batch_atoms, device, sel, keep_atoms)
+    return predict_records(models, [records[i] for i in sel], batch_atoms, device, sel, keep_atoms,
+                           source=f"{p} frame")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from convergent.data.reader import open_dataset
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.screen.predict import PredictionResult, read_structures
 
 
@@ -72,7 +71,7 @@ def write_selection(
         for i in picked
     ]
     paths = {"json": out / "selected.json"}
-    atomic_write_text(paths["json"], json.dumps({"by": by, "selected": items}, indent=2))
+    atomic_write_text(paths["json"], dumps_json({"by": by, "selected": items}, indent=2))
     if records is not None:
         import io
 

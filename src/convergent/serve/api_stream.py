@@ -10,10 +10,10 @@ server-sent events ending in ``data: [DONE]`` (or an ``error`` event), and
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 
+from convergent.fsutil import dumps_json
 from convergent.serve.api_requests import error_response, usage_of
 from convergent.serve.engine import Engine
 from convergent.serve.output import ChoiceOutput
@@ -50,7 +50,7 @@ def sse(obj) -> str:
     data = (
         obj.model_dump_json(exclude_none=True)
         if hasattr(obj, "model_dump_json")
-        else json.dumps(obj)
+        else dumps_json(obj)
     )
     return f"data: {data}\n\n"
 
@@ -120,7 +120,7 @@ async def sse_chunks(
                     "code": "stage_failure",
                 }
             }
-            yield f"data: {json.dumps(err)}\n\n"
+            yield f"data: {dumps_json(err)}\n\n"
             yield "data: [DONE]\n\n"
             return
         fr = o.finish_reason

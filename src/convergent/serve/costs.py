@@ -10,12 +10,13 @@ device at start-up (used by the TD-Pipe switch rule and by the simulator);
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from convergent.fsutil import dumps_json
 
 __all__ = ["BatchShape", "CostTable", "profile_costs", "published_l20_llama2_13b"]
 
@@ -91,7 +92,7 @@ class CostTable:
         return CostTable(**d)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
+        return dumps_json(asdict(self), indent=1)
 
     def save(self, path: str | Path) -> None:
         from convergent.fsutil import atomic_write_text

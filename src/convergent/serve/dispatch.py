@@ -31,6 +31,7 @@ from pathlib import Path
 
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves annotations
 
+from convergent.fsutil import dumps_json
 from convergent.serve.config import ServeConfig
 
 __all__ = ["Dispatcher", "Instance", "create_dispatch_app", "run_dispatcher"]
@@ -262,7 +263,7 @@ def create_dispatch_app(disp: Dispatcher, sc: ServeConfig, tok=None, api_key: st
                         "code": "instance_failed",
                     }
                 }
-                yield f"\n\ndata: {json.dumps(e)}\n\ndata: [DONE]\n\n".encode()
+                yield f"\n\ndata: {dumps_json(e)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await resp.aclose()
                 await disp.release(inst, tokens)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from convergent.fsutil import dumps_json
+
 __all__ = [
     "LengthPredictor",
     "LearnedPredictor",
@@ -144,7 +146,7 @@ class LearnedPredictor(LengthPredictor):
 
         atomic_write_text(
             path,
-            json.dumps(
+            dumps_json(
                 {
                     "buckets": self.buckets,
                     "w": self.w.tolist(),

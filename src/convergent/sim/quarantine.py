@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from convergent.fsutil import dumps_json
 from convergent.sim.molecules import InputRejection
 
 QUARANTINE_NAME = "quarantine.jsonl"
@@ -50,7 +51,7 @@ class QuarantineLog:
         return out
 
     def append(self, entries: Iterable[dict[str, Any]]) -> int:
-        lines = [json.dumps(e, default=str) + "\n" for e in entries]
+        lines = [dumps_json(e, default=str) + "\n" for e in entries]
         if not lines:
             return 0
         self.path.parent.mkdir(parents=True, exist_ok=True)

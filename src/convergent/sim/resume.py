@@ -17,7 +17,7 @@ from typing import Any
 from convergent.data.manifest import manifest_path
 from convergent.data.reader import Dataset, open_dataset
 from convergent.errors import ConfigError, DataError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
 
@@ -95,6 +95,6 @@ def check_fingerprint(dataset: Path, fingerprint: dict[str, Any], what: str) -> 
             hint="choose another output path",
         )
     dataset.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(meta_path, json.dumps({"kind": what, "fingerprint": fingerprint,
+    atomic_write_text(meta_path, dumps_json({"kind": what, "fingerprint": fingerprint,
                                              "created": time.time()}, indent=2, default=str))
 

@@ -24,7 +24,6 @@ save and at the end), so an interrupted async write is never resumed from.
 from __future__ import annotations
 
 import io
-import json
 import random
 import re
 import shutil
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.provenance import code_version
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -185,7 +184,7 @@ class CheckpointManager:
         if self.rank == 0:
             atomic_write_text(
                 path / "COMPLETE",
-                json.dumps({"step": step, "world": self.world, "time": time.time(),
+                dumps_json({"step": step, "world": self.world, "time": time.time(),
                             "code": code_version().to_dict()}),
             )
             self._retain()

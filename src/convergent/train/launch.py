@@ -31,7 +31,7 @@ from typing import Any
 
 from convergent.config import ConvergentConfig, dump_config
 from convergent.errors import ConfigError, ConvergentError
-from convergent.fsutil import atomic_write_text
+from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.placement import Placement, gpu_names, plan_training, visible_gpus
 from convergent.runs import RunDir
 from convergent.train.tasks import check_before_launch
@@ -193,7 +193,7 @@ def write_rank_failure(run_path: Path, rank: int, exc: BaseException) -> None:
             time=time.time(),
         )
         atomic_write_text(run_path / "logs" / "train" / f"rank{rank}.failed.json",
-                          json.dumps(vars(rec)))
+                          dumps_json(vars(rec)))
     except Exception:  # noqa: BLE001 - the log line above already holds the traceback
         pass
 

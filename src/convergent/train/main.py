@@ -11,7 +11,6 @@ non-zero (torchrun then stops the job, or restarts it under ``--max-restarts``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -19,6 +18,8 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+
+from convergent.fsutil import dumps_json
 
 
 def _setup_logging(run_path: Path, rank: int) -> None:
@@ -112,7 +113,7 @@ def run(config_path: str, run_dir: str) -> dict:
             final = run.ckpt / "final"
             task.export(model, final)
             summary["final_dir"] = str(final)
-        atomic_write_text(run.logs / "train_result.json", json.dumps(summary, indent=2))
+        atomic_write_text(run.logs / "train_result.json", dumps_json(summary, indent=2))
     _record_usage(run, cfg, world, rank, time.time() - t0, on_gpu, None)
     return summary
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convergent.compress.distill import kd_loss
+from convergent.fsutil import dumps_json
 from convergent.train.lmtask import LMTask
 from convergent.train.taskapi import MicroBatch, Task
 
@@ -171,4 +172,4 @@ class TextLMTask(LMTask):
             out["convergent_init_from"] = {"path": str(self.cfg.text.init_from),
                                            **{k: v for k, v in start.items()
                                               if k.startswith("convergent_pruning")}}
-            atomic_write_text(Path(directory) / "config.json", json.dumps(out, indent=2))
+            atomic_write_text(Path(directory) / "config.json", dumps_json(out, indent=2))
