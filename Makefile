@@ -9,12 +9,13 @@ BIN    := $(VENV)/bin
 DEMO_ARGS ?= --resume
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-slurm test-gpu bench install install-bench lint clean-demo help
+.PHONY: demo test test-all test-slurm test-gpu test-portability bench install install-bench lint clean-demo help
 
 help:
 	@echo "make demo      run the converged loop on small data (runs/demo, about 3 min on 2 cores, install included)"
 	@echo "make test      run the default test suite (about 13 min on 2 cores, install included)"
 	@echo "make test-all  also run tests marked slow"
+	@echo "make test-portability  the tests marked numerics under each CPU kernel setting (ATen/oneDNN ISA caps; about 2.5 min on 2 cores)"
 	@echo "make test-slurm  the real-Slurm tests (starts a 2-node Slurm; root)"
 	@echo "make lint      ruff over src/ and tests/"
 	@echo "make test-gpu  the whole default suite with CUDA visible, over the machine's cores (GPU machine)"
@@ -59,6 +60,27 @@ test-gpu:
 	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadfile"; \
 	  PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} bash -o pipefail -c \
 	  "$(GPU_PYTHON) -m pytest -m 'not slow or gpu' $$xd -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | tee $(GPU_LOG)"
+
+# The tests marked `numerics` (results compared under a tolerance that depends on the CPU's
+# kernels) once per kernel setting another CPU would get: ATen's dispatch level
+# (ATEN_CPU_CAPABILITY) and oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA); the AVX-512 pass only
+# where /proc/cpuinfo has avx512f. Variables already set in the caller's environment are
+# dropped first, so "unrestricted" is; tests/test_portability.py checks that the names
+# take effect. Every setting runs; the target fails after, naming those that failed.
+PORTABILITY_SETTINGS = "" "ATEN_CPU_CAPABILITY=default" "ATEN_CPU_CAPABILITY=avx2" \
+	"ONEDNN_MAX_CPU_ISA=AVX2" "ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE"
+
+test-portability: $(STAMP)
+	@failed=""; for setting in $(PORTABILITY_SETTINGS); do \
+	  case "$$setting" in *avx512*|*AVX512*) \
+	    if ! grep -qw avx512f /proc/cpuinfo; then \
+	      echo "== $$setting: skipped (this CPU has no avx512f)"; continue; fi;; esac; \
+	  run="env -u ATEN_CPU_CAPABILITY -u ONEDNN_MAX_CPU_ISA $$setting"; \
+	  echo "== $${setting:-unrestricted}: $$($$run $(BIN)/python -c 'import torch; print("ATen", torch.backends.cpu.get_cpu_capability(), "oneDNN bf16", torch.ops.mkldnn._is_mkldnn_bf16_supported())' 2>/dev/null)"; \
+	  $$run $(BIN)/python -m pytest -m "numerics and not slow" -q -p no:cacheprovider $(PYTEST_ARGS) \
+	    || failed="$$failed [$${setting:-unrestricted}]"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-portability failed under:$$failed"; exit 1; fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -6,11 +6,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 
 
+@pytest.mark.numerics
 def test_committee_features_are_the_energy_heads_last_layer_and_the_element_fractions(tmp_path):
     from moldataset import make_dataset
 

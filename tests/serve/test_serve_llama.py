@@ -48,6 +48,7 @@ def _hf_model(tmp_path, rope, mpe=32):
     return m
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_logits_match_transformers(tmp_path, rope):
     hf = _hf_model(tmp_path, ROPES[rope])
@@ -60,6 +61,7 @@ def test_logits_match_transformers(tmp_path, rope):
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_greedy_paged_matches_transformers_generate(tmp_path, rope, hf_greedy):
     """Paged-KV greedy decoding through the engine equals HF generate token for token;
@@ -79,6 +81,7 @@ def test_greedy_paged_matches_transformers_generate(tmp_path, rope, hf_greedy):
     assert [r.output for r in reqs] == ref
 
 
+@pytest.mark.numerics
 def test_gqa_checkpoint_from_transformers_greedy(hf_llama_dir, hf_greedy):
     prompts = [[256, 72, 105], [256] + list(range(60, 100))]
     ref = hf_greedy(hf_llama_dir, prompts, 24)

@@ -54,6 +54,7 @@ def _paged_step(model, kv, bs, tables, seqs, new):
     return model.logits(h), batch
 
 
+@pytest.mark.numerics
 def test_batched_paged_forward_matches_dense():
     cfg = LlamaConfig.tiny(max_position_embeddings=128)
     torch.manual_seed(0)

@@ -24,6 +24,7 @@ def _close(a, b, rtol):
     assert a == pytest.approx(b, rel=rtol, abs=0)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("vectors", [False, True])
 def test_padded_stages_reproduce_the_full_model(vectors):
     """Two stages chained in one process on padded micro-batches give the full model's

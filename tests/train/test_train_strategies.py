@@ -2,8 +2,11 @@
 single-process reference on the same global batches.
 
 Tolerance: fp32 runs of different world sizes differ only in floating-point summation
-order (gradient all-reduce / reduce-scatter vs one process), so per-step losses agree to
-a relative 1e-5 over these few steps; bf16 agrees to 2e-2.
+order (gradient all-reduce / reduce-scatter vs one process, and each rank's half batch
+through GEMM kernels chosen for its own shape), so per-step losses agree to a relative
+``RTOL`` = 100 eps of float32 (1.2e-5) over these few steps; bf16 autocast against the
+fp32 run to ``BF16_RTOL`` = 3 eps of bfloat16 (2.3e-2: activations rounded to bf16,
+<= eps/2 each, accumulated over the layers and 6 optimizer steps).
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from trainhelpers import LM_BASE, mol_overrides, run_training, val_records
 
-RTOL = 1e-5
+RTOL = 100 * torch.finfo(torch.float32).eps
+BF16_RTOL = 3 * torch.finfo(torch.bfloat16).eps
 
 
 def _losses(records):
@@ -58,7 +63,7 @@ def test_single_reference_learns_and_exports(mol_reference):
 @pytest.mark.parametrize(
     "strategy,extra",
     [
-        ("ddp", []),
+        pytest.param("ddp", [], marks=pytest.mark.numerics),
         ("fsdp", []),
         # 2-D mesh: replicate 2 x shard 1 from an explicit topology (two "nodes")
         ("hsdp", ["parallel.shard_size=1"]),
@@ -139,7 +144,7 @@ def test_molecular_bf16_close_to_fp32(moldata, mol_reference, tmp_path, strategy
         2,
         strategy,
     )
-    _close(_losses(recs), _losses(ref), 2e-2)
+    _close(_losses(recs), _losses(ref), BF16_RTOL)
 
 
 @pytest.mark.slow
