@@ -40,13 +40,17 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     rec = labels[0]
     assert rec["meta"]["program"] == "tblite" and abs(rec["forces"]).sum() > 0
 
-    steps, _ = read_train_records(run_dir / "metrics.jsonl")
+    steps, vals = read_train_records(run_dir / "metrics.jsonl")
     assert steps and {r.world for r in steps} == {2}
+    # issue 37: validation carries the per-element baseline, the report shows it beside
+    assert vals and vals[-1].baseline_energy_mae and vals[-1].baseline_energy_mae > 0
     assert (run_dir / "ckpt" / "final").is_dir()
 
     md = (run_dir / "report" / "report.md").read_text()
     pred = json.loads((run_dir / "screen" / "predictions.json").read_text())
     assert f"{pred['energy_mae']:.4g}" in md
+    assert "| val per-element baseline energy MAE (eV) | n/a" not in md
+    assert "val per-element baseline energy MAE (eV)" in md and "baseline MAE / model MAE" in md
     for png in ("loss.png", "parity.png", "stages.png"):
         assert (run_dir / "report" / png).stat().st_size > 1000
 
@@ -54,7 +58,13 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     assert stages["learn"]["labels_added"] == 8 and stages["learn"]["rounds"] == 2
     added = open_dataset(run_dir / "active_learning" / "data" / "labels")
     assert len(added) == 8 and {added[i]["meta"]["round"] for i in range(8)} == {1}
-    assert (run_dir / "active_learning" / "report" / "learn.md").is_file()
+    learn_md = (run_dir / "active_learning" / "report" / "learn.md").read_text()
+    assert "per-element baseline (eV/atom)" in learn_md
+    curve_rows = [ln for ln in learn_md.splitlines() if ln.startswith("| ") and ln.count("|") == 8]
+    assert curve_rows and not any(ln.rstrip(" |").endswith("n/a") for ln in curve_rows[1:])
+    # issue 37: its held-out molecules are ones the starting model never trained on
+    held_mols = set(open_dataset(run_dir / "active_learning" / "data" / "holdout").molecule_ids())
+    assert held_mols and not (held_mols & train_mols), sorted(held_mols & train_mols)
 
     # resume: everything done is skipped, nothing is recomputed
     again = subprocess.run([EXE, "demo", "--run-dir", str(run_dir), "--resume", *TINY],

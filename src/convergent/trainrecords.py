@@ -39,7 +39,7 @@ class TaskMetrics:
     """The task's loss and errors, from global sums (train step or validation).
 
     Molecular: ``energy_mae`` (eV per molecule), ``energy_mae_per_atom`` (eV/atom),
-    ``force_mae`` (eV/Å per component). Language model: ``perplexity``. A metric the
+    ``force_mae`` (eV/Å per component), and in validation ``baseline_energy_mae``. Language model: ``perplexity``. A metric the
     task does not have is None and is left out of the line.
     """
 
@@ -48,6 +48,9 @@ class TaskMetrics:
     energy_mae_per_atom: float | None = None
     force_mae: float | None = None
     perplexity: float | None = None
+    # validation only: the per-element baseline (the model's element reference energies,
+    # fitted on the training data) on the same structures, eV per molecule
+    baseline_energy_mae: float | None = None
 
 
 @dataclass
@@ -55,7 +58,8 @@ class _Record(TaskMetrics):
     KIND: ClassVar[str] = ""
     # fields written only when set (the rest are written as null when None)
     OPTIONAL: ClassVar[frozenset[str]] = frozenset(
-        {"loss", "energy_mae", "energy_mae_per_atom", "force_mae", "perplexity", "time"}
+        {"loss", "energy_mae", "energy_mae_per_atom", "force_mae", "perplexity", "time",
+         "baseline_energy_mae"}
     )
 
     step: int = 0

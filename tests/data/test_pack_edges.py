@@ -35,33 +35,80 @@ def _write(path, frames):
 
 
 def test_a_single_file_packs_and_each_molecule_of_it_gets_its_own_id(tmp_path):
+    from convergent.data.identity import chemical_id
+
     water, methane = _frames()
     f = _write(tmp_path / "mixed.extxyz", [*water, *methane])
     m = pack_directory(f, tmp_path / "ds")
     assert m.schema == "molecular" and m.records == 5
     ds = open_dataset(tmp_path / "ds")
     recs = list(ds)
-    # the water trajectory keeps one id, methane gets another: the split cannot tear them
-    assert [r["molecule_id"] for r in recs] == ["mixed-0"] * 3 + ["mixed-1"] * 2
-    assert [r["meta"]["source"] for r in recs] == [
+    # ids by chemistry: the water frames share one, methane has another
+    h2o, ch4 = chemical_id(water[0].numbers, water[0].positions), \
+        chemical_id(methane[0].numbers, methane[0].positions)
+    assert h2o.startswith("H2O-") and ch4.startswith("CH4-")
+    assert [r["molecule_id"] for r in recs] == [h2o] * 3 + [ch4] * 2
+    assert [r["meta"]["file"] for r in recs] == [
         "mixed.extxyz:1", "mixed.extxyz:6", "mixed.extxyz:11", "mixed.extxyz:16", "mixed.extxyz:23"]
+    assert [r["meta"]["source"] for r in recs] == [r["meta"]["file"] for r in recs]
     train, val = split_by_molecule(ds, 0.5, seed=0)
     mids = ds.molecule_ids()
     assert not {mids[i] for i in train} & {mids[i] for i in val}
-    # an explicit molecule_id wins; a one-molecule file keeps the bare name
+    # an explicit molecule_id wins
     water[1].info["molecule_id"] = "special"
-    assert frame_molecule_ids("w", water) == ["w", "special", "w"]
-    assert frame_molecule_ids("x", [water[0], methane[0], water[1]]) == ["x-0", "x-1", "special"]
+    assert frame_molecule_ids("w", water) == [h2o, "special", h2o]
+    assert frame_molecule_ids("x", [water[0], methane[0], water[1]]) == [h2o, ch4, "special"]
+    # a periodic frame has no chemical id: the file's rule (runs of the same atoms)
+    cell = [water[0].copy(), water[2].copy()]
+    for a in cell:
+        a.set_cell([10, 10, 10])
+        a.pbc = True
+    assert frame_molecule_ids("c", cell) == ["c", "c"]
 
 
-def test_files_in_subfolders_do_not_share_an_id(tmp_path):
+def test_frames_interleaved_by_molecule_get_ids_by_chemistry_and_keep_their_source(tmp_path):
+    """Issue 37: an ASE-written file of several molecules in no order (as a user's extxyz
+    is): ids by frame position made every frame a 'molecule' and the split leaked."""
+    from ase.build import molecule
+
+    names = ["H2O", "CH4", "NH3", "CH3OH", "C2H6"]
+    frames = []
+    for k in range(30):
+        a = molecule(names[(k * 7) % len(names)])
+        a.rattle(0.03, seed=k)
+        a.info.update(energy=-float(k), source=f"run{k % 3}")
+        frames.append(a)
+    pack_directory(_write(tmp_path / "mixed.extxyz", frames), tmp_path / "ds")
+    ds = open_dataset(tmp_path / "ds")
+    recs = list(ds)
+    by_id: dict[str, set[str]] = {}
+    for r in recs:
+        by_id.setdefault(r["molecule_id"], set()).add(r["molecule_id"].split("-")[0])
+    assert len(by_id) == len(names)  # one id per molecule, not per frame
+    assert [r["meta"]["source"] for r in recs] == [f"run{k % 3}" for k in range(30)]
+    train, val = split_by_molecule(ds, 0.4, seed=0)
+    mids = ds.molecule_ids()
+    formulas = [r["molecule_id"].split("-")[0] for r in recs]
+    assert not {formulas[i] for i in train} & {formulas[i] for i in val}
+    assert {mids[i] for i in train} and {mids[i] for i in val}
+
+
+def test_isomers_get_different_ids_and_one_molecule_in_two_files_one_id(tmp_path):
+    from ase.build import molecule
+
+    from convergent.data.identity import chemical_id
+
+    ethanol, dme = molecule("CH3CH2OH"), molecule("CH3OCH3")  # both C2H6O
+    a, b = chemical_id(ethanol.numbers, ethanol.positions), chemical_id(dme.numbers, dme.positions)
+    assert a.startswith("C2H6O-") and b.startswith("C2H6O-") and a != b
     water, _ = _frames()
     (tmp_path / "src" / "a").mkdir(parents=True)
     (tmp_path / "src" / "b").mkdir()
     _write(tmp_path / "src" / "a" / "w.xyz", water[0])
     _write(tmp_path / "src" / "b" / "w.xyz", water[1])
     pack_directory(tmp_path / "src", tmp_path / "ds")
-    assert sorted(open_dataset(tmp_path / "ds").molecule_ids()) == ["a/w", "b/w"]
+    ids = open_dataset(tmp_path / "ds").molecule_ids()
+    assert len(ids) == 2 and len(set(ids)) == 1 and ids[0].startswith("H2O-")
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -125,3 +125,31 @@ def test_screen_summary_is_strict_json_with_null_reasons(hco_model, tmp_path):
     assert summary["mean_energy_std_eV_null_reason"] == "one model: no ensemble spread"
     for line in (out / "predictions.jsonl").read_text().splitlines():
         loads_strict(line)
+
+
+def test_screen_shows_the_per_element_baseline_beside_the_model(hco_model, tmp_path, capsys):
+    """Issue 37: `convergent screen` judges its MAE against the per-element baseline of the
+    model's own training data (its element reference energies), with their ratio."""
+    frames, truth = [], []
+    for i, name in enumerate(HCO):  # fresh rattles, labelled by GFN2-xTB
+        a = molecule(name)
+        a.rattle(0.04, seed=100 + i)
+        a.calc = make_calculator(CalcSpec(kind="xtb"))
+        a.get_potential_energy()
+        frames.append(a)
+        truth.append(float(a.get_potential_energy()))
+    path = tmp_path / "labelled.extxyz"
+    ase.io.write(path, frames)
+    out = tmp_path / "out"
+    assert main(["screen", "--data", str(path), "--out", str(out), "--model", str(hco_model)]) == 0
+    said = capsys.readouterr().out
+    summary = loads_strict((out / "summary.json").read_text())
+    # the baseline, computed here from the training labels: least squares on element counts
+    ref = fit_reference_energies(_xtb_records()).energies
+    base = [sum(ref[int(z)] for z in a.numbers) for a in frames]
+    expect = float(np.mean(np.abs(np.asarray(base) - np.asarray(truth))))
+    assert summary["baseline_energy_mae_eV"] == pytest.approx(expect, rel=1e-6)
+    assert summary["baseline_over_model"] == pytest.approx(expect / summary["energy_mae_eV"])
+    assert "per-element baseline" in said and f"{expect:.4g} eV" in said
+    rows = [loads_strict(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r["baseline_pred"] for r in rows] == pytest.approx(base, rel=1e-9)

@@ -30,5 +30,6 @@ def register(app: typer.Typer) -> None:
         final = summary.get("final") or {}
         typer.echo(f"labels: {summary['labels']}; rounds: {summary['rounds']}; stopped by: "
                    f"{summary['stop']}; held-out energy MAE "
-                   f"{final.get('energy_mae_per_atom', float('nan')):.4f} eV/atom")
+                   f"{final.get('energy_mae_per_atom', float('nan')):.4f} eV/atom, per-element "
+                   f"baseline {final.get('baseline_energy_mae_per_atom') or float('nan'):.4f}")
         typer.echo(f"report: {summary['report']}")

@@ -6,11 +6,14 @@ from the extxyz properties or an attached calculator). ``schema="auto"`` picks m
 when every file is xyz/extxyz. ``DIR`` may also be a single file.
 
 Molecule ids (what the by-molecule split keeps on one side): a frame's own
-``molecule_id`` (an extxyz comment key) wins; otherwise the file's path relative to DIR
-without its suffix, plus ``-<k>`` when the file holds several molecules, where ``k``
-numbers the runs of consecutive frames with the same atoms in the same order. So every
-molecule of a multi-molecule file gets its own id, while a trajectory or conformer set of
-one molecule keeps one id and never straddles the train/validation split.
+``molecule_id`` (an extxyz comment key) wins; otherwise its chemical identity
+(:func:`convergent.data.identity.chemical_id`: the formula and the canonical SMILES of its
+bonded structure), so every frame of one molecule gets one id wherever it sits in the file
+or the tree, and frames of different molecules never share one. A frame without a
+chemical id (periodic, or atoms RDKit cannot bond) falls back to the file's path relative
+to DIR without its suffix, plus ``-<k>`` when the file holds several molecules (``k``
+numbers the runs of consecutive frames with the same atoms in the same order). A frame's
+own ``source`` is kept; where it came from is in ``meta.file`` (``FILE:LINE``).
 
 A malformed xyz/extxyz file is reported as ``FILE:LINE: ...``; a failed pack removes its
 shards and, if it created the output directory, the directory too.
@@ -27,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from convergent.data.identity import chemical_id
 from convergent.data.manifest import Manifest
 from convergent.errors import DataError, InputError
 from convergent.xyzfile import is_xyz, read_frames
@@ -56,18 +60,20 @@ def list_files(root: str | os.PathLike[str]) -> list[str]:
 
 def frame_molecule_ids(base: str, frames: list[Any]) -> list[str]:
     """Molecule id of each frame (rule in the module docstring): ``molecule_id`` from
-    the frame's info, else ``base`` (one molecule) or ``base-<k>`` (run ``k`` of
-    consecutive frames with identical atomic numbers)."""
+    the frame's info, else its chemical id, else ``base`` (one molecule) or ``base-<k>``
+    (run ``k`` of consecutive frames with identical atomic numbers)."""
     runs: list[int] = []
     for i, atoms in enumerate(frames):
         same = i > 0 and np.array_equal(atoms.numbers, frames[i - 1].numbers)
         runs.append(runs[-1] if same else (runs[-1] + 1 if runs else 0))
     several = bool(runs) and runs[-1] > 0
-    return [
-        str(a.info["molecule_id"]) if "molecule_id" in a.info
-        else (f"{base}-{k}" if several else base)
-        for a, k in zip(frames, runs, strict=True)
-    ]
+    out = []
+    for a, k in zip(frames, runs, strict=True):
+        chem = None if "molecule_id" in a.info else chemical_id(
+            a.numbers, a.positions, periodic=bool(np.any(a.pbc)))
+        out.append(str(a.info["molecule_id"]) if "molecule_id" in a.info else chem
+                   or (f"{base}-{k}" if several else base))
+    return out
 
 
 def xyz_records(root: Path, rel: str) -> Iterator[dict[str, Any]]:
@@ -84,7 +90,8 @@ def xyz_records(root: Path, rel: str) -> Iterator[dict[str, Any]]:
             forces = res.get("forces", forces)
         cell = np.asarray(atoms.cell.array, np.float64)
         meta = {k: v for k, v in atoms.info.items() if isinstance(v, (str, int, float, bool))}
-        meta["source"] = f"{rel}:{line}"
+        meta["file"] = f"{rel}:{line}"
+        meta.setdefault("source", meta["file"])  # the frame's own source is kept
         yield {
             "key": rel if len(frames) == 1 else f"{rel}#{i}",
             "molecule_id": mol_id,

@@ -75,7 +75,7 @@ class LearnConfig(Section):
     first_train_steps: Count = 120  # steps of a cold start (round 1)
     lr: Positive = 2e-3
     batch_atoms: Count = 256
-    force_weight: NonNegative = 10.0
+    force_weight: NonNegative = 1.0  # as the demo: weight 10 starved the energy (README table)
     train_retries: Count0 = 2
     refit_reference: bool = True  # warm starts refit the element reference energies
     # bagging: each member trains on its own seeded resample (with replacement) of the

@@ -46,6 +46,7 @@ from convergent.learn.pool import (
     Candidate,
     build_pool,
     cover_elements,
+    dataset_molecules,
     load_candidates,
     save_candidates,
 )
@@ -137,7 +138,7 @@ class Campaign:
         pool_f, held_f = self.p.root / "pool.npz", self.p.root / "holdout.npz"
         if pool_f.exists() and held_f.exists():
             return load_candidates(pool_f), load_candidates(held_f)
-        pool, held = build_pool(self.L)
+        pool, held = build_pool(self.L, seen=dataset_molecules(self.L.init_dataset))
         save_candidates(held_f, held)
         save_candidates(pool_f, pool)
         self.say(f"pool: {len(pool)} structures; held out: {len(held)} structures")

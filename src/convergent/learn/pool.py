@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from convergent.data.reader import open_dataset
 from convergent.elements import symbol
 from convergent.errors import InputError
 from convergent.fsutil import atomic_write_bytes, dumps_json
@@ -122,13 +123,43 @@ def conformers(mol: Molecule, n: int, sigma: float, seed: int, origin: str) -> l
     return out
 
 
-def build_pool(cfg: LearnConfig) -> tuple[list[Candidate], list[Candidate]]:
-    """(pool, held-out) candidates from ``cfg.pool``, split by molecule."""
+def dataset_molecules(path: str | None) -> frozenset[str]:
+    """Molecule ids of a dataset's records (empty for ``None``)."""
+    if not path:
+        return frozenset()
+    ds = open_dataset(path)
+    try:
+        return frozenset(m for m in ds.molecule_ids() if m)
+    finally:
+        ds.close()
+
+
+def _held_out_ids(ids: list[str], cfg: LearnConfig, seen: frozenset[str]) -> set[str]:
+    """The held-out molecules: by seeded hash (:func:`is_holdout`); with starting data, as
+    many, taken in the same hash order from the molecules it does not contain."""
+    by_hash = {i for i in ids if is_holdout(i, cfg.holdout_fraction, cfg.seed)}
+    if not seen:
+        return by_hash
+    unseen = sorted({i for i in ids if i not in seen},
+                    key=lambda i: stable_int("holdout", cfg.seed, i))
+    if not unseen:
+        raise InputError(
+            f"learn: every molecule of learn.pool ({cfg.pool}) is in learn.init_dataset, so "
+            "none can be held out unseen", hint="add molecules to learn.pool")
+    return set(unseen[:max(1, len(by_hash))])
+
+
+def build_pool(cfg: LearnConfig, seen: frozenset[str] = frozenset()
+               ) -> tuple[list[Candidate], list[Candidate]]:
+    """(pool, held-out) candidates from ``cfg.pool``, split by molecule. Molecules in
+    ``seen`` (those of the starting data, ``learn.init_dataset``, which the starting model
+    was trained on) are never held out, so the held-out curve measures unseen molecules."""
     mols, _ = load_molecules(cfg.pool, cfg.elements, cfg.min_atoms, cfg.max_atoms,
                              cfg.max_molecules, cfg.seed, on_bad_input="quarantine")
+    held_ids = _held_out_ids([m.molecule_id for m in mols], cfg, seen)
     pool, held = [], []
     for mol in mols:
-        if is_holdout(mol.molecule_id, cfg.holdout_fraction, cfg.seed):
+        if mol.molecule_id in held_ids:
             held += conformers(mol, cfg.holdout_per_molecule, cfg.pool_sigma, cfg.seed + 1, "holdout")
         else:
             pool += conformers(mol, cfg.pool_conformers, cfg.pool_sigma, cfg.seed, "pool")

@@ -132,11 +132,15 @@ def build_learn_report(run_dir: str | Path) -> Path:
         ]), ""]
     if curve:
         md += ["## Learning curve (held-out molecules)",
-               "| round | labels | energy MAE (eV/atom) | energy MAE (eV) | force MAE (eV/Å) |",
-               "|---|---|---|---|---|"]
+               "| round | labels | energy MAE (eV/atom) | energy MAE (eV) | force MAE (eV/Å) | "
+               "per-element baseline (eV/atom) | baseline / model |",
+               "|---|---|---|---|---|---|---|"]
         md += [f"| {p['round']} | {p['labels']} | {fmt(p['energy_mae_per_atom'])} | "
-               f"{fmt(p['energy_mae'])} | {fmt(p['force_mae'])} |" for p in curve]
-        md.append("")
+               f"{fmt(p['energy_mae'])} | {fmt(p['force_mae'])} | "
+               f"{fmt(p.get('baseline_energy_mae_per_atom'))} | {_ratio(p)} |" for p in curve]
+        md += ["", "The baseline is `Σ ref[Z]` with the element reference energies of the "
+               "round's first committee member (least squares on its training labels): a "
+               "model no better than it has learned the composition, not the geometry.", ""]
     rounds = [state["rounds"][k] for k in sorted(state.get("rounds", {}), key=int)]
     if rounds:
         md += ["## Rounds",
@@ -154,3 +158,11 @@ def build_learn_report(run_dir: str | Path) -> Path:
     out = out_dir / "learn.md"
     atomic_write_text(out, "\n".join(md))
     return out
+
+
+def _ratio(point: dict[str, Any]) -> str:
+    """Baseline error over the model's (per atom) on the held-out set, or n/a."""
+    base, model = point.get("baseline_energy_mae_per_atom"), point.get("energy_mae_per_atom")
+    if base is None or not model:
+        return "n/a"
+    return f"{base / model:.2f}x" + ("" if base >= model else " (WORSE than the baseline)")

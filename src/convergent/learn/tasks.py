@@ -207,9 +207,14 @@ def evaluate(model_dirs: list[str], dataset: str, batch_atoms: int, device: str 
 
     res = predict_dataset([Path(d) for d in model_dirs], dataset, batch_atoms, device)
     n = res.n_atoms.astype(float)
+    base = res.baseline_energy_mae  # the per-element baseline: first member's element fit
     return {"energy_mae": res.energy_mae,
             "energy_mae_per_atom": float(np.abs((res.energy_pred - res.energy_true) / n).mean()),
-            "force_mae": res.force_mae_total, "structures": len(res)}
+            "force_mae": res.force_mae_total, "structures": len(res),
+            "baseline_energy_mae": base if np.isfinite(base) else None,
+            "baseline_energy_mae_per_atom": (
+                float(np.nanmean(np.abs((res.baseline_pred - res.energy_true) / n)))
+                if np.isfinite(base) else None)}
 
 
 # ----------------------------------------------------------------------------- explore

@@ -1,7 +1,7 @@
 """ASE Calculator backed by a saved molecular surrogate (or an ensemble of them).
 
 >>> from convergent.models.calculator import SurrogateCalculator
->>> atoms.calc = SurrogateCalculator("runs/demo/model")        # doctest: +SKIP
+>>> atoms.calc = SurrogateCalculator("runs/demo/ckpt/final")  # doctest: +SKIP
 >>> atoms.get_potential_energy(), atoms.get_forces()             # doctest: +SKIP
 
 Energy in eV, forces in eV/Å, per-atom energies in eV (``energies``). With several model

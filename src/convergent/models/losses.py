@@ -73,12 +73,34 @@ def metrics_from_sums(sums: dict[str, float], force_weight: float) -> dict[str, 
     comps = max(3.0 * sums.get("atoms", 0.0), 1.0)
     e_term = sums.get("e_sq", 0.0) / mol
     f_term = sums.get("f_sq", 0.0) / comps
-    return {
+    out = {
         "loss": e_term + force_weight * f_term,
         "energy_mae": sums.get("e_abs", 0.0) / mol,
         "energy_mae_per_atom": sums.get("e_abs_pa", 0.0) / mol,
         "force_mae": sums.get("f_abs", 0.0) / comps,
     }
+    if sums.get("b_n", 0.0) > 0:  # validation: the per-element baseline (baseline_sums)
+        out["baseline_energy_mae"] = sums["b_abs"] / sums["b_n"]
+    return out
+
+
+BASELINE_KEYS = ("b_abs", "b_n")
+
+
+def baseline_sums(model: torch.nn.Module, batch: AtomsBatch) -> dict[str, torch.Tensor]:
+    """``b_abs`` Σ|Σ_atoms ref[Z] - E| over the batch's molecules and ``b_n`` their count:
+    the per-element baseline's error, with the model's element reference energies (its
+    least-squares fit on the training data). Empty when the model has none or the batch
+    has no energy labels."""
+    ref = getattr(getattr(model, "module", model), "atomref", None)
+    if not isinstance(ref, torch.Tensor) or batch.energy is None or not bool((ref != 0).any()):
+        return {}
+    dev = batch.energy.device
+    per_atom = ref.to(device=dev, dtype=torch.float64)[batch.numbers.to(dev)]
+    base = torch.zeros(batch.n_molecules, dtype=torch.float64, device=dev)
+    base.index_add_(0, batch.batch.to(dev), per_atom)
+    return {"b_abs": (base - batch.energy.to(torch.float64)).abs().sum(),
+            "b_n": torch.tensor(float(batch.n_molecules), dtype=torch.float64)}
 
 
 def energy_force_loss(

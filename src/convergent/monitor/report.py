@@ -106,6 +106,20 @@ def _dataset_stats(path: Path) -> list[str]:
     return md
 
 
+def _baseline_rows(val: ValRecord | None) -> list[tuple[str, str]]:
+    """The per-element baseline beside the model's validation error, and their ratio."""
+    base = val.baseline_energy_mae if val is not None else None
+    model = val.energy_mae if val is not None else None
+    if base is None or model is None:
+        return [("val per-element baseline energy MAE (eV)",
+                 "n/a (no validation, or a model without element reference energies)")]
+    ratio = base / model if model > 0 else None
+    verdict = ("n/a" if ratio is None else f"{ratio:.2f}x" if ratio >= 1 else
+               f"{ratio:.2f}x (the model is WORSE than the baseline)")
+    return [("val per-element baseline energy MAE (eV)", fmt(base)),
+            ("baseline MAE / model MAE", verdict)]
+
+
 def build_report(run_dir: str | Path) -> Path:
     """Write ``report/report.md`` and its PNGs for ``run_dir``; returns the markdown path."""
     run = RunDir(Path(run_dir))
@@ -144,6 +158,7 @@ def build_report(run_dir: str | Path) -> Path:
             ("steps", str(last.step)),
             ("final train loss", fmt(last.loss)),
             ("final val energy MAE (eV)", fmt(vals[-1].energy_mae) if vals else "n/a"),
+            *_baseline_rows(vals[-1] if vals else None),
             ("final val force MAE (eV/Å)", fmt(vals[-1].force_mae) if vals else "n/a"),
             ("median samples/s", fmt(float(np.median([r.samples_per_s or 0 for r in steps])), ".1f")),
             ("median MFU", fmt(float(np.median([r.mfu or 0 for r in steps])), ".2%")),

@@ -27,6 +27,10 @@ NULL_REASONS = {
     "force_mae_eV_per_A": "no structure has reference forces",
     "mean_energy_std_eV": "one model: no ensemble spread",
     "mean_force_std_eV_per_A": "one model: no ensemble spread",
+    "baseline_energy_mae_eV": "no labelled structure, or the model has no per-element "
+                              "reference energies",
+    "baseline_over_model": "no labelled structure, or the model has no per-element "
+                           "reference energies",
 }
 
 
@@ -61,6 +65,7 @@ def screen_command(
         raise
     for key, val in summary.items():
         echo(f"{key}: {val}")
+    echo(baseline_line(summary))
     echo(f"wrote {out_dir}")
     return summary
 
@@ -83,3 +88,19 @@ def write_screen(result: Any, models: list[str], dataset: str, out_dir: Path, k:
                  "ensemble)")
     atomic_write_text(out_dir / "summary.json", dumps_json(summary, NULL_REASONS, indent=2))
     return summary
+
+
+def baseline_line(summary: dict[str, Any]) -> str:
+    """One line: the model's energy MAE beside the per-element baseline's, and their ratio."""
+    model, base = summary.get("energy_mae_eV"), summary.get("baseline_energy_mae_eV")
+    ratio = summary.get("baseline_over_model")
+    if not _finite(model) or not _finite(base):
+        return f"energy MAE vs per-element baseline: n/a ({NULL_REASONS['baseline_energy_mae_eV']})"
+    verdict = (f"{ratio:.2f}x better than the baseline" if ratio >= 1 else
+               f"{1 / ratio:.2f}x WORSE than the baseline: it has not learned beyond composition")
+    return (f"energy MAE: model {model:.4g} eV, per-element baseline {base:.4g} eV "
+            f"(fitted on the model's training data); the model is {verdict}")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == x and abs(x) != float("inf")

@@ -54,6 +54,9 @@ class PredictionResult:
     numbers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     forces_pred: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
     forces_true: np.ndarray = field(default_factory=lambda: np.zeros((0, 3)))
+    # the per-element baseline of each structure, ``Σ ref[Z]`` (eV) with the first model's
+    # element reference energies: its least-squares fit on its own training data
+    baseline_pred: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -77,11 +80,22 @@ class PredictionResult:
         w = self.n_atoms[ok]
         return float((self.force_mae[ok] * w).sum() / w.sum())
 
+    @property
+    def baseline_energy_mae(self) -> float:
+        """Mean |baseline - E_true| over the labelled structures (eV); NaN if none."""
+        ok = np.isfinite(self.energy_true) & np.isfinite(self.baseline_pred)
+        if len(self.baseline_pred) != len(self) or not ok.any():
+            return float("nan")
+        return float(np.abs(self.baseline_pred[ok] - self.energy_true[ok]).mean())
+
     def summary(self) -> dict[str, Any]:
+        model, base = self.energy_mae, self.baseline_energy_mae
         return {
             "structures": len(self),
             "models": self.n_models,
-            "energy_mae_eV": self.energy_mae,
+            "energy_mae_eV": model,
+            "baseline_energy_mae_eV": base,
+            "baseline_over_model": base / model if model > 0 else float("nan"),
             "force_mae_eV_per_A": self.force_mae_total,
             "mean_energy_std_eV": float(np.nanmean(self.energy_std)) if self.n_models > 1 else float("nan"),
             "mean_force_std_eV_per_A": float(np.nanmean(self.force_std)) if self.n_models > 1 else float("nan"),
@@ -95,6 +109,7 @@ class PredictionResult:
                 "molecule_id": self.molecule_ids[s],
                 "n_atoms": int(self.n_atoms[s]),
                 "energy_pred": float(self.energy_pred[s]),
+                "baseline_pred": _num(self.baseline_pred[s]) if len(self.baseline_pred) else None,
                 "energy_true": _num(self.energy_true[s]),
                 "energy_std": _num(self.energy_std[s]),
                 "force_std": _num(self.force_std[s]),
@@ -168,6 +183,8 @@ def _predict(
     f_std_max = np.full(s, np.nan)
     f_mae = np.full(s, np.nan)
     e_true = np.full(s, np.nan)
+    e_base = np.full(s, np.nan)
+    ref = element_reference(models[0])
     per_atom_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * s
     for idx in batches_by_atom_budget(n_atoms, batch_atoms):
         recs = fetch(idx)
@@ -184,6 +201,8 @@ def _predict(
             np.maximum.at(mx, seg, per_atom)
             f_std_max[idx] = mx
         for k, i in enumerate(idx):
+            if ref is not None:
+                e_base[i] = float(ref[np.asarray(recs[k]["numbers"], np.int64)].sum())
             ev = recs[k].get("energy")
             if ev is not None and np.isfinite(float(ev)):
                 e_true[i] = float(ev)
@@ -206,8 +225,17 @@ def _predict(
         seconds=time.perf_counter() - t0,
         indices=np.asarray(indices if indices is not None else np.arange(s), np.int64),
         force_std_max=f_std_max,
+        baseline_pred=e_base,
         **(_stack_atoms(per_atom_rows) if keep_atoms else {}),
     )
+
+
+def element_reference(model: torch.nn.Module) -> np.ndarray | None:
+    """The model's per-element reference energies indexed by Z (eV), None if it has none."""
+    ref = getattr(getattr(model, "module", model), "atomref", None)
+    if not isinstance(ref, torch.Tensor) or not bool((ref != 0).any()):
+        return None
+    return ref.detach().cpu().double().numpy()
 
 
 def _batch_predict(models: Sequence[torch.nn.Module], batch: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from convergent.errors import ConfigError
-from convergent.models.losses import SUM_KEYS, metrics_from_sums
+from convergent.models.losses import BASELINE_KEYS, SUM_KEYS, baseline_sums, metrics_from_sums
 from convergent.train import moldata, molpipe
 from convergent.train.taskapi import MicroBatch, Task, split_evenly
 
@@ -27,7 +27,7 @@ class MolecularTask(Task):
 
     kind = "molecular"
     unit = "atoms"
-    stat_keys = SUM_KEYS
+    stat_keys = SUM_KEYS + BASELINE_KEYS  # validation's sums
 
     @property
     def pipeline_capable(self) -> bool:  # type: ignore[override]
@@ -126,7 +126,7 @@ class MolecularTask(Task):
 
     def val_stats(self, model: nn.Module, mb: MicroBatch) -> dict[str, torch.Tensor]:
         _, stats = moldata.loss(model, mb, 1, self.cfg.train.force_weight, False)
-        return stats
+        return {**stats, **baseline_sums(model, mb.data)}
 
     def export(self, model: nn.Module, directory: Any) -> None:
         moldata.export(model, self.cfg, directory)
