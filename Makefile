@@ -53,13 +53,19 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_JOBS   ?= $(shell n=$$(nproc); [ $$n -ge 8 ] && echo $$((n / 2)) || echo 0)
 GPU_LOG    ?= bench/results/gpu_suite.log
 GPU_CHECK  ?= 1
+# -v: each test's name as it ends, so a run stopped at its time limit still names its failures
+GPU_PYTEST_FLAGS ?= -v -rfE --durations=25
 test-gpu:
 	@[ "$(GPU_CHECK)" = 0 ] || $(GPU_PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make test-gpu: no CUDA device here (torch.cuda.is_available() is False); run make test")'
 	@jobs=$(GPU_JOBS); if [ "$$jobs" -gt 0 ] && ! $(GPU_PYTHON) -c 'import xdist' 2>/dev/null; then \
 	  echo "make test-gpu: pytest-xdist is not installed; running on one process" >&2; jobs=0; fi; \
 	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadfile"; \
+	  if ! command -v convergent >/dev/null && [ ! -x "$$(dirname $(GPU_PYTHON))/convergent" ]; then \
+	    mkdir -p .gpu-bin; printf '#!/bin/sh\nexec %s -c "import sys; from convergent.cli import entry; sys.exit(entry())" "$$@"\n' \
+	      "$$(command -v $(GPU_PYTHON))" > .gpu-bin/convergent; chmod +x .gpu-bin/convergent; \
+	    export PATH="$$PWD/.gpu-bin:$$PATH"; fi; \
 	  PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} bash -o pipefail -c \
-	  "$(GPU_PYTHON) -m pytest -m 'not slow or gpu' $$xd -p no:cacheprovider $(PYTEST_ARGS) 2>&1 | tee $(GPU_LOG)"
+	  "$(GPU_PYTHON) -m pytest -m 'not slow or gpu' $$xd -p no:cacheprovider $(GPU_PYTEST_FLAGS) $(PYTEST_ARGS) 2>&1 | tee $(GPU_LOG)"
 
 # The tests marked `numerics` (results compared under a tolerance that depends on the CPU's
 # kernels) once per kernel setting another CPU would get: ATen's dispatch level

@@ -35,7 +35,8 @@ def test_without_cuda_it_says_so_in_one_line_and_fails(tmp_path):
 def test_it_collects_the_default_suite_and_the_gpu_tests_over_xdist_workers(tmp_path):
     pytest.importorskip("xdist")
     log = tmp_path / "log"
-    p = _make("GPU_CHECK=0", "GPU_JOBS=2", f"GPU_LOG={log}", "PYTEST_ARGS=--collect-only -q")
+    p = _make("GPU_CHECK=0", "GPU_JOBS=2", f"GPU_LOG={log}", "GPU_PYTEST_FLAGS=",
+              "PYTEST_ARGS=--collect-only -q")
     assert p.returncode == 0, p.stderr[-2000:]
     text = log.read_text()
     assert "tests/test_make_test_gpu.py::test_it_collects_the_default_suite" in text
@@ -43,3 +44,25 @@ def test_it_collects_the_default_suite_and_the_gpu_tests_over_xdist_workers(tmp_
     # the gpu-marked tests are in the selection (they skip here, run there)
     assert "tests/serve/test_serve_gpu.py::" in text and "tests/train/test_train_gpu.py::" in text
     assert re.search(r"\d+ tests collected", text)
+
+
+def test_where_the_cli_is_not_installed_it_puts_a_shim_on_path(tmp_path):
+    """A GPU machine's image has python3 and torch but not our console script: the tests
+    that run `convergent` must still find it (the first GPU run had them fail)."""
+    pytest.importorskip("xdist")
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    # an interpreter outside the venv: its directory holds no `convergent`
+    (bindir / "python3").symlink_to(Path(sys.executable).resolve())
+    path = ":".join(p for p in os.environ["PATH"].split(":")
+                    if not (Path(p) / "convergent").exists())
+    log = tmp_path / "log"
+    p = subprocess.run(
+        ["make", "--no-print-directory", "-C", str(ROOT), "test-gpu", "GPU_CHECK=0",
+         f"GPU_PYTHON={bindir / 'python3'}", "GPU_JOBS=0", f"GPU_LOG={log}",
+         "PYTEST_ARGS=tests/test_cli.py -k test_version"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PATH": path, "PYTHONPATH": ":".join(site)})
+    assert p.returncode == 0, log.read_text()[-3000:] if log.exists() else p.stderr[-2000:]
+    assert re.search(r"test_cli.py::test_version PASSED", log.read_text())
