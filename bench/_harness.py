@@ -58,6 +58,7 @@ from _load import LoadGuard
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 _GUARD: LoadGuard | None = None  # started by check_clean, read by write_result
+_START_LOAD: list[float] | None = None  # the load average when check_clean let the run start
 PACKAGES = ("convergent", "torch", "numpy", "dask", "distributed", "tblite", "pyscf", "ase",
             "transformers", "tokenizers", "pyarrow", "rdkit", "mlflow")
 
@@ -133,9 +134,16 @@ def machine() -> dict[str, Any]:
 
 
 def provenance() -> dict[str, Any]:
-    return {**git_state(), "versions": versions(), "machine": machine(),
+    """Where a result came from. ``load_avg_before`` is the load when the run started (the
+    reading :func:`check_clean` settled on, before the bench's own set-up); a bench that calls
+    this after its set-up also gets the load then, as ``load_avg_after_setup``."""
+    now = list(os.getloadavg())
+    prov = {**git_state(), "versions": versions(), "machine": machine(),
             "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-            "load_avg_before": list(os.getloadavg())}
+            "load_avg_before": _START_LOAD or now}
+    if _START_LOAD is not None:
+        prov["load_avg_after_setup"] = now
+    return prov
 
 
 def summarise(values: list[float]) -> dict[str, Any]:
@@ -276,7 +284,7 @@ def check_clean(args: argparse.Namespace) -> None:
     """Refuse (exit 2) before any work when the tree is dirty and --allow-dirty is not set,
     or when a result for bench/results/ would start on a busy machine (unless --allow-load);
     then start the :class:`LoadGuard` that :func:`write_result` reads."""
-    global _GUARD
+    global _GUARD, _START_LOAD
     _check_dirty(args)
     guard = LoadGuard()
     if _to_results(args):
@@ -287,6 +295,7 @@ def check_clean(args: argparse.Namespace) -> None:
                     "or pass --allow-load (the result is then marked loaded: true)")
     else:
         guard.load_start = os.getloadavg()[0]
+    _START_LOAD = list(os.getloadavg())
     if _GUARD is not None:
         _GUARD.stop()
     _GUARD = guard.start()

@@ -209,3 +209,22 @@ def test_no_guard_no_result_in_bench_results(tmp_path, monkeypatch):
         h.write_result(res, argparse.Namespace(out=str(tmp_path / "results" / "r.json"),
                                                allow_dirty=True))
     assert exc.value.code == 2
+
+
+def test_provenance_records_the_load_at_the_start_not_after_the_bench_set_up(tmp_path,
+                                                                           monkeypatch):
+    """A bench builds its data, then calls interleave(): the load then includes its own
+    set-up, and a file said `load_avg_before: 1.46` though the run started at 0.86."""
+    monkeypatch.setattr(h, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(h, "_GUARD", None)
+    monkeypatch.setattr(h, "_START_LOAD", None)
+    monkeypatch.setattr(h.LoadGuard, "settle", lambda self, s: 0.0)
+    h.check_clean(argparse.Namespace(out=str(tmp_path / "elsewhere.json"), allow_dirty=True,
+                                     settle=0.0))
+    start = h._START_LOAD
+    assert start is not None and len(start) == 3
+    monkeypatch.setattr(h.os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # the set-up's own load
+    res = h.interleave("t", [h.Side("a", lambda r: {"x": 1.0})], rounds=1, progress=False)
+    h._GUARD.stop()
+    assert res.provenance["load_avg_before"] == start
+    assert res.provenance["load_avg_after_setup"] == [9.0, 9.0, 9.0]
