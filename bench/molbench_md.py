@@ -29,77 +29,13 @@ from typing import Any
 import numpy as np
 from ase.calculators.calculator import Calculator, all_changes
 
-
-@dataclass(frozen=True)
-class Criteria:
-    """What counts as physical (defaults: the issue's 1.5x / 0.7 Å, blow-up 1 eV/atom)."""
-
-    stretch: float = 1.5  # a start bond longer than this x its start length fails
-    min_distance: float = 0.7  # Å: any pair closer fails
-    energy_per_atom: float = 1.0  # eV/atom: |E_pot - E_pot(start)| / n_atoms above fails
-    bond_scale: float = 1.2  # bonded at the start: d < bond_scale x (r_cov,i + r_cov,j)
-
-
-def covalent_bonds(numbers: np.ndarray, positions: np.ndarray, scale: float = 1.2) -> np.ndarray:
-    """Pairs (i < j) bonded in this geometry: closer than ``scale`` x the sum of their
-    covalent radii (ase.data.covalent_radii). Shape (n_bonds, 2)."""
-    from ase.data import covalent_radii
-
-    r = covalent_radii[np.asarray(numbers)]
-    d = np.linalg.norm(positions[:, None] - positions[None], axis=-1)
-    i, j = np.triu_indices(len(numbers), k=1)
-    keep = d[i, j] < scale * (r[i] + r[j])
-    return np.stack([i[keep], j[keep]], axis=1)
-
-
-class StabilityMonitor:
-    """Checks frames of one trajectory against :class:`Criteria` relative to its start."""
-
-    def __init__(self, numbers: np.ndarray, positions: np.ndarray, energy: float,
-                 criteria: Criteria | None = None) -> None:
-        self.c = criteria or Criteria()
-        self.n = len(numbers)
-        self.bonds = covalent_bonds(numbers, np.asarray(positions, float), self.c.bond_scale)
-        self.d0 = self._lengths(np.asarray(positions, float))
-        self.e0 = float(energy)
-        self.iu = np.triu_indices(self.n, k=1)
-
-    def _lengths(self, pos: np.ndarray) -> np.ndarray:
-        b = self.bonds
-        return np.linalg.norm(pos[b[:, 0]] - pos[b[:, 1]], axis=1)
-
-    def check(self, positions: np.ndarray, energy: float) -> str | None:
-        """None when the frame is physical, else the reason (one line)."""
-        pos = np.asarray(positions, float)
-        if not (np.isfinite(pos).all() and np.isfinite(energy)):
-            return "non-finite positions or energy"
-        if len(self.bonds):
-            ratio = self._lengths(pos) / self.d0
-            k = int(np.argmax(ratio))
-            if ratio[k] > self.c.stretch:
-                i, j = self.bonds[k]
-                return f"bond {i}-{j} stretched to {ratio[k]:.2f}x its start length"
-        if self.n > 1:
-            d = np.linalg.norm(pos[:, None] - pos[None], axis=-1)[self.iu]
-            k = int(np.argmin(d))
-            if d[k] < self.c.min_distance:
-                return f"atoms {self.iu[0][k]}-{self.iu[1][k]} at {d[k]:.2f} Å"
-        de = abs(float(energy) - self.e0) / self.n
-        if de > self.c.energy_per_atom:
-            return f"energy blow-up: |E - E0| = {de:.2f} eV/atom"
-        return None
-
-
-def first_failure(numbers: np.ndarray, positions: np.ndarray, energies: np.ndarray,
-                  criteria: Criteria | None = None) -> tuple[int, str] | None:
-    """(index, reason) of the first unphysical frame of ``positions`` [F, N, 3] with
-    potential ``energies`` [F] (frame 0 is the start), or None when all are physical."""
-    mon = StabilityMonitor(numbers, positions[0], energies[0], criteria)
-    for k in range(1, len(positions)):
-        why = mon.check(positions[k], energies[k])
-        if why is not None:
-            return k, why
-    return None
+# the stability criteria are the library's (convergent.screen.mdcheck, the demo's MD check)
+from convergent.screen.mdcheck import (  # noqa: F401 - re-exported for the bench and tests
+    Criteria,
+    StabilityMonitor,
+    covalent_bonds,
+    first_failure,
+)
 
 
 def drift_per_atom_ps(times_ps: np.ndarray, total_energy: np.ndarray, n_atoms: int) -> float:

@@ -12,7 +12,8 @@ from convergent.trainrecords import read_train_records
 EXE = str(Path(sys.executable).parent / "convergent")
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "train.steps=6", "--set", "checkpoint.interval=3",
-        "--set", "train.device=cpu"]  # the 2-rank CPU job it asserts, on any machine
+        "--set", "train.device=cpu",  # the 2-rank CPU job it asserts, on any machine
+        "--set", "screen.md_check.seeds=1", "--set", "screen.md_check.time_fs=20"]
 
 
 def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
@@ -23,7 +24,7 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     assert f"report: {run_dir / 'report' / 'report.md'}" in out.stdout
 
     stages = json.loads((run_dir / "stages.json").read_text())
-    assert list(stages) == ["simulate", "data", "train", "screen", "learn"]
+    assert list(stages) == ["simulate", "data", "train", "screen", "md_check", "learn"]
     assert stages["simulate"]["done"] == 24 and stages["simulate"]["quarantined"] == 0
     assert stages["data"]["train_frames"] + stages["data"]["val_frames"] == 24
     assert stages["train"]["steps"] == 6 and stages["train"]["nproc"] == 2
@@ -51,6 +52,10 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     assert f"{pred['energy_mae']:.4g}" in md
     assert "| val per-element baseline energy MAE (eV) | n/a" not in md
     assert "val per-element baseline energy MAE (eV)" in md and "baseline MAE / model MAE" in md
+    # issue 37: the MD check ran every molecule with the trained surrogate, the report says so
+    mdc = stages["md_check"]
+    assert mdc["total_runs"] == 6 and mdc["time_fs"] == 20
+    assert "## MD stability" in md and f"{mdc['stable_runs']} / 6" in md
     for png in ("loss.png", "parity.png", "stages.png"):
         assert (run_dir / "report" / png).stat().st_size > 1000
 
@@ -70,7 +75,7 @@ def test_tiny_loop_end_to_end_then_resume_and_refuse(tmp_path):
     again = subprocess.run([EXE, "demo", "--run-dir", str(run_dir), "--resume", *TINY],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("already done") == 5
+    assert again.stderr.count("already done") == 6
     assert json.loads((run_dir / "stages.json").read_text()) == stages
 
     # without --resume the existing run is refused, untouched

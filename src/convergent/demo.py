@@ -1,7 +1,8 @@
 """`convergent demo`: the converged loop end to end on small data, embedded defaults.
 
 simulate (GFN2-xTB on a Dask LocalCluster) -> dataset store -> molecule-wise split ->
-2-process torchrun DDP training -> screening of held-out molecules -> report -> one
+2-process torchrun DDP training -> screening of held-out molecules -> MD stability check
+(Langevin with the surrogate: do molecules stay bonded?) -> report -> one
 short active-learning round (the trained surrogate's committee picks what to label next).
 Each stage records its summary in ``stages.json``; ``--resume`` skips finished stages.
 """
@@ -143,6 +144,20 @@ def screen_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
     return summary
 
 
+def md_check_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
+    """Langevin MD with the trained surrogate: do molecules stay bonded?"""
+    from convergent.screen.mdcheck import md_check
+
+    c = cfg.screen.md_check
+    res = md_check(run.ckpt / "final", tuple(c.molecules), c.seeds, c.temperature_K, c.time_fs,
+                   c.timestep_fs, c.friction_per_fs)
+    console.print(res.line())
+    out = res.to_dict()
+    run.log_metrics({"kind": "md_check", "stable_runs": out["stable_runs"],
+                     "total_runs": out["total_runs"]})
+    return out
+
+
 def _finite(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
@@ -207,6 +222,7 @@ def run_demo(cfg: ConvergentConfig, run_dir: str | Path | None = None, resume: b
     _stage(run, "data", split_stage, cfg, run)
     _stage(run, "train", train_stage, cfg, run)
     _stage(run, "screen", screen_stage, cfg, run)
+    _stage(run, "md_check", md_check_stage, cfg, run)
     report = build_report(run.path)
     _stage(run, "learn", learn_stage, cfg, run)
     if cfg.tracking.mlflow:

@@ -41,10 +41,21 @@ def test_hash_strings_matches_hashing_each_string(monkeypatch, pad_max, mix):
 
 
 def _records(n: int, missing_every: int = 0) -> list[dict]:
+    """``distinct_records`` made chemically consistent for a split, whose leakage check
+    compares chemical identity: each molecule id one formula of its own (C_k H_(k+1)), each
+    record without an id a formula of its own (C_k H_(k+20)); geometries stay random."""
     recs = distinct_records(n)
-    if missing_every:
-        for r in recs[::missing_every]:
+    rng = np.random.default_rng(0)
+    for i, r in enumerate(recs):
+        if missing_every and i % missing_every == 0:
             r["molecule_id"] = ""
+            c, h = 1 + i % 7, 20 + i
+        else:
+            k = int(r["molecule_id"].removeprefix("mol"))
+            c, h = 1 + k % 7, 1 + k
+        z = np.array([6] * c + [1] * h, np.int64)
+        r.update(numbers=z, positions=rng.normal(scale=1.5, size=(len(z), 3)),
+                 forces=rng.normal(size=(len(z), 3)))
     return recs
 
 

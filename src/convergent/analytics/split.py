@@ -22,6 +22,7 @@ against the committed manifests (no second pass over the written shards).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from convergent.analytics.engine import (
     prepare_outputs,
     sink,
 )
+from convergent.data.identity import chemical_id
 from convergent.data.indexscan import IndexScan
 from convergent.errors import DataError, InputError
 from convergent.fsutil import atomic_write_text, dumps_json
@@ -141,6 +143,7 @@ class ShardGroups:
     first: np.ndarray | None = None
     scaffold: np.ndarray | None = None
     acyclic: np.ndarray | None = None
+    chem: list[str] | None = None  # per key: its chemical identity ('' if undetermined)
 
 
 def _group_task(task: ShardTask, mode: str) -> ShardGroups:
@@ -148,8 +151,12 @@ def _group_task(task: ShardTask, mode: str) -> ShardGroups:
         with IndexScan(Path(task.dataset), task.info) as sc:
             h = np.concatenate([gk.molecule_keys(sc, a, min(a + gk.ROWS, sc.count))
                                 for a in range(0, sc.count, gk.ROWS)] or [np.zeros(0, np.uint64)])
-        keys, codes = np.unique(h, return_inverse=True)
-        return ShardGroups(keys, codes.ravel().astype(np.int32))
+        keys, first, codes = np.unique(h, return_index=True, return_inverse=True)
+        v = ShardView(task)
+        try:
+            return ShardGroups(keys, codes.ravel().astype(np.int32), chem=_chem_ids(v, first))
+        finally:
+            v.close()
     v = ShardView(task)
     try:
         if mode == "composition":
@@ -163,9 +170,42 @@ def _group_task(task: ShardTask, mode: str) -> ShardGroups:
             out.first = first.astype(np.int64) + task.start
             out.acyclic = np.array([not x for x in scafs], bool)
             out.scaffold = gk.hash_list([x or f"acyclic:{strs[i]}" for x, i in zip(scafs, first.tolist(), strict=True)])
+            out.chem = _chem_ids(v, first)
         return out
     finally:
         v.close()
+
+
+def _chem_ids(v: ShardView, first: np.ndarray) -> list[str]:
+    """Chemical identity (:func:`~convergent.data.identity.chemical_id`) of each molecule of
+    a shard, from its first record; an id that ``data pack`` derived from this chemistry
+    (``<formula>-<10 hex>``, the record's own formula) is taken as it is."""
+    out = []
+    for i in first.tolist():
+        rec = v.record(i)
+        mid = v.molecule_ids[i]
+        if re.fullmatch(re.escape(derived.formula(rec["numbers"])) + r"-[0-9a-f]{10}", mid or ""):
+            out.append(mid)
+            continue
+        periodic = rec.get("cell") is not None and bool(np.any(rec.get("pbc", False)))
+        out.append(chemical_id(rec["numbers"], rec["positions"], periodic=periodic) or "")
+    return out
+
+
+def chemical_overlap(res: list[ShardGroups], split_g: np.ndarray,
+                     group_of: list[np.ndarray]) -> tuple[list[str], int]:
+    """Chemical identities whose molecules were assigned to two or more splits, and how
+    many molecules had an identity. ``group_of[i]``: the group number of each key of
+    shard ``i``; ``split_g``: the split of each group (-1: unused)."""
+    splits: dict[str, set[int]] = {}
+    checked = 0
+    for r, g in zip(res, group_of, strict=True):
+        for c, sp in zip(r.chem or [], split_g[g].tolist(), strict=False):
+            if c:
+                checked += 1
+                if sp >= 0:
+                    splits.setdefault(c, set()).add(sp)
+    return sorted(c for c, sp in splits.items() if len(sp) > 1), checked
 
 
 @dataclass
@@ -279,17 +319,19 @@ class Scaffolds:
         return pos, found
 
 
-def _join(res: list[ShardGroups], mode: str) -> tuple[np.ndarray, int, Scaffolds | None]:
-    """Dataset-wide group number of every record (in task order), number of groups."""
+def _join(res: list[ShardGroups], mode: str
+          ) -> tuple[np.ndarray, int, Scaffolds | None, list[np.ndarray]]:
+    """Dataset-wide group number of every record (in task order), number of groups, the
+    scaffolds (scaffold mode) and, per shard, the group number of each of its keys."""
     if not res:
-        return np.zeros(0, np.int64), 0, None
+        return np.zeros(0, np.int64), 0, None, []
     scaf = Scaffolds.of(res) if mode == "scaffold" else None
     keysets = [scaf.scaffold[scaf.lookup(r.keys)[0]] for r in res] if scaf else [r.keys for r in res]
     allk = np.concatenate(keysets) if keysets else np.zeros(0, np.uint64)
     gkeys, inv = np.unique(allk, return_inverse=True)
     parts = np.split(inv.ravel(), np.cumsum([len(k) for k in keysets])[:-1])
     group_all = np.concatenate([p[r.codes] for p, r in zip(parts, res, strict=True)] or [np.zeros(0, np.int64)])
-    return group_all, len(gkeys), scaf
+    return group_all, len(gkeys), scaf, parts
 
 
 def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode: str = "molecule",
@@ -310,6 +352,7 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
     specs = {n: OutSpec(str(Path(out) / n), m.schema, m.compression, shard_bytes) for n in names}
     if (Path(out) / REPORT).exists() and not overwrite:
         raise DataError(f"split already exists: {out}", hint="pass --overwrite to replace it")
+    made = [Path(p) for p in [*(sp.path for sp in specs.values()), out] if not Path(p).exists()]
     prepare_outputs(specs, overwrite, [src])
     rng = np.random.default_rng(seed)
     tlist = [targets[n] for n in names]
@@ -321,14 +364,15 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
             cuts = np.cumsum([0, *tlist])
             for s in range(len(names)):
                 where_all[perm[cuts[s]: cuts[s + 1]]] = s
-            group_all, n_groups, scaf = None, m.records, None
+            group_all, n_groups, scaf, chem = None, m.records, None, None
         else:
             # by molecule: from the index alone, a few ms per shard: one task per worker
             res = engine.map(_group_task, tasks, mode, label=f"split: group by {mode}",
                              batch=EVEN if mode == "molecule" else True)
-            group_all, n_groups, scaf = _join(res, mode)
+            group_all, n_groups, scaf, group_of = _join(res, mode)
             split_g = _assign(np.bincount(group_all, minlength=n_groups), tlist, rng)
             where_all = _records_split(split_g, group_all)
+            chem = _check_chemistry(src, mode, res, split_g, group_of)
         # a molecule split's groups are the molecules the write tasks report anyway: no
         # group number per record travels to them (4 bytes a record through the scheduler)
         ship = group_all is not None and mode != "molecule"
@@ -340,6 +384,9 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
                              batch=BALANCED)
     except BaseException:
         engine.abort(run, specs)
+        for d in made:  # the split directories this call created, left empty
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
         raise
     lin = lineage("split", [src], [m], {"by": mode, "splits": sizes, "seed": seed})
     mans = commit(engine, run, specs, lin, "split")
@@ -347,8 +394,29 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
               "requested": targets, "records": {n: mans[n].records for n in names},
               "groups": n_groups,
               "leakage": leakage(names, mode, written, scaf, {n: mans[n].records for n in names})}
+    if chem is not None:
+        report["leakage"] = {**report["leakage"], **chem}
     atomic_write_text(Path(out) / REPORT, dumps_json(report, indent=1) + "\n")
     return report
+
+
+def _check_chemistry(src: Any, mode: str, res: list[ShardGroups], split_g: np.ndarray,
+                     group_of: list[np.ndarray]) -> dict[str, Any] | None:
+    """Refuse (DataError, before anything is written) a molecule or scaffold split that
+    would put one chemical identity in two splits: the dataset's molecule ids do not follow
+    its chemistry. The counts go into the leakage report."""
+    if mode not in ("molecule", "scaffold"):
+        return None
+    both, checked = chemical_overlap(res, split_g, group_of)
+    if both:
+        raise DataError(
+            f"{src}: split --by {mode} would put {len(both)} chemical "
+            f"{'identity' if len(both) == 1 else 'identities'} in two splits "
+            f"(molecules with other ids but the same formula and bonds, e.g. "
+            f"{', '.join(c.rsplit('-', 1)[0] for c in both[:3])}); nothing written",
+            hint="the dataset's molecule ids do not follow its chemistry: pack it again with "
+                 "`convergent data pack` (ids by chemistry), or split --by composition")
+    return {"chemical_ids_in_two_splits": 0, "chemical_ids_checked": checked}
 
 
 def leakage(names: list[str], mode: str, written: list[Written], scaffolds: Scaffolds | None = None,

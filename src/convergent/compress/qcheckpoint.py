@@ -177,13 +177,13 @@ def _load_int8_surrogate(d: Path, info: QuantInfo, quantize_method: str) -> nn.M
     from safetensors.torch import load_file
 
     from convergent.models.config import ModelConfig
-    from convergent.models.io import CONFIG, WEIGHTS, attach_elements
+    from convergent.models.io import CONFIG, LEGACY, WEIGHTS, attach_elements
     from convergent.models.molecular import build_model
 
     if quantize_method not in ("none", info.method):
         raise ConfigError(f"{d}: already quantised ({info.method}); quantize={quantize_method} cannot apply")
     meta = json.loads((d / CONFIG).read_text(encoding="utf-8"))
-    cfg = ModelConfig.model_validate({"head_norm": True, **meta["model"]})
+    cfg = ModelConfig.model_validate({**LEGACY, **meta["model"]})
     model = build_model(cfg)
     quantize_weight_only(model, embeddings=False, only=set(info.modules))
     try:

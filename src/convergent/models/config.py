@@ -55,6 +55,11 @@ class ModelConfig(Section):
     mlp_ratio: Count = 2  # feed-forward width = mlp_ratio * hidden
     keep_fp32: list[str] = ["energy_head"]
     forces: Literal["autograd", "direct"] = "autograd"  # how forces are predicted
+    # the ZBL repulsive pair prior added to the learned energy (convergent.models.repulsion),
+    # enveloped to zero at repulsion_scale x the sum of the two covalent radii. "none": the
+    # network alone (checkpoints saved before the prior existed load as "none").
+    repulsion: Literal["zbl", "none"] = "zbl"
+    repulsion_scale: float = Field(1.0, gt=0.0, le=3.0)
     # Edges per chunk in attention (0 = all at once). Chunking bounds forward temporaries
     # but adds an O(N) gradient buffer per chunk in backward: superlinear at large N.
     edge_chunk: Count0 = 0

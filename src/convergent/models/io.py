@@ -114,6 +114,11 @@ def check_elements(models: Sequence[nn.Module], numbers: Any, where: str) -> Non
                      "that contains them")
 
 
+#: What a model config saved before a field existed meant: the head's LayerNorm was there
+#: (model.head_norm) and no repulsive prior (model.repulsion).
+LEGACY: dict[str, Any] = {"head_norm": True, "repulsion": "none"}
+
+
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
     """Load a model saved by :func:`save_model`; returns ``(model in eval mode, cfg)``.
 
@@ -133,8 +138,7 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
         )
     try:
         meta = json.loads(cfg_path.read_text(encoding="utf-8"))
-        # saved before model.head_norm existed: those models had the head's LayerNorm
-        cfg = ModelConfig.model_validate({"head_norm": True, **meta["model"]})
+        cfg = ModelConfig.model_validate({**LEGACY, **meta["model"]})
     except json.JSONDecodeError as exc:
         raise InputError(parse_error_text(cfg_path, "JSON", exc)) from None
     except (KeyError, ValueError) as exc:

@@ -20,6 +20,9 @@ Architecture (read top to bottom in ten minutes):
 * ``energy_head``: per-atom MLP (LayerNorm first only with ``head_norm``) -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
   summed per molecule with ``index_add_`` (fp32 for the network part, fp64 for the sum and
   the element reference energies, which are large in eV).
+* ``repulsion`` (default ``zbl``): the ZBL screened-nuclear pair repulsion, enveloped to
+  zero at the sum of covalent radii, added to the per-atom energies
+  (:mod:`convergent.models.repulsion`): a physical short range where no data go.
 * forces ``F = -dE/dpositions`` by autograd (:func:`energy_and_forces`), or with
   ``model.forces: direct`` from a force head on the final atom features
   (:mod:`convergent.models.direct_forces`: no double backward, not conservative).
@@ -53,6 +56,7 @@ from convergent.models.batching import AtomsBatch
 from convergent.models.config import ModelConfig
 from convergent.models.direct_forces import DirectForceHead
 from convergent.models.edge_attention import EdgeAttentionBlock, EdgeGeometry
+from convergent.models.repulsion import zbl_atom_energies, zbl_forces
 from convergent.models.vector_attention import VectorAttentionBlock
 
 
@@ -190,17 +194,27 @@ class MolecularTransformer(nn.Module):
             h = torch.cat([h, h.new_zeros(h.shape[0], 3 * self.cfg.hidden)], dim=-1)
         return h
 
-    def atom_energies(self, h: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Per-atom energies float64[N] eV from the final atom state (its scalars)."""
+    def atom_energies(self, h: torch.Tensor, z: torch.Tensor,
+                      g: EdgeGeometry | None = None) -> torch.Tensor:
+        """Per-atom energies float64[N] eV from the final atom state (its scalars), plus
+        each atom's share of the repulsive prior over the edges of ``g``."""
         eps = self._run("energy_head", self.energy_head, h[:, : self.cfg.hidden]).squeeze(-1)
         eps = eps.to(torch.promote_types(eps.dtype, torch.float32))
         atom_e = eps * self.scale + self.shift  # fp32, network part
-        return atom_e.double() + self.atomref[z]
+        out = atom_e.double() + self.atomref[z]
+        if g is not None and self.cfg.repulsion == "zbl":
+            out = out + zbl_atom_energies(z, g.src, g.dst, g.r, self.cfg.repulsion_scale)
+        return out
 
-    def direct_forces(self, h: torch.Tensor, g: EdgeGeometry) -> torch.Tensor:
-        """Forces float32[N, 3] eV/Å of the direct force head (``model.forces: direct``)."""
+    def direct_forces(self, h: torch.Tensor, g: EdgeGeometry,
+                      z: torch.Tensor | None = None) -> torch.Tensor:
+        """Forces float32[N, 3] eV/Å of the direct force head (``model.forces: direct``),
+        plus the repulsive prior's exact forces when ``z`` is given."""
         f = self._run("force_head", self.force_head, h[:, : self.cfg.hidden], g.src, g.dst, g.rbf, g.env, g.vec, g.r)
-        return f * self.scale  # the head computes in >= fp32
+        f = f * self.scale  # the head computes in >= fp32
+        if z is not None and self.cfg.repulsion == "zbl":
+            f = f + zbl_forces(z, g.src, g.dst, g.vec, self.cfg.repulsion_scale).to(f.dtype)
+        return f
 
     def forward(self, batch: AtomsBatch, per_atom: bool = False, with_forces: bool = False) -> Any:
         """Energies float64[B] eV (and per-atom energies float64[N] if ``per_atom``).
@@ -218,11 +232,11 @@ class MolecularTransformer(nn.Module):
         h = self.initial_state(z)
         for i, layer in enumerate(self.layers):
             h = self.run_layer(f"layers.{i}", layer, h, g)
-        atom_e64 = self.atom_energies(h, z)
+        atom_e64 = self.atom_energies(h, z, g)
         energy = torch.zeros(batch.n_molecules, dtype=torch.float64, device=pos.device)
         energy = energy.index_add(0, batch.batch, atom_e64)
         if with_forces:
-            return energy, (self.direct_forces(h, g) if self.force_head is not None else None)
+            return energy, (self.direct_forces(h, g, z) if self.force_head is not None else None)
         return (energy, atom_e64) if per_atom else energy
 
 

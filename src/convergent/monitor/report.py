@@ -120,6 +120,20 @@ def _baseline_rows(val: ValRecord | None) -> list[tuple[str, str]]:
             ("baseline MAE / model MAE", verdict)]
 
 
+def _md_check_section(mdc: dict[str, Any] | None) -> list[str]:
+    """The MD stability check (demo stage ``md_check``, convergent.screen.mdcheck)."""
+    if not mdc or "runs" not in mdc:
+        return []
+    bad = [r for r in mdc["runs"] if not r["stable"]]
+    rows = [("runs that stay bonded", f"{mdc['stable_runs']} / {mdc['total_runs']}"),
+            ("molecules", ", ".join(dict.fromkeys(r["molecule"] for r in mdc["runs"]))),
+            ("Langevin", f"{mdc['temperature_K']:g} K, {mdc['time_fs']:g} fs, "
+                         f"step {mdc['timestep_fs']:g} fs, friction {mdc['friction_per_fs']:g}/fs")]
+    rows += [(f"{r['molecule']} seed {r['seed']}", f"{r['event']} at {r['time_fs']:.0f} fs")
+             for r in bad[:8]]
+    return ["## MD stability (surrogate, Langevin from G2 geometries)", md_table(rows), ""]
+
+
 def build_report(run_dir: str | Path) -> Path:
     """Write ``report/report.md`` and its PNGs for ``run_dir``; returns the markdown path."""
     run = RunDir(Path(run_dir))
@@ -174,6 +188,7 @@ def build_report(run_dir: str | Path) -> Path:
         ])
         md += lines
         figs.update(acc_figs)
+    md += _md_check_section(stages.get("md_check"))
     collect_slurm(run.path)  # Slurm's record of each job the run's stages name
     cost = usage_table(run.path)
     if cost:

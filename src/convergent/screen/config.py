@@ -6,7 +6,19 @@ from typing import Literal
 
 from pydantic import Field
 
-from convergent.configbase import Count, Count0, PathStr, Section
+from convergent.configbase import Count, Count0, PathStr, Positive, Section
+
+
+class MDCheckConfig(Section):
+    """Langevin runs that must keep molecules bonded (:mod:`convergent.screen.mdcheck`):
+    ``seeds`` per molecule of ``molecules`` (ASE G2 names), ``time_fs`` each."""
+
+    molecules: list[str] = Field(["H2O", "NH3", "CH4", "C2H6", "CH3OH", "H3CNH2"], min_length=1)
+    seeds: Count = 4
+    temperature_K: Positive = 300.0
+    time_fs: Positive = 500.0
+    timestep_fs: float = Field(0.5, gt=0.0, le=2.0)
+    friction_per_fs: float = Field(0.01, ge=0.0, le=1.0)
 
 
 class ScreenConfig(Section):
@@ -30,3 +42,4 @@ class ScreenConfig(Section):
     device: str = Field("cpu", pattern=r"^[a-z]+(:[0-9]+)?$")  # cpu, cuda, cuda:1
     # INT8 inference (convergent.compress): weight-only per-channel, or torch dynamic (CPU)
     quantize: Literal["none", "int8", "int8-dynamic"] = "none"
+    md_check: MDCheckConfig = MDCheckConfig()  # the demo's MD stability check

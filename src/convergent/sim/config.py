@@ -50,7 +50,8 @@ class SimulateConfig(Section):
     ``smiles:<file>`` (one SMILES per line, optional name after it) | a path to an
     ``.xyz``/``.extxyz`` file (or ``xyz:<path>``).
     ``frames`` is the total number of labelled frames to produce. ``rattle``: Gaussian
-    displacements of sigma ``rattle_sigma`` Å; ``md``: Langevin trajectories with the
+    displacements of sigma ``rattle_sigma`` Å, on ``distort_fraction`` of the frames after
+    a seeded distortion towards the short range; ``md``: Langevin trajectories with the
     chosen calculator at each of ``temperatures`` K, one trajectory of ``md_frames`` frames
     saved every ``md_interval`` steps per task.
     """
@@ -63,6 +64,9 @@ class SimulateConfig(Section):
     sampler: Literal["rattle", "md"] = "rattle"
     frames: int = Field(2000, ge=1)
     rattle_sigma: NonNegative = 0.05  # Å
+    # rattle: this share of the frames is distorted first (compressed, an angle closed, a
+    # bond shortened: sim.samplers.distort_positions), so the data reach the short range
+    distort_fraction: float = Field(0.2, ge=0.0, le=1.0)
     temperatures: list[float] = [300.0]  # K, for md
     md_timestep_fs: Positive = 0.5
     md_friction: NonNegative = 0.01  # 1/fs

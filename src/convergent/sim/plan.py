@@ -8,13 +8,20 @@ from __future__ import annotations
 
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
-from convergent.sim.molecules import Molecule
+from convergent.sim.molecules import Molecule, stable_int
+from convergent.sim.samplers import distort_positions
 from convergent.sim.tasks import FrameItem, FramesTask, MDTask, Task
 
 
 def frame_key(seed: int, molecule_id: str, tag: str, index: int) -> str:
     """The record key of frame ``index`` of ``molecule_id`` (deterministic)."""
     return f"s{seed}/{molecule_id}/{tag}/{index:05d}"
+
+
+def distorted(seed: int, molecule_id: str, frame: int, fraction: float) -> bool:
+    """Whether rattle frame ``frame`` of ``molecule_id`` is distorted first (seeded; frame 0
+    never, so every molecule keeps an undistorted frame)."""
+    return frame > 0 and stable_int("distorted", seed, molecule_id, frame) % 10_000 < fraction * 10_000
 
 
 def plan_tasks(sim: SimulateConfig, molecules: list[Molecule]) -> list[Task]:
@@ -30,6 +37,9 @@ def plan_tasks(sim: SimulateConfig, molecules: list[Molecule]) -> list[Task]:
             for j in range(base + (1 if m_idx < extra else 0)):
                 meta = {"sampler": "rattle", "sigma": sim.rattle_sigma, "frame": j,
                         "seed": sim.seed, "origin": mol.origin}
+                if distorted(sim.seed, mol.molecule_id, j, sim.distort_fraction):
+                    meta["distort"] = distort_positions(mol.numbers, mol.positions, sim.seed,
+                                                        mol.molecule_id, j)[1]
                 items.append(FrameItem(frame_key(sim.seed, mol.molecule_id, tag, j),
                                        mol.molecule_id, mol.numbers, mol.positions, mol.charge,
                                        mol.multiplicity, meta,

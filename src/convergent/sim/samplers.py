@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from convergent.elements import covalent_bonds
 from convergent.sim.molecules import Molecule, stable_int
 
 
@@ -108,3 +109,71 @@ def langevin_frames(
             wall_s=t1 - t0,
         )
         t0 = t1
+
+
+DISTORTIONS = ("compress", "angle", "bond")
+def _angles(pos: np.ndarray, bonds: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(centre, j, k) of every bond angle that can close: j and k both bonded to the
+    centre, not in a line (a linear X-C-Y has no plane to close in)."""
+    nbrs: dict[int, list[int]] = {}
+    for a, b in bonds:
+        nbrs.setdefault(a, []).append(b)
+        nbrs.setdefault(b, []).append(a)
+    out = []
+    for c, n in nbrs.items():
+        for j in n:
+            for k in n:
+                u, w = pos[j] - pos[c], pos[k] - pos[c]
+                if j < k and u @ w > -0.95 * np.linalg.norm(u) * np.linalg.norm(w):
+                    out.append((c, j, k))
+    return out
+
+
+def _close_angle(pos: np.ndarray, c: int, j: int, k: int, target: float) -> np.ndarray:
+    """``pos`` with ``k`` swung towards ``j`` about ``c`` (|c-k| kept) until |j-k| <= target."""
+    out = pos.copy()
+    u, w = pos[j] - pos[c], pos[k] - pos[c]
+    lw = np.linalg.norm(w)
+    for t in np.linspace(0.0, 1.0, 41)[1:]:
+        v = (1 - t) * w / lw + t * u / np.linalg.norm(u)
+        out[k] = pos[c] + lw * v / max(np.linalg.norm(v), 1e-9)
+        if np.linalg.norm(out[k] - pos[j]) <= target:
+            break
+    return out
+
+
+def distort_positions(numbers: np.ndarray, positions: np.ndarray, seed: int, molecule_id: str,
+                      frame: int, min_distance: float = 0.6) -> tuple[np.ndarray, str]:
+    """A seeded distortion where energies rise steeply, so a model learns the short range:
+    ``compress`` (the molecule scaled by 0.80-0.92 about its centre), ``angle`` (a
+    neighbour of an atom swung towards another neighbour, bond length kept, until the two
+    are 0.75-1.3 Å apart) or ``bond`` (a bond shortened to 0.72-0.88 of its length).
+    No pair ends closer than ``min_distance`` Å (the step is halved until none does).
+    Returns (positions, kind)."""
+    rng = np.random.default_rng(stable_int("distort", seed, molecule_id, frame))
+    pos = np.array(positions, dtype=np.float64)
+    z = np.asarray(numbers)
+    bonds = [(int(a), int(b)) for a, b in covalent_bonds(z, pos)]
+    angles = _angles(pos, bonds)
+    kind = DISTORTIONS[int(rng.integers(len(DISTORTIONS)))]
+    if kind == "angle" and not angles:
+        kind = "bond" if bonds else "compress"
+    if kind == "bond" and not bonds:
+        kind = "compress"
+    if kind == "compress":
+        c = pos.mean(0)
+        out = c + (pos - c) * rng.uniform(0.80, 0.92)
+    elif kind == "bond":
+        a, b = bonds[int(rng.integers(len(bonds)))]
+        if z[a] < z[b]:
+            a, b = b, a  # move the lighter atom
+        out = pos.copy()
+        out[b] = pos[a] + (pos[b] - pos[a]) * rng.uniform(0.72, 0.88)
+    else:
+        out = _close_angle(pos, *angles[int(rng.integers(len(angles)))], rng.uniform(0.75, 1.3))
+    for back in (1.0, 0.5, 0.25, 0.0):
+        trial = pos + (out - pos) * back
+        d = np.linalg.norm(trial[:, None] - trial[None], axis=-1) + np.eye(len(trial)) * 1e9
+        if d.min() >= min_distance:
+            break
+    return trial, kind

@@ -15,7 +15,7 @@ import numpy as np
 
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.molecules import Molecule
-from convergent.sim.samplers import rattle_positions
+from convergent.sim.samplers import distort_positions, rattle_positions
 
 
 @dataclass
@@ -38,7 +38,10 @@ class FrameItem:
         if self.rattle is None:
             return self.positions
         sigma, seed, frame = self.rattle
-        return rattle_positions(self.positions, sigma, seed, self.molecule_id, frame)
+        pos = self.positions
+        if self.meta.get("distort"):
+            pos = distort_positions(self.numbers, pos, seed, self.molecule_id, frame)[0]
+        return rattle_positions(pos, sigma, seed, self.molecule_id, frame)
 
 
 @dataclass

@@ -191,9 +191,9 @@ class MolecularStage(MolecularTransformer):
             h = self.run_layer(f"layers.{name}", layer, h, item.geom)
         if not self.last:
             return h, idx
-        atom_e = self.atom_energies(h, item.z)
+        atom_e = self.atom_energies(h, item.z, item.geom)
         energy = torch.zeros(atom_e.shape[0], dtype=torch.float64, device=atom_e.device)
-        return energy.index_add(0, item.mol, atom_e), self.direct_forces(h, item.geom)
+        return energy.index_add(0, item.mol, atom_e), self.direct_forces(h, item.geom, item.z)
 
 
 def stage_module(full: nn.Module, stage: int, n_stages: int, feed: Feed) -> MolecularStage:

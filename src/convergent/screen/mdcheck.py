@@ -1,0 +1,174 @@
+"""Does the surrogate keep molecules bonded in MD? Langevin runs from G2 geometries.
+
+A surrogate can fit held-out energies and still let a molecule collapse once dynamics
+take it where no training structure went (two H atoms of one heavy atom fused at
+0.5-0.7 Å, found on the demo's model before the repulsive prior). :func:`md_check` runs
+``seeds`` Langevin trajectories of each molecule at ``temperature_K`` for ``time_fs`` and
+calls a run stable when every check passes :class:`StabilityMonitor`'s :class:`Criteria`
+(the MD-stability bench's, bench/md_stability.py: no bond of the start stretched past 1.5x,
+no two atoms closer than 0.7 Å, no energy blow-up past 1 eV/atom, nothing non-finite).
+
+All molecules of one seed move in one ASE ``Atoms``, 30 Å apart (beyond any cutoff), so
+each step is one model call; each molecule's bonds are checked on its own atoms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convergent.elements import covalent_bonds
+
+#: G2 molecules with two or three H atoms on one heavy atom (where the demo's model failed).
+MOLECULES = ("H2O", "NH3", "CH4", "C2H6", "CH3OH", "H3CNH2")
+SPACING = 30.0  # Å between molecules of one system
+
+
+@dataclass
+class MDRun:
+    """One molecule's trajectory: stable, or when and how its bonds changed."""
+
+    molecule: str
+    seed: int
+    stable: bool
+    time_fs: float  # simulated until the first change, or the whole run
+    event: str | None = None  # e.g. "atoms 1-2 at 0.58 Å" (StabilityMonitor.check's reason)
+
+
+@dataclass
+class MDCheck:
+    """The result of :func:`md_check` (JSON-ready with :meth:`to_dict`)."""
+
+    temperature_K: float
+    time_fs: float
+    timestep_fs: float
+    friction_per_fs: float
+    runs: list[MDRun] = field(default_factory=list)
+
+    @property
+    def stable(self) -> int:
+        return sum(r.stable for r in self.runs)
+
+    def line(self) -> str:
+        bad = [f"{r.molecule} seed {r.seed}: {r.event} at {r.time_fs:.0f} fs"
+               for r in self.runs if not r.stable]
+        head = (f"MD check (Langevin {self.temperature_K:g} K, {self.time_fs / 1000:g} ps, "
+                f"{len({r.seed for r in self.runs})} seeds): {self.stable}/{len(self.runs)} "
+                "runs stay bonded")
+        return head + ("; " + "; ".join(bad[:4]) if bad else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "stable_runs": self.stable, "total_runs": len(self.runs)}
+
+
+@dataclass(frozen=True)
+class Criteria:
+    """What counts as physical (defaults: the issue's 1.5x / 0.7 Å, blow-up 1 eV/atom)."""
+
+    stretch: float = 1.5  # a start bond longer than this x its start length fails
+    min_distance: float = 0.7  # Å: any pair closer fails
+    energy_per_atom: float = 1.0  # eV/atom: |E_pot - E_pot(start)| / n_atoms above fails
+    bond_scale: float = 1.2  # bonded at the start: d < bond_scale x (r_cov,i + r_cov,j)
+
+
+class StabilityMonitor:
+    """Checks frames of one trajectory against :class:`Criteria` relative to its start."""
+
+    def __init__(self, numbers: np.ndarray, positions: np.ndarray, energy: float,
+                 criteria: Criteria | None = None) -> None:
+        self.c = criteria or Criteria()
+        self.n = len(numbers)
+        self.bonds = covalent_bonds(numbers, np.asarray(positions, float), self.c.bond_scale)
+        self.d0 = self._lengths(np.asarray(positions, float))
+        self.e0 = float(energy)
+        self.iu = np.triu_indices(self.n, k=1)
+
+    def _lengths(self, pos: np.ndarray) -> np.ndarray:
+        b = self.bonds
+        return np.linalg.norm(pos[b[:, 0]] - pos[b[:, 1]], axis=1)
+
+    def check(self, positions: np.ndarray, energy: float) -> str | None:
+        """None when the frame is physical, else the reason (one line)."""
+        pos = np.asarray(positions, float)
+        if not (np.isfinite(pos).all() and np.isfinite(energy)):
+            return "non-finite positions or energy"
+        if len(self.bonds):
+            ratio = self._lengths(pos) / self.d0
+            k = int(np.argmax(ratio))
+            if ratio[k] > self.c.stretch:
+                i, j = self.bonds[k]
+                return f"bond {i}-{j} stretched to {ratio[k]:.2f}x its start length"
+        if self.n > 1:
+            d = np.linalg.norm(pos[:, None] - pos[None], axis=-1)[self.iu]
+            k = int(np.argmin(d))
+            if d[k] < self.c.min_distance:
+                return f"atoms {self.iu[0][k]}-{self.iu[1][k]} at {d[k]:.2f} Å"
+        de = abs(float(energy) - self.e0) / self.n
+        if de > self.c.energy_per_atom:
+            return f"energy blow-up: |E - E0| = {de:.2f} eV/atom"
+        return None
+
+
+def first_failure(numbers: np.ndarray, positions: np.ndarray, energies: np.ndarray,
+                  criteria: Criteria | None = None) -> tuple[int, str] | None:
+    """(index, reason) of the first unphysical frame of ``positions`` [F, N, 3] with
+    potential ``energies`` [F] (frame 0 is the start), or None when all are physical."""
+    mon = StabilityMonitor(numbers, positions[0], energies[0], criteria)
+    for k in range(1, len(positions)):
+        why = mon.check(positions[k], energies[k])
+        if why is not None:
+            return k, why
+    return None
+
+
+def md_check(model: Any, molecules: tuple[str, ...] = MOLECULES, seeds: int = 4,
+             temperature_K: float = 300.0, time_fs: float = 500.0, timestep_fs: float = 0.5,
+             friction_per_fs: float = 0.01, check_every: int = 10,
+             criteria: Criteria | None = None) -> MDCheck:
+    """Langevin MD of each of ``molecules`` (ASE G2 names) with the surrogate ``model``
+    (a model directory, or an ASE calculator with per-atom ``energies``), ``seeds`` seeds,
+    each molecule checked by a :class:`StabilityMonitor`; see the module doc."""
+    from ase import Atoms, units
+    from ase.build import molecule
+    from ase.constraints import FixCom
+    from ase.md import velocitydistribution as vd
+    from ase.md.langevin import Langevin
+
+    from convergent.models.calculator import SurrogateCalculator
+
+    calc = SurrogateCalculator(model) if isinstance(model, str | Path) else model
+    out = MDCheck(temperature_K, time_fs, timestep_fs, friction_per_fs)
+    steps = int(round(time_fs / timestep_fs))
+    for seed in range(seeds):
+        system, spans = Atoms(), []
+        for k, name in enumerate(molecules):
+            a = molecule(name)
+            a.translate([k * SPACING, 0.0, 0.0])
+            spans.append(slice(len(system), len(system) + len(a)))
+            system += a
+        system.calc = calc
+        rng = np.random.default_rng(seed)
+        system.set_constraint(FixCom())  # ASE's advice over Langevin's deprecated fixcm
+        draw = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
+        draw(system, temperature_K=temperature_K, rng=rng)
+        vd.Stationary(system)
+        dyn = Langevin(system, timestep_fs * units.fs, temperature_K=temperature_K,
+                       friction=friction_per_fs / units.fs, rng=rng, fixcm=False)
+        e = system.get_potential_energies()
+        z, pos = system.numbers, system.positions
+        mons = [StabilityMonitor(z[s], pos[s], float(e[s].sum()), criteria) for s in spans]
+        done: dict[int, MDRun] = {}
+        for step in range(check_every, steps + 1, check_every):
+            dyn.run(check_every)
+            e, pos = system.get_potential_energies(), system.positions
+            for k, s in enumerate(spans):
+                if k not in done and (why := mons[k].check(pos[s], float(e[s].sum()))):
+                    done[k] = MDRun(molecules[k], seed, False, step * timestep_fs, why)
+            if len(done) == len(spans):
+                break
+        out.runs += [done.get(k) or MDRun(molecules[k], seed, True, time_fs)
+                     for k in range(len(spans))]
+    return out
