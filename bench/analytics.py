@@ -68,11 +68,15 @@ SHARD_BYTES = 2**30  # output shards roll at 1 GiB: one shard per worker and out
 
 def _molecules(n_mol: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n_mol):
+    out, seen = [], set()
+    while len(out) < n_mol:
         n = int(rng.integers(5, 31))
         z = rng.choice(ELEMENTS, size=n, p=[0.5, 0.3, 0.1, 0.1])
         pos = rng.normal(scale=0.9 * n ** (1 / 3), size=(n, 3))
+        f = tuple(np.bincount(z, minlength=9).tolist())
+        if f in seen:  # one formula per molecule: split's chemistry check sees distinct molecules
+            continue
+        seen.add(f)
         out.append((z.astype(np.int64), pos))
     return out
 
@@ -317,12 +321,12 @@ def main() -> None:
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: "
               "wall-clock speed-ups need idle cores", file=sys.stderr, flush=True)
-    src = DATA / f"analytics-{args.records}"
+    src = DATA / f"analytics-v2-{args.records}"  # v2: one formula per molecule
     if not (src / "manifest.json").is_file():
         t = time.perf_counter()
         generate(src, args.records, args.shard_mib)
         print(f"generated {src} in {time.perf_counter() - t:.0f} s", flush=True)
-    quarter = DATA / f"analytics-{args.records}-quarter"
+    quarter = DATA / f"analytics-v2-{args.records}-quarter"
     subset(src, quarter, 0.25)
     from convergent.data.manifest import read_manifest
 

@@ -22,7 +22,8 @@ def test_committee_features_are_the_energy_heads_last_layer_and_the_element_frac
     from convergent.learn.tasks import _models, score_records, train_member
 
     train, _ = make_dataset(tmp_path / "data", n_train=24, n_val=4)
-    cfg = {"hidden": 16, "layers": 1, "heads": 2}
+    # no repulsive prior: the per-atom energies below are then the head's alone
+    cfg = {"hidden": 16, "layers": 1, "heads": 2, "repulsion": "none"}
     dirs = []
     for k in range(2):
         out = tmp_path / f"m{k}"

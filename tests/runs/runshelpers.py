@@ -9,7 +9,8 @@ from pathlib import Path
 
 EXE = str(Path(sys.executable).parent / "convergent")
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
-        "--set", "checkpoint.interval=3"]
+        "--set", "checkpoint.interval=3",
+        "--set", "screen.md_check.seeds=1", "--set", "screen.md_check.time_fs=20"]
 
 
 def run_cli(*args: str, timeout: int = 600, stdin: str | None = None,

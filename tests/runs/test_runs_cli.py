@@ -38,7 +38,7 @@ def test_list_show_and_json(demo_runs):
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert set(rows) == {"a", "b"}
     for r in rows.values():
-        assert list(r["stages"]) == ["simulate", "data", "train", "screen", "learn"]
+        assert list(r["stages"]) == ["simulate", "data", "train", "screen", "md_check", "learn"]
         assert set(r["stages"].values()) == {"done"}
         assert r["size_bytes"] > 0 and r["duration_s"] > 0 and r["start"] > 0
         assert r["code"] != "" and "val_energy_mae" in r["metrics"]

@@ -22,14 +22,13 @@ against the committed manifests (no second pass over the written shards).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from convergent.analytics import derived
+from convergent.analytics import derived, splitchem
 from convergent.analytics import groupkeys as gk
 from convergent.analytics.batching import BALANCED, EVEN
 from convergent.analytics.engine import (
@@ -44,7 +43,6 @@ from convergent.analytics.engine import (
     prepare_outputs,
     sink,
 )
-from convergent.data.identity import chemical_id
 from convergent.data.indexscan import IndexScan
 from convergent.errors import DataError, InputError
 from convergent.fsutil import atomic_write_text, dumps_json
@@ -133,8 +131,9 @@ class ShardGroups:
     """One input shard's group keys (xxh3-64 hashes, see :mod:`.groupkeys`).
 
     ``keys``: the shard's distinct keys, sorted; ``codes``: each record's position in
-    ``keys``. Scaffold mode: ``keys`` are molecules, and per molecule ``first`` (global
-    index of its first record in the shard), ``scaffold`` (hash of the Murcko scaffold
+    ``keys``. Molecule and scaffold modes: ``first``, the global index of each key's
+    first record in the shard. Scaffold mode: ``keys`` are molecules, and per molecule
+    ``scaffold`` (hash of the Murcko scaffold
     SMILES of that record, or of ``acyclic:<molecule>``) and ``acyclic``.
     """
 
@@ -143,7 +142,6 @@ class ShardGroups:
     first: np.ndarray | None = None
     scaffold: np.ndarray | None = None
     acyclic: np.ndarray | None = None
-    chem: list[str] | None = None  # per key: its chemical identity ('' if undetermined)
 
 
 def _group_task(task: ShardTask, mode: str) -> ShardGroups:
@@ -152,11 +150,7 @@ def _group_task(task: ShardTask, mode: str) -> ShardGroups:
             h = np.concatenate([gk.molecule_keys(sc, a, min(a + gk.ROWS, sc.count))
                                 for a in range(0, sc.count, gk.ROWS)] or [np.zeros(0, np.uint64)])
         keys, first, codes = np.unique(h, return_index=True, return_inverse=True)
-        v = ShardView(task)
-        try:
-            return ShardGroups(keys, codes.ravel().astype(np.int32), chem=_chem_ids(v, first))
-        finally:
-            v.close()
+        return ShardGroups(keys, codes.ravel().astype(np.int32), first=first.astype(np.int64) + task.start)
     v = ShardView(task)
     try:
         if mode == "composition":
@@ -170,42 +164,9 @@ def _group_task(task: ShardTask, mode: str) -> ShardGroups:
             out.first = first.astype(np.int64) + task.start
             out.acyclic = np.array([not x for x in scafs], bool)
             out.scaffold = gk.hash_list([x or f"acyclic:{strs[i]}" for x, i in zip(scafs, first.tolist(), strict=True)])
-            out.chem = _chem_ids(v, first)
         return out
     finally:
         v.close()
-
-
-def _chem_ids(v: ShardView, first: np.ndarray) -> list[str]:
-    """Chemical identity (:func:`~convergent.data.identity.chemical_id`) of each molecule of
-    a shard, from its first record; an id that ``data pack`` derived from this chemistry
-    (``<formula>-<10 hex>``, the record's own formula) is taken as it is."""
-    out = []
-    for i in first.tolist():
-        rec = v.record(i)
-        mid = v.molecule_ids[i]
-        if re.fullmatch(re.escape(derived.formula(rec["numbers"])) + r"-[0-9a-f]{10}", mid or ""):
-            out.append(mid)
-            continue
-        periodic = rec.get("cell") is not None and bool(np.any(rec.get("pbc", False)))
-        out.append(chemical_id(rec["numbers"], rec["positions"], periodic=periodic) or "")
-    return out
-
-
-def chemical_overlap(res: list[ShardGroups], split_g: np.ndarray,
-                     group_of: list[np.ndarray]) -> tuple[list[str], int]:
-    """Chemical identities whose molecules were assigned to two or more splits, and how
-    many molecules had an identity. ``group_of[i]``: the group number of each key of
-    shard ``i``; ``split_g``: the split of each group (-1: unused)."""
-    splits: dict[str, set[int]] = {}
-    checked = 0
-    for r, g in zip(res, group_of, strict=True):
-        for c, sp in zip(r.chem or [], split_g[g].tolist(), strict=False):
-            if c:
-                checked += 1
-                if sp >= 0:
-                    splits.setdefault(c, set()).add(sp)
-    return sorted(c for c, sp in splits.items() if len(sp) > 1), checked
 
 
 @dataclass
@@ -372,7 +333,7 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
             group_all, n_groups, scaf, group_of = _join(res, mode)
             split_g = _assign(np.bincount(group_all, minlength=n_groups), tlist, rng)
             where_all = _records_split(split_g, group_all)
-            chem = _check_chemistry(src, mode, res, split_g, group_of)
+            chem = _chemistry(engine, tasks, src, mode, res, split_g, group_of)
         # a molecule split's groups are the molecules the write tasks report anyway: no
         # group number per record travels to them (4 bytes a record through the scheduler)
         ship = group_all is not None and mode != "molecule"
@@ -400,23 +361,18 @@ def split_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str], mode
     return report
 
 
-def _check_chemistry(src: Any, mode: str, res: list[ShardGroups], split_g: np.ndarray,
-                     group_of: list[np.ndarray]) -> dict[str, Any] | None:
-    """Refuse (DataError, before anything is written) a molecule or scaffold split that
-    would put one chemical identity in two splits: the dataset's molecule ids do not follow
-    its chemistry. The counts go into the leakage report."""
+def _chemistry(engine: Engine, tasks: list[ShardTask], src: Any, mode: str,
+               res: list[ShardGroups], split_g: np.ndarray,
+               group_of: list[np.ndarray]) -> dict[str, Any] | None:
+    """By molecule or scaffold: :func:`.splitchem.check_chemistry` of the assignment (one
+    identity per distinct molecule, computed once), refusing one identity in two splits."""
     if mode not in ("molecule", "scaffold"):
         return None
-    both, checked = chemical_overlap(res, split_g, group_of)
-    if both:
-        raise DataError(
-            f"{src}: split --by {mode} would put {len(both)} chemical "
-            f"{'identity' if len(both) == 1 else 'identities'} in two splits "
-            f"(molecules with other ids but the same formula and bonds, e.g. "
-            f"{', '.join(c.rsplit('-', 1)[0] for c in both[:3])}); nothing written",
-            hint="the dataset's molecule ids do not follow its chemistry: pack it again with "
-                 "`convergent data pack` (ids by chemistry), or split --by composition")
-    return {"chemical_ids_in_two_splits": 0, "chemical_ids_checked": checked}
+    uk, chem = splitchem.identities(engine, tasks, [r.keys for r in res], [r.first for r in res])
+    allk = np.concatenate([r.keys for r in res]) if res else np.zeros(0, np.uint64)
+    allg = np.concatenate(group_of) if group_of else np.zeros(0, np.int64)
+    _, pick = np.unique(allk, return_index=True)  # the same order as uk
+    return splitchem.check_chemistry(src, mode, uk, chem, allg[pick], split_g)
 
 
 def leakage(names: list[str], mode: str, written: list[Written], scaffolds: Scaffolds | None = None,

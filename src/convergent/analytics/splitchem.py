@@ -1,0 +1,84 @@
+"""A split's leakage check by chemistry: one identity per molecule, never in two splits.
+
+A dataset's molecule ids may not follow its chemistry (a tool that numbers frames gives
+every frame its own "molecule"), and a split by those ids then puts one molecule's frames
+on both sides while its id-based check passes. Before writing, :func:`check_chemistry`
+computes the chemical identity (:func:`~convergent.data.identity.chemical_id`: formula and
+bonded structure) of each distinct molecule **once**, from its first record in the
+dataset (a small Dask stage: one RDKit call per molecule, not per record or shard; an id
+``data pack`` derived from the same formula is taken as it is), and refuses an assignment
+that puts one identity in two splits.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from convergent.analytics import derived
+from convergent.analytics.engine import Engine, ShardTask, ShardView
+from convergent.data.identity import chemical_id
+from convergent.errors import DataError
+
+
+def _chem_task(task: ShardTask, rows: list[int]) -> list[str]:
+    """Chemical identity of records ``rows`` (shard-local) of one shard ('' if none)."""
+    v = ShardView(task)
+    try:
+        out = []
+        for i in rows:
+            rec = v.record(i)
+            mid = v.molecule_ids[i] or ""
+            if re.fullmatch(re.escape(derived.formula(rec["numbers"])) + r"-[0-9a-f]{10}", mid):
+                out.append(mid)
+                continue
+            periodic = rec.get("cell") is not None and bool(np.any(rec.get("pbc", False)))
+            out.append(chemical_id(rec["numbers"], rec["positions"], periodic=periodic) or "")
+        return out
+    finally:
+        v.close()
+
+
+def identities(engine: Engine, tasks: list[ShardTask], keys: list[np.ndarray],
+               first: list[np.ndarray]) -> tuple[np.ndarray, list[str]]:
+    """(distinct molecule keys, their chemical identities): ``keys[i]`` / ``first[i]`` are
+    shard ``i``'s molecule keys and the global index of each one's first record there."""
+    allk = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+    allf = np.concatenate(first) if first else np.zeros(0, np.int64)
+    uk, pick = np.unique(allk, return_index=True)
+    where = allf[pick]
+    starts = np.array([t.start for t in tasks], np.int64)
+    shard = np.searchsorted(starts, where, side="right") - 1
+    used = np.unique(shard)
+    per = [([int(x) for x in where[shard == s] - starts[s]],) for s in used.tolist()]
+    res = engine.map(_chem_task, [tasks[s] for s in used.tolist()], label="split: chemistry",
+                     per_task=per)
+    chem = [""] * len(uk)
+    for s, got in zip(used.tolist(), res, strict=True):
+        for j, c in zip(np.flatnonzero(shard == s).tolist(), got, strict=True):
+            chem[j] = c
+    return uk, chem
+
+
+def check_chemistry(src: Any, mode: str, uk: np.ndarray, chem: list[str], group_of_key: np.ndarray,
+                    split_g: np.ndarray) -> dict[str, Any]:
+    """Refuse (DataError, nothing written yet) when one identity's molecules were assigned
+    to two splits; else the counts for the leakage report. ``group_of_key``: the group
+    number of each of ``uk``; ``split_g``: each group's split (-1: unused)."""
+    splits: dict[str, set[int]] = {}
+    for c, sp in zip(chem, split_g[group_of_key].tolist(), strict=True):
+        if c and sp >= 0:
+            splits.setdefault(c, set()).add(sp)
+    both = sorted(c for c, sp in splits.items() if len(sp) > 1)
+    if both:
+        raise DataError(
+            f"{src}: split --by {mode} would put {len(both)} chemical "
+            f"{'identity' if len(both) == 1 else 'identities'} in two splits (molecules with "
+            f"other ids but the same formula and bonds, e.g. "
+            f"{', '.join(c.rsplit('-', 1)[0] for c in both[:3])}); nothing written",
+            hint="the dataset's molecule ids do not follow its chemistry: pack it again with "
+                 "`convergent data pack` (ids by chemistry), or split --by composition")
+    return {"chemical_ids_in_two_splits": 0, "chemical_ids_checked": sum(bool(c) for c in chem),
+            "chemical_ids_undetermined": sum(not c for c in chem)}
