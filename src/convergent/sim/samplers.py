@@ -147,7 +147,8 @@ def distort_positions(numbers: np.ndarray, positions: np.ndarray, seed: int, mol
     """A seeded distortion where energies rise steeply, so a model learns the short range:
     ``compress`` (the molecule scaled by 0.80-0.92 about its centre), ``angle`` (a
     neighbour of an atom swung towards another neighbour, bond length kept, until the two
-    are 0.75-1.3 Å apart) or ``bond`` (a bond shortened to 0.72-0.88 of its length).
+    are 0.75-1.3 Å apart) or ``bond`` (a bond shortened to 0.72-0.88 of its length or
+    stretched to 1.15-1.4 of it).
     No pair ends closer than ``min_distance`` Å (the step is halved until none does).
     Returns (positions, kind)."""
     rng = np.random.default_rng(stable_int("distort", seed, molecule_id, frame))
@@ -168,7 +169,9 @@ def distort_positions(numbers: np.ndarray, positions: np.ndarray, seed: int, mol
         if z[a] < z[b]:
             a, b = b, a  # move the lighter atom
         out = pos.copy()
-        out[b] = pos[a] + (pos[b] - pos[a]) * rng.uniform(0.72, 0.88)
+        # shortened or stretched: energies rise on both sides of the bond length
+        f = rng.uniform(0.72, 0.88) if rng.random() < 0.5 else rng.uniform(1.15, 1.4)
+        out[b] = pos[a] + (pos[b] - pos[a]) * f
     else:
         out = _close_angle(pos, *angles[int(rng.integers(len(angles)))], rng.uniform(0.75, 1.3))
     for back in (1.0, 0.5, 0.25, 0.0):
