@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 MOLECULES = ("H2O", "NH3", "CH4", "C2H6", "CH3OH")
 
 
-def _fit(records: list[dict], steps: int = 800, seed: int = 0):
+def _fit(records: list[dict], steps: int = 1500, seed: int = 0):
     from convergent.models.batching import collate_records
     from convergent.models.config import ModelConfig
     from convergent.models.losses import energy_force_loss

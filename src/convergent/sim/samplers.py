@@ -148,7 +148,7 @@ def distort_positions(numbers: np.ndarray, positions: np.ndarray, seed: int, mol
     ``compress`` (the molecule scaled by 0.80-0.92 about its centre), ``angle`` (a
     neighbour of an atom swung towards another neighbour, bond length kept, until the two
     are 0.75-1.3 Å apart) or ``bond`` (a bond shortened to 0.72-0.88 of its length or
-    stretched to 1.15-1.4 of it).
+    stretched to 1.15-1.5 of it).
     No pair ends closer than ``min_distance`` Å (the step is halved until none does).
     Returns (positions, kind)."""
     rng = np.random.default_rng(stable_int("distort", seed, molecule_id, frame))
@@ -170,7 +170,7 @@ def distort_positions(numbers: np.ndarray, positions: np.ndarray, seed: int, mol
             a, b = b, a  # move the lighter atom
         out = pos.copy()
         # shortened or stretched: energies rise on both sides of the bond length
-        f = rng.uniform(0.72, 0.88) if rng.random() < 0.5 else rng.uniform(1.15, 1.4)
+        f = rng.uniform(0.72, 0.88) if rng.random() < 0.5 else rng.uniform(1.15, 1.5)
         out[b] = pos[a] + (pos[b] - pos[a]) * f
     else:
         out = _close_angle(pos, *angles[int(rng.integers(len(angles)))], rng.uniform(0.75, 1.3))
