@@ -368,10 +368,9 @@ def _chemistry(engine: Engine, tasks: list[ShardTask], src: Any, mode: str,
     identity per distinct molecule, computed once), refusing one identity in two splits."""
     if mode not in ("molecule", "scaffold"):
         return None
-    uk, chem = splitchem.identities(engine, tasks, [r.keys for r in res], [r.first for r in res])
-    allk = np.concatenate([r.keys for r in res]) if res else np.zeros(0, np.uint64)
+    uk, pick, chem = splitchem.identities(engine, tasks, [r.keys for r in res],
+                                          [r.first for r in res])
     allg = np.concatenate(group_of) if group_of else np.zeros(0, np.int64)
-    _, pick = np.unique(allk, return_index=True)  # the same order as uk
     return splitchem.check_chemistry(src, mode, uk, chem, allg[pick], split_g)
 
 

@@ -42,9 +42,10 @@ def _chem_task(task: ShardTask, rows: list[int]) -> list[str]:
 
 
 def identities(engine: Engine, tasks: list[ShardTask], keys: list[np.ndarray],
-               first: list[np.ndarray]) -> tuple[np.ndarray, list[str]]:
-    """(distinct molecule keys, their chemical identities): ``keys[i]`` / ``first[i]`` are
-    shard ``i``'s molecule keys and the global index of each one's first record there."""
+               first: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(distinct molecule keys, where each first stands in the shards' keys concatenated,
+    their chemical identities): ``keys[i]`` / ``first[i]`` are shard ``i``'s molecule keys
+    and the global index of each one's first record there."""
     allk = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
     allf = np.concatenate(first) if first else np.zeros(0, np.int64)
     uk, pick = np.unique(allk, return_index=True)
@@ -59,7 +60,7 @@ def identities(engine: Engine, tasks: list[ShardTask], keys: list[np.ndarray],
     for s, got in zip(used.tolist(), res, strict=True):
         for j, c in zip(np.flatnonzero(shard == s).tolist(), got, strict=True):
             chem[j] = c
-    return uk, chem
+    return uk, pick, chem
 
 
 def check_chemistry(src: Any, mode: str, uk: np.ndarray, chem: list[str], group_of_key: np.ndarray,
