@@ -63,3 +63,43 @@ def test_the_fraction_is_part_of_the_campaign_fingerprint():
     a = campaign_fingerprint(SimulateConfig())
     b = campaign_fingerprint(SimulateConfig(distort_fraction=0.0))
     assert a["distort_fraction"] == 0.2 and a != b
+
+
+def test_a_tenth_of_the_frames_are_dimers_at_the_drawn_contact_with_partners_of_all_kinds():
+    from convergent.sim.samplers import dimer_positions
+
+    items = _items(1000)
+    mols = {m.molecule_id: m for m in _small()}
+    dimers = [it for it in items if it.meta.get("dimer")]
+    assert 0.05 < len(dimers) / len(items) < 0.15  # 0.1 of the frames, singlets only
+    assert not any(it.meta.get("distort") for it in dimers)
+    assert all(it.meta["frame"] > 0 for it in dimers)
+    partners = [it.meta["dimer"]["partner"] for it in dimers]
+    assert sum(p != it.molecule_id for p, it in zip(partners, dimers)) > len(dimers) // 2
+    for it in dimers:
+        mol, other = mols[it.molecule_id], mols[it.meta["dimer"]["partner"]]
+        n = len(mol.numbers)
+        assert it.numbers.tolist() == mol.numbers.tolist() + other.numbers.tolist()
+        assert it.multiplicity == 1 and it.charge == mol.charge + other.charge
+        a, b = it.positions[:n], it.positions[n:]
+        gap = np.linalg.norm(a[:, None] - b[None], axis=-1).min()
+        assert 1.4 - 0.01 <= gap <= 4.5 and abs(gap - it.meta["dimer"]["contact"]) < 1e-3
+        # each molecule keeps its shape (rigid moves only)
+        for got, ref in ((a, mol.positions), (b, other.positions)):
+            np.testing.assert_allclose(np.linalg.norm(got[:, None] - got[None], axis=-1),
+                                       np.linalg.norm(ref[:, None] - ref[None], axis=-1), atol=1e-9)
+    again = dimer_positions(mols["g2-CH4"].positions, mols["g2-H2O"].positions, 0, "CH4", 7)
+    np.testing.assert_array_equal(again[0], dimer_positions(mols["g2-CH4"].positions,
+                                                            mols["g2-H2O"].positions, 0, "CH4", 7)[0])
+
+
+def test_dimer_fraction_is_bounded_with_distortion_and_part_of_the_fingerprint():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="distort_fraction \\+ dimer_fraction"):
+        SimulateConfig(distort_fraction=0.6, dimer_fraction=0.5)
+    assert not any(it.meta.get("dimer") for t in plan_tasks(
+        SimulateConfig(frames=300, dimer_fraction=0.0), _small()) for it in t.items)
+    assert (campaign_fingerprint(SimulateConfig(dimer_fraction=0.1))
+            != campaign_fingerprint(SimulateConfig(dimer_fraction=0.0)))

@@ -51,7 +51,8 @@ class SimulateConfig(Section):
     ``.xyz``/``.extxyz`` file (or ``xyz:<path>``).
     ``frames`` is the total number of labelled frames to produce. ``rattle``: Gaussian
     displacements of sigma ``rattle_sigma`` Å, on ``distort_fraction`` of the frames after
-    a seeded distortion towards the short range; ``md``: Langevin trajectories with the
+    a seeded distortion towards the short range and ``dimer_fraction`` as dimers at
+    close contact; ``md``: Langevin trajectories with the
     chosen calculator at each of ``temperatures`` K, one trajectory of ``md_frames`` frames
     saved every ``md_interval`` steps per task.
     """
@@ -67,6 +68,10 @@ class SimulateConfig(Section):
     # rattle: this share of the frames is distorted first (compressed, an angle closed, a
     # bond shortened: sim.samplers.distort_positions), so the data reach the short range
     distort_fraction: float = Field(0.2, ge=0.0, le=1.0)
+    # rattle: this share of the frames is a dimer first (the molecule and a rotated partner
+    # from the campaign, 1.4-4.5 Å apart at their closest: sim.samplers.dimer_positions),
+    # for the short range between molecules; distort_fraction + dimer_fraction <= 1
+    dimer_fraction: float = Field(0.1, ge=0.0, le=1.0)
     temperatures: list[float] = [300.0]  # K, for md
     md_timestep_fs: Positive = 0.5
     md_friction: NonNegative = 0.01  # 1/fs
@@ -97,6 +102,14 @@ class SimulateConfig(Section):
         hi = info.data.get("max_atoms")
         if hi is not None and v > hi:
             raise ValueError(f"must be <= simulate.max_atoms ({hi})")
+        return v
+
+    @field_validator("dimer_fraction")
+    @classmethod
+    def _shares(cls, v: float, info: ValidationInfo) -> float:
+        lo = info.data.get("distort_fraction")
+        if lo is not None and lo + v > 1.0:
+            raise ValueError(f"distort_fraction + dimer_fraction must be <= 1 (got {lo} + {v})")
         return v
 
     @field_validator("temperatures")

@@ -42,7 +42,7 @@ def campaign_fingerprint(sim: SimulateConfig) -> dict[str, Any]:
     keep = ["source", "elements", "min_atoms", "max_atoms", "max_molecules", "sampler",
             "seed", "min_distance"]
     if sim.sampler == "rattle":
-        keep += ["rattle_sigma", "distort_fraction"]
+        keep += ["rattle_sigma", "distort_fraction", "dimer_fraction"]
     else:
         keep += ["temperatures", "md_timestep_fs", "md_friction", "md_interval", "md_warmup",
                  "md_frames"]

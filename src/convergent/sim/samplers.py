@@ -180,3 +180,36 @@ def distort_positions(numbers: np.ndarray, positions: np.ndarray, seed: int, mol
         if d.min() >= min_distance:
             break
     return trial, kind
+
+
+def _rotation(rng: np.random.Generator) -> np.ndarray:
+    """A uniformly random rotation matrix (QR of a Gaussian matrix, signs fixed)."""
+    q, r = np.linalg.qr(rng.normal(size=(3, 3)))
+    q = q * np.sign(np.diag(r))
+    return q if np.linalg.det(q) > 0 else -q
+
+
+def dimer_positions(positions: np.ndarray, partner: np.ndarray, seed: int, molecule_id: str,
+                    frame: int, contact: tuple[float, float] = (1.4, 4.5)) -> tuple[np.ndarray, float]:
+    """A seeded dimer: the molecule at ``positions`` and a randomly rotated ``partner``
+    (positions of another molecule or a copy of the same) brought in along a random
+    direction until the closest pair between them is ``d`` Å, ``d`` drawn uniformly in
+    ``contact`` — so a model sees where two molecules repel and, farther out, that they
+    hardly interact. Returns (positions: the molecule's atoms then the partner's, d)."""
+    rng = np.random.default_rng(stable_int("dimer", seed, molecule_id, frame))
+    a = np.asarray(positions, dtype=np.float64)
+    a = a - a.mean(0)
+    b = np.asarray(partner, dtype=np.float64)
+    b = (b - b.mean(0)) @ _rotation(rng).T
+    u = rng.normal(size=3)
+    u /= np.linalg.norm(u)
+    d = float(rng.uniform(*contact))
+    reach = float(np.linalg.norm(a, axis=1).max() + np.linalg.norm(b, axis=1).max())
+    t = reach + d + 1.0  # the partner starts beyond any contact and approaches
+    while t > 0.0:
+        gap = np.linalg.norm(a[:, None] - (b + t * u)[None], axis=-1).min()
+        if gap <= d:
+            break
+        # no distance shrinks by more than the step: coarse steps stay outside d
+        t -= 0.01 if gap - d < 0.2 else gap - d - 0.1
+    return np.concatenate([a, b + t * u]), float(gap)
