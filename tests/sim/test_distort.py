@@ -75,7 +75,7 @@ def test_a_tenth_of_the_frames_are_dimers_at_the_drawn_contact_with_partners_of_
     assert not any(it.meta.get("distort") for it in dimers)
     assert all(it.meta["frame"] > 0 for it in dimers)
     partners = [it.meta["dimer"]["partner"] for it in dimers]
-    assert sum(p != it.molecule_id for p, it in zip(partners, dimers)) > len(dimers) // 2
+    assert sum(p != it.molecule_id for p, it in zip(partners, dimers, strict=True)) > len(dimers) // 2
     for it in dimers:
         mol, other = mols[it.molecule_id], mols[it.meta["dimer"]["partner"]]
         n = len(mol.numbers)

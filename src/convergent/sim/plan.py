@@ -6,11 +6,11 @@ the same config always gives the same keys (what makes resume work).
 
 from __future__ import annotations
 
+import numpy as np
+
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import Molecule, stable_int
-import numpy as np
-
 from convergent.sim.samplers import dimer_positions, distort_positions
 from convergent.sim.tasks import FrameItem, FramesTask, MDTask, Task
 
