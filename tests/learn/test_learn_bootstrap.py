@@ -11,13 +11,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 
 
 def _member(tmp_path: Path, data: Path, name: str, seed: int, bootstrap: bool):
-    from convergent.learn.tasks import train_member
+    from convergent.config import ConvergentConfig
+    from convergent.learn.tasks import MemberJob, member_config, train_member
     from convergent.models.io import load_model
+    from convergent.train.config import TrainConfig
 
-    cfg = {"hidden": 16, "layers": 1, "heads": 2}
+    base = ConvergentConfig.model_validate({"model": {"hidden": 16, "layers": 1, "heads": 2}})
+    train = TrainConfig(dataset=str(data), steps=3, lr=1e-3, batch_atoms=256, force_weight=0.1,
+                        seed=seed, bootstrap=bootstrap)
     out = tmp_path / name
-    summary = train_member(str(data), [], cfg, None, str(out), 3, 1e-3, 256, 0.1, seed,
-                           bootstrap=bootstrap)
+    summary = train_member(MemberJob(member_config(base, train), str(out)))
     model, _ = load_model(str(out), "cpu")
     return summary, model.atomref.detach().numpy().copy()
 

@@ -16,18 +16,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 def test_committee_features_are_the_energy_heads_last_layer_and_the_element_fractions(tmp_path):
     from moldataset import make_dataset
 
+    from convergent.config import ConvergentConfig
     from convergent.data.reader import open_dataset
     from convergent.learn.pool import Candidate
     from convergent.learn.select import select_batch
-    from convergent.learn.tasks import _models, score_records, train_member
+    from convergent.learn.tasks import (
+        MemberJob,
+        _models,
+        member_config,
+        score_records,
+        train_member,
+    )
+    from convergent.train.config import TrainConfig
 
     train, _ = make_dataset(tmp_path / "data", n_train=24, n_val=4)
     # no repulsive prior: the per-atom energies below are then the head's alone
-    cfg = {"hidden": 16, "layers": 1, "heads": 2, "repulsion": "none"}
+    base = ConvergentConfig.model_validate(
+        {"model": {"hidden": 16, "layers": 1, "heads": 2, "repulsion": "none"}})
     dirs = []
     for k in range(2):
         out = tmp_path / f"m{k}"
-        train_member(str(train), [], cfg, None, str(out), 3, 1e-3, 256, 0.1, k)
+        t = TrainConfig(dataset=str(train), steps=3, lr=1e-3, batch_atoms=256, force_weight=0.1,
+                        seed=k)
+        train_member(MemberJob(member_config(base, t), str(out)))
         dirs.append(str(out))
     ds = open_dataset(train)
     recs = [ds[i] for i in range(len(ds))]

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from rich.console import Console
 
 from convergent.cluster import dask_client
 from convergent.config import ConvergentConfig
+from convergent.data.format import MANIFEST_NAME
 from convergent.data.manifest import check_dataset
 from convergent.data.reader import open_dataset
 from convergent.elements import symbol
@@ -42,6 +42,7 @@ from convergent.learn import tasks
 from convergent.learn.config import LearnConfig
 from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
 from convergent.learn.label import LABEL_LOG, committed_keys, label_batch, quarantined_keys
+from convergent.learn.paths import Paths
 from convergent.learn.pool import (
     Candidate,
     build_pool,
@@ -57,48 +58,9 @@ from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import stable_int
 from convergent.sim.sources import check_source
+from convergent.train.config import TrainConfig
 
 console = Console(stderr=True)
-
-
-@dataclass(frozen=True)
-class Paths:
-    """Where a campaign keeps its state inside a run directory."""
-
-    run: RunDir
-
-    @property
-    def root(self) -> Path:
-        return self.run.path / "learn"
-
-    @property
-    def labels(self) -> Path:
-        return self.run.data / "labels"
-
-    @property
-    def holdout(self) -> Path:
-        return self.run.data / "holdout"
-
-    @property
-    def state(self) -> Path:
-        return self.root / "state.json"
-
-    @property
-    def timeline(self) -> Path:
-        return self.root / "timeline.jsonl"
-
-    @property
-    def rounds(self) -> Path:
-        return self.root / "rounds.jsonl"
-
-    def member(self, rnd: int, k: int) -> Path:
-        return self.run.ckpt / f"round-{rnd:03d}" / f"m{k}"
-
-    def selection(self, rnd: int) -> Path:
-        return self.root / f"selection-r{rnd:03d}.json"
-
-    def md(self, rnd: int) -> Path:
-        return self.root / f"md-r{rnd:03d}.npz"
 
 
 def _seed(*parts: object) -> int:
@@ -200,6 +162,22 @@ class Campaign:
     def members(self, rnd: int) -> list[str]:
         return [str(self.p.member(rnd, k)) for k in range(self.L.committee)]
 
+    def member_config(self, rnd: int, k: int, steps: int, init: str | None,
+                      extra: list[str]) -> dict[str, Any]:
+        """Member ``k``'s settings as a ``convergent train`` config
+        (:func:`~convergent.learn.tasks.member_config`): the labels so far, ``steps``
+        steps, warm-started from ``init``."""
+        L = self.L
+        data = [d for d in [str(self.p.labels), *extra] if (Path(d) / MANIFEST_NAME).is_file()]
+        if not data:
+            raise RuntimeError(f"round {rnd}: no labelled structures to train on")
+        train = TrainConfig(
+            dataset=data[0], extra_datasets=data[1:], steps=steps, lr=L.lr,
+            batch_atoms=L.batch_atoms, force_weight=L.force_weight,
+            seed=_seed("member", L.seed, rnd, k), bootstrap=L.bootstrap, init_from=init,
+            refit_reference=L.refit_reference and not (rnd == 1 and L.init_model))
+        return tasks.member_config(self.cfg, train)
+
     def train(self, rnd: int) -> dict[str, Any]:
         """Train (or, on resume, keep) the K members of round ``rnd``; retry crashed ones."""
         L = self.L
@@ -212,13 +190,9 @@ class Campaign:
 
         def submit(k: int):
             init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.init_model
-            return self.pool.submit(
-                "train", f"m{k}", rnd, tasks.train_member, str(self.p.labels), extra,
-                self.cfg.model.model_dump(mode="json"), init, str(self.p.member(rnd, k)), steps,
-                L.lr, L.batch_atoms, L.force_weight, _seed("member", L.seed, rnd, k),
-                device="cpu", fault_marker=fault,
-                refit_reference=L.refit_reference and not (rnd == 1 and L.init_model),
-                bootstrap=L.bootstrap)
+            job = tasks.MemberJob(self.member_config(rnd, k, steps, init, extra),
+                                  str(self.p.member(rnd, k)), fault)
+            return self.pool.submit("train", f"m{k}", rnd, tasks.train_member, job)
 
         futs = {k: (submit(k), 0) for k in range(L.committee) if k not in done}
         summaries, retried = [], 0

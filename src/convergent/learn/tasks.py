@@ -17,8 +17,8 @@ time, worker, pid, device), from which the driver writes the timeline.
 
 from __future__ import annotations
 
-import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,91 +85,58 @@ def _fault_once(marker: str | None) -> None:
         os._exit(13)
 
 
-def train_member(dataset: str, extra_datasets: list[str], model_cfg: dict[str, Any],
-                 init_dir: str | None, out_dir: str, steps: int, lr: float, batch_atoms: int,
-                 force_weight: float, seed: int, device: str = "cpu",
-                 fault_marker: str | None = None, refit_reference: bool = False,
-                 bootstrap: bool = False) -> dict[str, Any]:
-    """Train one member and save it to ``out_dir``; returns its training summary.
-    ``bootstrap``: on a resample of the labels drawn with replacement (seeded by ``seed``)."""
-    torch, device = _torch_setup(device)
-    from convergent.data.reader import open_dataset
-    from convergent.models.batching import batches_by_atom_budget, collate_records
-    from convergent.models.config import ModelConfig
-    from convergent.models.io import load_model, save_model
-    from convergent.models.losses import energy_force_loss
-    from convergent.models.molecular import build_model, energy_and_forces, fit_reference_energies
+@dataclass(frozen=True)
+class MemberJob:
+    """One committee member's training: a whole config (model, train, precision: the
+    settings a ``convergent train`` run with the same data would have), where to save the
+    model, and the test hook."""
 
-    _fault_once(fault_marker)
-    from convergent.data.format import MANIFEST_NAME
-
-    records = []
-    for path in [dataset, *extra_datasets]:
-        if not (Path(path) / MANIFEST_NAME).is_file():
-            continue  # no labels of this campaign yet (warm start from a given dataset)
-        ds = open_dataset(path)
-        try:
-            records += [ds[i] for i in range(len(ds))]
-        finally:
-            ds.close()
-    records.sort(key=lambda r: r["key"])
-    if not records:
-        raise ValueError("no labelled structures to train on")
-    if bootstrap:
-        draw = np.random.default_rng(seed).integers(0, len(records), len(records))
-        records = _keep_every_element(records, [records[i] for i in np.sort(draw)])
-    torch.manual_seed(seed)
-    cfg = ModelConfig.model_validate(model_cfg)
-    if init_dir:
-        model, cfg = load_model(init_dir, "cpu")
-        if refit_reference:  # element references from every label so far (least squares)
-            model.set_reference(fit_reference_energies(records))
-    else:
-        model = build_model(cfg)
-        model.set_reference(fit_reference_energies(records))
-    model.to(device).train(True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr)
-    counts = [len(r["numbers"]) for r in records]
-    t0, step, epoch, losses = time.perf_counter(), 0, 0, []
-    while step < steps:
-        for idx in batches_by_atom_budget(counts, batch_atoms, shuffle_seed=seed * 7919 + epoch):
-            if step >= steps:
-                break
-            for g in opt.param_groups:
-                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-            batch = collate_records([records[i] for i in idx]).to(device)
-            e, f = energy_and_forces(model, batch, training=True)
-            loss, _ = energy_force_loss(e, f, batch, force_weight=force_weight)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"training diverged at step {step}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 10.0)
-            opt.step()
-            losses.append(float(loss.detach()))
-            step += 1
-        epoch += 1
-    model.to("cpu").eval()
-    model.trained_elements = tuple(sorted({int(z) for r in records for z in r["numbers"]}
-                                          | set(getattr(model, "trained_elements", None) or ())))
-    summary = {"steps": step, "records": len(records), "bootstrap": bootstrap, "final_loss": float(np.mean(losses[-10:])),
-               "seconds": time.perf_counter() - t0, "warm_start": bool(init_dir), "seed": seed}
-    save_model(model, cfg, out_dir, extra={"learn": summary})
-    return summary
+    config: dict[str, Any]  # ConvergentConfig.model_dump(mode="json")
+    out_dir: str
+    fault_marker: str | None = None
 
 
-def _keep_every_element(records: list[dict[str, Any]], drawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A bootstrap resample plus, for each element the draw missed, the first record (by
-    key) holding it: every member learns (and records) every element of the labels."""
-    have = {int(z) for r in drawn for z in r["numbers"]}
-    extra = []
-    for r in records:
-        new = {int(z) for z in r["numbers"]} - have
-        if new:
-            extra.append(r)
-            have |= new
-    return drawn + extra
+def member_config(base: Any, train: Any) -> dict[str, Any]:
+    """A member's whole config: ``base``'s model and precision (a ConvergentConfig) and
+    ``train`` (a TrainConfig: data, steps, lr, seed, ...) with the committee's fixed
+    choices — records sorted by key (arrival order does not matter), cosine to zero
+    without warm-up, gradients clipped at 10, one process on the CPU with one thread, no
+    validation, one final checkpoint, no sinks but the member's metrics.jsonl, no MFU."""
+    from convergent.monitor.config import MetricsConfig
+    from convergent.tracking.config import TrackingConfig
+    from convergent.train.config import CheckpointConfig, ParallelConfig
+
+    train = train.model_copy(update={
+        "record_order": "key", "warmup_steps": 0, "min_lr_ratio": 0.0, "lr_schedule": "cosine",
+        "grad_clip": 10.0, "threads": 1, "device": "cpu", "val_every": 0, "val_dataset": None,
+        "prefetch": 0, "grad_accum": 1})
+    cfg = base.model_copy(update={
+        "train": train, "parallel": ParallelConfig(),
+        "checkpoint": CheckpointConfig(interval=0, keep=1, resume=False),
+        "metrics": MetricsConfig(tensorboard=False, mfu=False), "tracking": TrackingConfig()})
+    return cfg.model_dump(mode="json")
+
+
+def train_member(job: MemberJob) -> dict[str, Any]:
+    """Train one member with the one training loop (:func:`convergent.train.fit.fit`, the
+    Trainer of ``convergent train`` in this process) and save it to ``job.out_dir``; its
+    metrics stay in ``<out_dir>/train/metrics.jsonl``. Returns its training summary."""
+    _torch_setup("cpu")
+    _fault_once(job.fault_marker)
+    from convergent.config import ConvergentConfig
+    from convergent.train.fit import fit
+
+    cfg = ConvergentConfig.model_validate(job.config)
+    out = Path(job.out_dir)
+    t0 = time.perf_counter()
+    summary = fit(cfg, out / "train", export_to=out)
+    shutil.rmtree(out / "train" / "ckpt", ignore_errors=True)  # the export is the model
+    final = summary.get("final") or {}
+    t = cfg.train
+    return {"steps": summary["steps"], "records": summary.get("train_records"),
+            "bootstrap": t.bootstrap, "seed": t.seed,
+            "final_loss": final.get("loss"), "seconds": time.perf_counter() - t0,
+            "warm_start": bool(t.init_from)}
 
 
 # ------------------------------------------------------------------------------- score

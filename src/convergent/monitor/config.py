@@ -18,3 +18,4 @@ class MetricsConfig(Section):
     log_every: Count = 10
     reduce_every: Count = 10  # steps whose cross-rank metric sums share one all-reduce
     peak_flops: Positive | None = None  # FLOP/s per process; None = measure (CPU) / table (GPU)
+    mfu: bool = True  # count FLOPs and find the peak for MFU; False: MFU null, no GEMM probe

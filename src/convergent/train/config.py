@@ -53,6 +53,13 @@ class TrainConfig(Section):
 
     dataset: PathStr | None = None  # training dataset directory (convergent.data store)
     val_dataset: PathStr | None = None  # held-out dataset directory (split by molecule)
+    extra_datasets: list[PathStr] = []  # more training datasets, read after ``dataset``
+    # record order before the seeded batch plan: as stored, or sorted by record key (a
+    # dataset filled in arrival order, as learn's labels are, then plans the same batches)
+    record_order: Literal["stored", "key"] = "stored"
+    bootstrap: bool = False  # train on a resample with replacement (seeded by ``seed``)
+    init_from: PathStr | None = None  # warm start: a saved model directory (models.io)
+    refit_reference: bool = True  # with init_from: refit the element references on the data
     steps: Count = 300  # optimizer steps
     lr: Positive = 1e-3
     min_lr_ratio: Fraction = 0.1  # cosine decays to lr * min_lr_ratio

@@ -106,13 +106,9 @@ def run(config_path: str, run_dir: str) -> dict:
         from convergent.fsutil import atomic_write_text
 
         if cfg.checkpoint.export_final:
-            from convergent.train.checkpoint import load_full_model
+            from convergent.train.fit import export_final
 
-            torch.manual_seed(cfg.train.seed)
-            model = load_full_model(last, task.build_model())
-            final = run.ckpt / "final"
-            task.export(model, final)
-            summary["final_dir"] = str(final)
+            summary["final_dir"] = str(export_final(cfg, task, last, run.ckpt / "final"))
         atomic_write_text(run.logs / "train_result.json", dumps_json(summary, indent=2))
     _record_usage(run, cfg, world, rank, time.time() - t0, on_gpu, None)
     return summary

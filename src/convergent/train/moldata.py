@@ -10,6 +10,7 @@ so the rank shares add up to the global-batch loss exactly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from convergent.data.cache import ShardCache
 from convergent.data.reader import open_dataset
 from convergent.errors import DataError
 from convergent.models.batching import batches_by_atom_budget
-from convergent.models.io import save_model
+from convergent.models.io import load_model, save_model
 from convergent.models.losses import error_sums, loss_from_sums
 from convergent.models.molecular import build_model, energy_and_forces, fit_reference_energies
 from convergent.train.molcolumns import ColumnStore
@@ -29,44 +30,84 @@ from convergent.train.taskapi import MicroBatch
 
 
 class MoleculeSource:
-    """Labelled records of a dataset directory (records with a finite energy), cached.
+    """Labelled records (records with a finite energy) of one or more dataset directories,
+    read in that order, cached.
 
     With ``data.cache_dir`` set (``data_cfg``), shard data is read through the node-local
     cache tier (:class:`convergent.data.cache.ShardCache`, budget ``data.cache_bytes``):
     each shard is copied once per node, checksum-verified, and read from the copy. The
     records and their order are the same either way, so losses do not change.
+    ``order="key"`` sorts the records by key (a dataset filled in arrival order, as
+    learn's labels are, then gives the same plan in every run); ``bootstrap_seed``
+    resamples them with replacement (seeded), keeping for each element the draw missed
+    its first record, so a model trained on the resample knows every element.
     """
 
-    def __init__(self, path: str | Path, data_cfg: Any = None) -> None:
+    def __init__(self, path: str | Path, data_cfg: Any = None, extra: Sequence[str | Path] = (),
+                 order: str = "stored", bootstrap_seed: int | None = None) -> None:
         self.path = Path(path)
-        if not self.path.exists():
-            raise DataError(f"dataset not found: {self.path}", hint="set train.dataset")
+        paths = [self.path, *(Path(p) for p in extra)]
+        for p in paths:
+            if not p.exists():
+                raise DataError(f"dataset not found: {p}", hint="set train.dataset")
         self.cache = None
         if data_cfg is not None and data_cfg.cache_dir:
             self.cache = ShardCache(
                 Path(data_cfg.cache_dir).expanduser(), budget_bytes=data_cfg.cache_bytes
             )
-        self.ds = open_dataset(self.path, self.cache)
-        n_atoms = np.asarray(self.ds.column("n_atoms"), dtype=np.int64)
-        try:
-            energy = np.asarray(self.ds.column("energy"), dtype=np.float64)
-            ok = np.isfinite(energy)
-        except DataError:
-            ok = np.ones(len(n_atoms), bool)
-        self.index = np.nonzero(ok)[0]
-        if len(self.index) == 0:
+        self.parts = [open_dataset(p, self.cache) for p in paths]
+        self.ds = self.parts[0]
+        part, row, counts = [], [], []
+        for k, ds in enumerate(self.parts):
+            n_atoms = np.asarray(ds.column("n_atoms"), dtype=np.int64)
+            try:
+                ok = np.isfinite(np.asarray(ds.column("energy"), dtype=np.float64))
+            except DataError:
+                ok = np.ones(len(n_atoms), bool)
+            rows = np.nonzero(ok)[0]
+            part.append(np.full(len(rows), k))
+            row.append(rows)
+            counts.append(n_atoms[rows])
+        self._part, self._row = np.concatenate(part), np.concatenate(row)
+        n_atoms = np.concatenate(counts)
+        if len(self._row) == 0:
             raise DataError(f"{self.path}: no labelled records (every energy is missing)")
-        self.atom_counts = [int(n) for n in n_atoms[self.index]]
+        pick = np.arange(len(self._row))
+        if order == "key":
+            keys = np.array([k for ds, r in zip(self.parts, row, strict=True)
+                             for k in np.asarray(ds.keys(), dtype=object)[r]], dtype=object)
+            pick = np.argsort(keys, kind="stable")
+        if bootstrap_seed is not None:
+            pick = self._bootstrap(pick, bootstrap_seed)
+        self._part, self._row = self._part[pick], self._row[pick]
+        self.atom_counts = [int(n) for n in n_atoms[pick]]
         self._cache: dict[int, dict[str, Any]] = {}
         self._columns: Any = None
 
+    def _bootstrap(self, pick: np.ndarray, seed: int) -> np.ndarray:
+        """A seeded resample of ``pick`` with replacement (sorted), plus the first record
+        of ``pick`` holding each element the draw missed."""
+        j = np.sort(np.random.default_rng(seed).integers(0, len(pick), len(pick)))
+        elements = [set(np.asarray(self._read(int(i))["numbers"]).tolist()) for i in pick]
+        have = set().union(*(elements[k] for k in np.unique(j)))
+        extra = []
+        for k, i in enumerate(pick):
+            if elements[k] - have:
+                extra.append(i)
+                have |= elements[k]
+        return np.concatenate([pick[j], np.asarray(extra, dtype=pick.dtype)])
+
+    def _read(self, i: int) -> dict[str, Any]:
+        """Record at position ``i`` of the unsorted concatenation."""
+        return self.parts[int(self._part[i])][int(self._row[i])]
+
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self._row)
 
     def record(self, i: int) -> dict[str, Any]:
         rec = self._cache.get(i)
         if rec is None:
-            rec = self.ds[int(self.index[i])]
+            rec = self.read(i)
             self._cache[i] = rec
         return rec
 
@@ -75,7 +116,7 @@ class MoleculeSource:
 
     def read(self, i: int) -> dict[str, Any]:
         """Record ``i`` read from the store (not cached)."""
-        return self.ds[int(self.index[i])]
+        return self.parts[int(self._part[i])][int(self._row[i])]
 
     def batch(self, idx: list[int]) -> Any:
         """The AtomsBatch of records ``idx`` (columnar gather, :mod:`.molcolumns`)."""
@@ -85,11 +126,20 @@ class MoleculeSource:
 
 
 def build(cfg: Any, source: MoleculeSource) -> nn.Module:
-    """The molecular model with element reference energies fitted on the training set."""
+    """The molecular model with element reference energies fitted on the training set, or
+    warm-started from ``train.init_from`` (references refitted on the training set with
+    ``train.refit_reference``). It records every element of the records it fitted on."""
     model = build_model(cfg.model)
-    n = min(len(source), 5000)
-    ref = fit_reference_energies(source.record(i) for i in range(n))
-    model.set_reference(ref)
+    recs = [source.record(i) for i in range(min(len(source), 5000))]
+    t = cfg.train
+    if t.init_from:
+        warm, _ = load_model(t.init_from, "cpu")
+        model.load_state_dict(warm.state_dict())
+        model.trained_elements = warm.trained_elements
+    if not t.init_from or t.refit_reference:
+        model.set_reference(fit_reference_energies(recs))
+    seen = {int(z) for r in recs for z in r["numbers"]}
+    model.trained_elements = tuple(sorted(seen | set(model.trained_elements or ())))
     return model
 
 

@@ -46,7 +46,9 @@ class MolecularTask(Task):
             raise ConfigError(
                 "train.dataset is not set", hint="point it at a dataset directory"
             )
-        self.data = moldata.MoleculeSource(t.dataset, cfg.data)
+        self.data = moldata.MoleculeSource(
+            t.dataset, cfg.data, t.extra_datasets, t.record_order, t.seed if t.bootstrap else None
+        )
         self.val = moldata.MoleculeSource(t.val_dataset, cfg.data) if t.val_dataset else None
         # the plans of the 2 epochs last used, and every planned epoch's batch count: a
         # step finds its epoch from the counts without re-planning the earlier epochs

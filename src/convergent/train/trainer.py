@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from convergent.monitor import commtime
-from convergent.monitor.flops import count_flops, device_peak
+from convergent.monitor.flops import Peak, count_flops, device_peak
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
 from convergent.placement import placement_record
@@ -73,7 +73,7 @@ class Trainer:
         self.task: Task = make_task(cfg)
         torch.manual_seed(cfg.train.seed)
         model = self.task.build_model().to(self.device)
-        self.flops_per_unit = self._count_flops(model)
+        self.flops_per_unit = self._count_flops(model) if cfg.metrics.mfu else None
         self.par: Parallelized = parallelize(model, self.task, cfg, self.device)
         self.comm_clock = commtime.install(self.par.strategy) if self.world > 1 else None
         t = cfg.train
@@ -115,7 +115,8 @@ class Trainer:
         if self.sinks is not None:
             self.sinks.write(ranks)
         self.preempt = Preemption.from_env()
-        peak = device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
+        peak = (device_peak(self.device, cfg.precision.dtype, cfg.metrics.peak_flops)
+                if cfg.metrics.mfu else Peak(None, "off"))
         self.timer = StepTimer(self.device)
         # per-step sums are reduced across ranks in batches of metrics.reduce_every steps
         # (and before validation / checkpoints / the end): no collective in every step
