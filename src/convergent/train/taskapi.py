@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.models import layersplit
 
 
 @dataclass
@@ -72,15 +72,10 @@ def split_evenly(sizes: list[int], parts: int) -> list[list[int]]:
 
 
 def stage_layers(n_layers: int, stage: int, n_stages: int) -> range:
-    """The layers of pipeline stage ``stage`` of ``n_stages``: contiguous, as even as
-    rounding allows, at least one each (else a ConfigError)."""
-    if n_stages > n_layers:
-        raise ConfigError(
-            f"pipeline needs at least one layer per stage: {n_stages} stages > "
-            f"model.layers={n_layers}"
-        )
-    bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
-    return range(bounds[stage], bounds[stage + 1])
+    """The layers of pipeline stage ``stage`` of ``n_stages``: the rule serving uses too
+    (:func:`convergent.models.layersplit.stage_layers`), at least one each (else a
+    ConfigError naming ``model.layers``)."""
+    return layersplit.stage_layers(n_layers, stage, n_stages, what="model.layers")
 
 
 class Task:
