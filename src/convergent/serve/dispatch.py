@@ -2,8 +2,9 @@
 
 :func:`run_dispatcher` starts N ``convergent serve`` processes on free 127.0.0.1 ports
 (instance ``i`` pinned to core ``i mod cores`` with ``serve.pin_cpus``), supervises them
-(a dead process is restarted, bounded by ``serve.max_restarts`` per 10 minutes) and serves
-the same OpenAI API on the public port through :class:`Dispatcher`:
+(a dead process is restarted while its :class:`~convergent.serve.restarts.RestartBudget`
+allows, as the engine's stages: ``serve.max_restarts`` per 10 minutes) and serves the
+same OpenAI API on the public port through :class:`Dispatcher`:
 
 * **queue** — each instance gets at most ``serve.dispatch_max_outstanding`` requests; the
   rest wait here, so an instance's death never loses them;
@@ -26,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves ann
 
 from convergent.fsutil import dumps_json
 from convergent.serve.config import ServeConfig
+from convergent.serve.restarts import RestartBudget
 
 __all__ = ["Dispatcher", "Instance", "create_dispatch_app", "run_dispatcher"]
 
@@ -53,7 +56,7 @@ class Instance:
     failed: int = 0
     proc: subprocess.Popen | None = None
     restarts: int = 0
-    failures: list[float] = field(default_factory=list)
+    failures: RestartBudget = field(default_factory=RestartBudget)  # its exits
 
 
 class Dispatcher:
@@ -342,7 +345,15 @@ async def _watch(disp: Dispatcher, client, poll_s: float = 0.5) -> None:
         await asyncio.sleep(poll_s)
 
 
-def _spawn(inst: Instance, mdir: Path, sc: ServeConfig, key: str, config, sets, port: int):
+def _spawn(
+    inst: Instance,
+    mdir: Path,
+    sc: ServeConfig,
+    key: str,
+    config: Path | None,
+    sets: list[str] | None,
+    port: int,
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-c",
@@ -371,19 +382,23 @@ def _spawn(inst: Instance, mdir: Path, sc: ServeConfig, key: str, config, sets, 
     return inst.proc
 
 
-async def _supervise(disp: Dispatcher, spawn, sc: ServeConfig, log) -> None:
-    """Restart instance processes that exit (bounded per 10 minutes)."""
+async def _supervise(
+    disp: Dispatcher,
+    spawn: Callable[[Instance], subprocess.Popen],
+    sc: ServeConfig,
+    log: Callable[[str], None],
+) -> None:
+    """Restart instance processes that exit, while each one's restart budget allows
+    (:class:`~convergent.serve.restarts.RestartBudget`, as the engine's stages)."""
     while True:
         for inst in disp.instances:
             if inst.proc is not None and inst.proc.poll() is not None:
                 code = inst.proc.returncode
                 await disp.set_health(inst, False)
-                now = time.monotonic()
-                inst.failures = [t for t in inst.failures if now - t < 600] + [now]
-                if len(inst.failures) > sc.max_restarts or not sc.restart_on_failure:
-                    log(
-                        f"instance {inst.index} exited ({code}); not restarted (serve.max_restarts)"
-                    )
+                inst.failures.record()
+                if not inst.failures.allows(sc):
+                    why = inst.failures.refusal(sc)
+                    log(f"instance {inst.index} exited ({code}); not restarted ({why})")
                     inst.proc = None
                     continue
                 log(f"instance {inst.index} exited ({code}); restarting it")
@@ -393,8 +408,14 @@ async def _supervise(disp: Dispatcher, spawn, sc: ServeConfig, log) -> None:
 
 
 def run_dispatcher(
-    mdir: Path, sc: ServeConfig, host: str, port: int, key: str, config=None, sets=None
-):
+    mdir: Path,
+    sc: ServeConfig,
+    host: str,
+    port: int,
+    key: str,
+    config: Path | None = None,
+    sets: list[str] | None = None,
+) -> None:
     """Start ``sc.instances`` instances and serve the dispatcher until SIGTERM / SIGINT."""
     import uvicorn
 
