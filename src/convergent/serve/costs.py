@@ -13,10 +13,16 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from convergent.fsutil import dumps_json
+
+if TYPE_CHECKING:
+    import torch
+
+    from convergent.models.llama_config import LlamaConfig
 
 __all__ = ["BatchShape", "CostTable", "profile_costs", "published_l20_llama2_13b"]
 
@@ -123,13 +129,13 @@ def _fit(rows: list[list[float]], times: list[float]) -> list[float]:
 
 
 def profile_costs(
-    config,
+    config: LlamaConfig,
     layers_per_stage: list[int],
     block_size: int = 16,
     reps: int = 3,
     max_len: int = 512,
     max_batch: int = 64,
-    dtype=None,
+    dtype: torch.dtype | None = None,
 ) -> CostTable:
     """Time one decoder layer and the LM head on this device over a grid of batch shapes.
 
