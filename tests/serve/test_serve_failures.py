@@ -178,15 +178,15 @@ def test_engine_marks_requests_that_never_started(hf_llama_dir):
         reqs = [eng.make_request([256, 1, 2, i], 150) for i in range(5)]
         ended = []
 
-        def on_token(req, tok, finished):
-            if tok >= 0:
+        def on_token(ev):
+            if ev.token >= 0:
                 first.set()
-            if finished:
-                ended.append(req)
+            if ev.finished:
+                ended.append(ev.rid)
                 if len(ended) == len(reqs):
                     done.set()
 
-        eng.on_token = on_token
+        eng.add_token_listener(on_token)
         eng.start()
         for r in reqs:
             eng.add_request(r)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves annotations
@@ -31,6 +32,7 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves ann
 from convergent.serve.api_requests import build_requests, error_response
 from convergent.serve.api_stream import TokenChannel, events, final_response, sse_chunks
 from convergent.serve.engine import Engine
+from convergent.serve.messages import TokenEvent
 from convergent.serve.metrics import ServeMetrics
 from convergent.serve.predictor import LengthPredictor
 from convergent.serve.protocol import (
@@ -42,7 +44,6 @@ from convergent.serve.protocol import (
     RequestError,
     parse_request,
 )
-from convergent.serve.scheduler_base import Request
 
 __all__ = ["create_app"]
 
@@ -64,34 +65,31 @@ def create_app(
     if tokenizer == "auto":
         from convergent.serve.tokenizer import load_tokenizer
 
-        tokenizer, _ = load_tokenizer(engine.model_dir, engine.mcfg.vocab_size)
+        tokenizer, _ = load_tokenizer(engine.model_dir, engine.vocab_size)
     tok = tokenizer
     app = FastAPI(title="convergent serve", version="0.2")
     streams: dict[int, TokenChannel] = {}
     counters = {"requests": 0, "completed": 0, "tokens": 0}
-    metrics = ServeMetrics(
-        lambda: engine.queue_length,
-        lambda: engine.bm.num_used / max(1, engine.bm.num_blocks),
-    )
+    metrics = ServeMetrics(lambda: engine.queue_length, lambda: engine.kv_usage().fraction)
     app.state.metrics = metrics
     app.state.tokenizer = tok
 
-    def on_token(req: Request, token: int, finished: bool) -> None:
-        s = streams.get(req.rid)
+    def on_token(ev: TokenEvent) -> None:
+        s = streams.get(ev.rid)
         if s is None:
             return
-        if token >= 0:
+        if ev.token >= 0:
             now = time.monotonic()
-            last = s.last.get(req.rid)
+            last = s.last.get(ev.rid)
             if last is None:
                 metrics.ttft.observe(now - s.arrival)
             else:
                 metrics.itl.observe(now - last)
-            s.last[req.rid] = now
+            s.last[ev.rid] = now
             metrics.output_tokens.inc()
-        s.push(req.rid, token, finished, req.finish_reason)
+        s.push(ev)
 
-    engine.on_token = on_token
+    engine.add_token_listener(on_token)
 
     def _auth(request: HTTPRequest):
         if not api_key:
@@ -165,7 +163,7 @@ def create_app(
         def cleanup(cancelled: bool):
             for r in reqs:
                 streams.pop(r.rid, None)
-                if r.state != "finished":
+                if not r.finished:
                     engine.abort(r.rid)
             _finish_metrics(outs, cancelled)
 
@@ -196,8 +194,7 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        stalled = time.monotonic() - engine.last_loop > engine.cfg.heartbeat_timeout_s
-        if engine.accepting and not stalled:
+        if engine.accepting and not engine.stalled:
             return Health(status="ok", restarts=engine.restarts).model_dump(exclude_none=True)
         if engine.shutting_down and engine.error is None:
             h = Health(status="shutting_down", restarts=engine.restarts)
@@ -213,15 +210,7 @@ def create_app(
 
     @app.get("/load")
     async def load():
-        s = engine.sched
-        queued = sum(len(r.prompt) + r.max_tokens for r in list(s.waiting))
-        return {
-            "healthy": engine.accepting,
-            "waiting": engine.queue_length,
-            "running": len(s.running),
-            "queued_tokens": queued,
-            "kv_used_fraction": engine.bm.num_used / max(1, engine.bm.num_blocks),
-        }
+        return asdict(engine.load())
 
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
@@ -242,19 +231,6 @@ def create_app(
 
     @app.get("/stats")
     async def stats():
-        return {
-            **counters,
-            "scheduler": engine.sched.name,
-            "num_stages": engine.num_stages,
-            "kv_blocks": engine.bm.num_blocks,
-            "kv_used_blocks": engine.bm.num_used,
-            "kv_peak_blocks": engine.bm.peak_used,
-            "kv_budget_bytes": engine.cfg.kv_budget_bytes,
-            "kv_allocated_bytes": engine.kv_bytes,
-            "context_limit": engine.context_limit,
-            "preemptions": engine.sched.num_preemptions,
-            "restarts": engine.restarts,
-            "last_failure": engine.failure,
-        }
+        return {**counters, **asdict(engine.serving_stats())}
 
     return app

@@ -15,7 +15,7 @@ from typing import Any
 from convergent.serve.engine import Engine
 from convergent.serve.output import ChoiceOutput
 from convergent.serve.predictor import LengthPredictor
-from convergent.serve.protocol import RequestError, Usage
+from convergent.serve.protocol import ChatCompletionRequest, CompletionRequest, RequestError, Usage
 from convergent.serve.scheduler_base import Request
 
 __all__ = ["build_requests", "error_response", "prompt_ids", "usage_of"]
@@ -70,13 +70,14 @@ def prompt_ids(body, chat: bool, tok: Any, vocab: int) -> list[list[int]]:
 
 def build_requests(
     engine: Engine,
-    body,
+    body: CompletionRequest | ChatCompletionRequest,
     chat: bool,
     tok: Any,
     predictor: LengthPredictor | None,
 ) -> tuple[list[Request], list[ChoiceOutput]]:
-    """Engine requests (not yet added) and their choice outputs, prompt-major, ``n`` each."""
-    vocab = engine.mcfg.vocab_size
+    """Engine requests (not yet added) and their choice outputs, prompt-major, ``n`` each;
+    choice ``j`` samples with ``body.sampling_params(j)``."""
+    vocab = engine.vocab_size
     prompts = prompt_ids(body, chat, tok, vocab)
     mt = getattr(body, "max_completion_tokens", None) or body.max_tokens
     limit = engine.context_limit
@@ -86,12 +87,6 @@ def build_requests(
     if (body.stop_strings or body.logprobs) and tok is None:
         param = "stop" if body.stop_strings else "logprobs"
         raise RequestError(f"{param}: needs a tokenizer, and this checkpoint has none", param)
-    if chat:
-        lp = (body.top_logprobs or 0) if body.logprobs else -1
-    else:
-        lp = -1 if body.logprobs is None else body.logprobs
-    temp = body.temperature or 0.0
-    top_k = body.top_k if body.top_k and body.top_k > 0 else 0
     eos = [] if body.ignore_eos else list(tok.eos_ids if tok is not None else [])
     reqs, outs = [], []
     for p_ids in prompts:
@@ -109,12 +104,8 @@ def build_requests(
                 p_ids,
                 max_tokens,
                 pred,
-                temp,
-                None if body.seed is None else body.seed + j,
-                [] if body.ignore_eos else None,
-                top_k=top_k,
-                top_p=body.top_p if body.top_p is not None else 1.0,
-                logprobs=lp,
+                body.sampling_params(j),
+                stop_ids=[] if body.ignore_eos else None,
                 extra_stop_ids=[*(body.stop_token_ids or []), *eos],
             )
             reqs.append(r)

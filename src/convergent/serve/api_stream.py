@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from convergent.fsutil import dumps_json
 from convergent.serve.api_requests import error_response, usage_of
 from convergent.serve.engine import Engine
+from convergent.serve.messages import TokenEvent
 from convergent.serve.output import ChoiceOutput
 from convergent.serve.protocol import (
     ChatChoice,
@@ -37,12 +38,13 @@ class TokenChannel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, arrival: float) -> None:
         self.loop = loop
-        self.q: asyncio.Queue = asyncio.Queue()
+        self.q: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.arrival = arrival
         self.last: dict[int, float] = {}
 
-    def push(self, rid: int, token: int, finished: bool, reason: str | None) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, (rid, token, finished, reason))
+    def push(self, ev: TokenEvent) -> None:
+        """Hand an engine event to the event loop (thread-safe)."""
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ev)
 
 
 def sse(obj) -> str:
@@ -63,7 +65,7 @@ async def events(
     deadline = stream.arrival + engine.cfg.request_timeout_s
     while not all(o.done for o in outs):
         try:
-            rid, token, finished, reason = await asyncio.wait_for(
+            ev = await asyncio.wait_for(
                 stream.q.get(), timeout=max(0.01, deadline - time.monotonic())
             )
         except TimeoutError:
@@ -77,10 +79,10 @@ async def events(
                     o.finish_reason, o.error = "error", o.req.error
                     yield o, ""
             return
-        o = by_rid[rid]
-        delta, hit = o.add(token, finished, reason)
-        if hit and not finished:
-            engine.abort(rid)
+        o = by_rid[ev.rid]
+        delta, hit = o.add(ev.token, ev.finished, ev.finish_reason)
+        if hit and not ev.finished:
+            engine.abort(ev.rid)
         yield o, delta
 
 

@@ -5,38 +5,54 @@ Failures: online (:meth:`Engine.start`), the loop watches its executor (stage ex
 and heartbeats, :mod:`convergent.serve.executor`). When a stage dies every unfinished
 request ends at once with ``finish_reason="error"`` and the reason in ``Request.error``,
 :attr:`Engine.healthy` turns false, and the pipeline is rebuilt (weights reloaded) while
-``serve.restart_on_failure`` allows and fewer than ``serve.max_restarts`` failures
-happened in the last 10 minutes; otherwise :attr:`Engine.error` is set, ``on_fatal`` is
-called and the engine stops. :meth:`Engine.begin_shutdown` ends what is still running at
-a deadline (SIGTERM: the API finishes or cancels in-flight requests in bounded time).
+the :class:`~convergent.serve.restarts.RestartBudget` allows; otherwise
+:attr:`Engine.error` is set, the fatal listeners are called and the engine stops.
+:meth:`Engine.begin_shutdown` ends what is still running at a deadline (SIGTERM: the API
+finishes or cancels in-flight requests in bounded time).
+
+The HTTP layer uses only public methods and properties: requests, listeners
+(:meth:`~Engine.add_token_listener`, :meth:`~Engine.add_fatal_listener`) and snapshots
+(:meth:`~Engine.kv_usage`, :meth:`~Engine.load`, :meth:`~Engine.serving_stats`).
 """
 
 from __future__ import annotations
 
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from convergent.errors import ConfigError, InputError
+from convergent.errors import InputError
+from convergent.models.layersplit import split_layers
 from convergent.serve.config import ServeConfig
 from convergent.serve.costs import CostTable
+from convergent.serve.engine_setup import kv_blocks, pipeline_stages, stage_specs
 from convergent.serve.executor import LocalExecutor, ProcessExecutor, StageFailure, free_port
-from convergent.serve.kv_cache import BlockManager, blocks_for_budget
+from convergent.serve.kv_cache import BlockManager
+from convergent.serve.messages import (
+    Abort,
+    BatchMeta,
+    BatchResult,
+    StageBusy,
+    StageReport,
+    TokenEvent,
+)
+from convergent.serve.restarts import RestartBudget
+from convergent.serve.sampling import SamplingParams
 from convergent.serve.scheduler import (
     MicroBatch,
     Request,
+    RequestStatus,
     SchedulerConfig,
     make_scheduler,
 )
-from convergent.serve.stage import BatchMeta, StageSpec, split_layers
-from convergent.serve.stats import EngineStats
+from convergent.serve.stats import EngineLoad, EngineStats, KVUsage, ServingStats
 
 __all__ = ["Engine", "EngineStats", "LocalExecutor", "ProcessExecutor", "StageFailure", "free_port"]
 
-FAILURE_WINDOW_S = 600.0  # serve.max_restarts counts failures within this window
+TokenListener = Callable[[TokenEvent], None]
+FatalListener = Callable[[BaseException], None]
 
 
 class Engine:
@@ -44,7 +60,7 @@ class Engine:
 
     ``Engine(model_dir, cfg)``; :meth:`add_request`; then either :meth:`run` (offline:
     until all requests finish) or :meth:`start` (a background thread, for the HTTP API).
-    ``on_token(req, token, finished)`` callbacks run on the engine thread.
+    Token listeners (:meth:`add_token_listener`) run on the engine thread.
 
     Without ``costs``, the stage cost table is profiled in situ at start-up (a short
     sweep through the stages, :mod:`convergent.serve.insitu`) when the scheduler is
@@ -72,77 +88,26 @@ class Engine:
             )
         self.model_dir = model_dir
         self.mcfg = read_config(model_dir)
-        p = 1 if cfg.scheduler == "sequential" else cfg.stages
-        if p < 1 or p > self.mcfg.num_hidden_layers:
-            raise ConfigError(
-                f"serve.stages={cfg.stages}: must be between 1 and the model's "
-                f"{self.mcfg.num_hidden_layers} layers"
-            )
-        from convergent.placement import check_serve_stages, visible_gpus
-
-        # one GPU per stage: too many stages for the GPUs is a one-line error (exit 2)
-        check_serve_stages(cfg.device, p, visible_gpus() if cfg.device == "cuda" else 0)
-        self.num_stages = p
-        dtype_bytes = 4 if cfg.dtype == "float32" else 2
-        num_blocks = blocks_for_budget(
-            cfg.kv_budget_bytes,
-            self.mcfg.kv_bytes_per_token(dtype_bytes=dtype_bytes),
-            cfg.block_size,
-        )
-        if num_blocks < 1:
-            raise ConfigError(
-                f"serve.kv_budget_bytes={cfg.kv_budget_bytes} is smaller than one KV block",
-                hint=f"one block needs {self.mcfg.kv_bytes_per_token(dtype_bytes=dtype_bytes) * cfg.block_size} bytes",
-            )
-        self.bm = BlockManager(num_blocks, cfg.block_size)
-        layers = split_layers(self.mcfg.num_hidden_layers, p)
-        if costs is not None:
-            costs = costs.with_stages([len(x) for x in layers])
-        self.costs = costs
+        p = self.num_stages = pipeline_stages(cfg, self.mcfg)
+        self.bm = BlockManager(kv_blocks(cfg, self.mcfg), cfg.block_size)
+        layers = [len(x) for x in split_layers(self.mcfg.num_hidden_layers, p)]
+        self.costs = costs.with_stages(layers) if costs is not None else None
         self.model_context = self.mcfg.max_context
-        scfg = SchedulerConfig.from_serve(cfg, ignore_eos)
-        scfg.max_model_len = min(cfg.max_model_len, self.model_context)
-        self._scfg = scfg
-        self.sched = make_scheduler(cfg.scheduler, scfg, self.bm, p, costs)
-        specs = [
-            StageSpec(
-                str(model_dir),
-                s,
-                p,
-                num_blocks,
-                cfg.block_size,
-                cfg.dtype,
-                cfg.torch_threads,
-                cfg.device,
-                cfg.quantize,
-            )
-            for s in range(p)
-        ]
-        self._specs = specs
+        self._scfg = SchedulerConfig.from_serve(cfg, ignore_eos)
+        self._scfg.max_model_len = min(cfg.max_model_len, self.model_context)
+        self.sched = make_scheduler(cfg.scheduler, self._scfg, self.bm, p, self.costs)
+        self._specs = stage_specs(model_dir, cfg, p, self.bm.num_blocks)
         self._use_local = executor == "local" or (executor == "auto" and p == 1)
         self.executor = self._make_executor()
         self.kv_bytes = self.executor.kv_bytes
         self.profile_s = 0.0
         if costs is None and cfg.profile_costs and (cfg.scheduler == "tdpipe" or profile):
-            from convergent.serve.insitu import profile_in_situ
-
-            t = time.monotonic()
-            self.costs = profile_in_situ(
-                self.executor,
-                self.sched.depth,
-                CostTable(layers_per_stage=[len(x) for x in layers]),
-                num_blocks,
-                cfg.block_size,
-                cfg.max_batched_tokens,
-                cfg.max_num_seqs,
-                cfg.max_model_len,
-            )
-            self.sched.costs = self.costs
-            self.profile_s = time.monotonic() - t
+            self._profile(layers)
         self.stats = EngineStats(p, [[] for _ in range(p)])
         self.in_flight: dict[int, MicroBatch] = {}
-        self.on_token: Callable[[Request, int, bool], None] | None = None
-        self._incoming: queue.Queue = queue.Queue()
+        self._token_listeners: list[TokenListener] = []
+        self._fatal_listeners: list[FatalListener] = []
+        self._incoming: queue.Queue[Request | Abort] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._next_rid = 0
@@ -151,16 +116,31 @@ class Engine:
         self._record = True  # per-batch timing log and KV timeline (off when serving)
         self.healthy = True
         self.failure: str | None = None  # the last stage failure (also after a restart)
-        self.failures: list[float] = []  # times of stage failures
+        self.failures = RestartBudget()  # recent stage failures
         self.restarts = 0
-        self.on_fatal: Callable[[BaseException], None] | None = None
         self._shutdown_at: float | None = None
         self.last_loop = time.monotonic()  # the engine thread's own liveness
 
-    def _make_executor(self):
+    def _profile(self, layers_per_stage: list[int]) -> None:
+        """Profile the stage cost table in situ (:mod:`convergent.serve.insitu`)."""
+        from convergent.serve.insitu import profile_in_situ
+
+        t, base = time.monotonic(), CostTable(layers_per_stage=layers_per_stage)
+        depth, blocks = self.sched.depth, self.bm.num_blocks
+        self.costs = profile_in_situ(self.executor, depth, base, blocks, self.cfg)
+        self.sched.costs = self.costs
+        self.profile_s = time.monotonic() - t
+
+    def _make_executor(self) -> LocalExecutor | ProcessExecutor:
         if self._use_local:
             return LocalExecutor(self._specs)
         return ProcessExecutor(self._specs, heartbeat_timeout=self.cfg.heartbeat_timeout_s)
+
+    # -- what the HTTP layer reads
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids are below it)."""
+        return self.mcfg.vocab_size
 
     @property
     def context_limit(self) -> int:
@@ -181,28 +161,79 @@ class Engine:
             f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens."
         )
 
+    def kv_usage(self) -> KVUsage:
+        """KV blocks: all, in use, peak (approximate when read from another thread)."""
+        return KVUsage(self.bm.num_blocks, self.bm.num_used, self.bm.peak_used)
+
+    def load(self) -> EngineLoad:
+        """What the dispatcher routes by (approximate from another thread)."""
+        s = self.sched
+        queued = sum(len(r.prompt) + r.max_tokens for r in list(s.waiting))
+        return EngineLoad(
+            healthy=self.accepting,
+            waiting=self.queue_length,
+            running=len(s.running),
+            queued_tokens=queued,
+            kv_used_fraction=self.kv_usage().fraction,
+        )
+
+    def serving_stats(self) -> ServingStats:
+        """The engine's state for ``GET /stats``."""
+        kv = self.kv_usage()
+        return ServingStats(
+            scheduler=self.sched.name,
+            num_stages=self.num_stages,
+            kv_blocks=kv.blocks,
+            kv_used_blocks=kv.used,
+            kv_peak_blocks=kv.peak,
+            kv_budget_bytes=self.cfg.kv_budget_bytes,
+            kv_allocated_bytes=self.kv_bytes,
+            context_limit=self.context_limit,
+            preemptions=self.sched.num_preemptions,
+            restarts=self.restarts,
+            last_failure=self.failure,
+        )
+
+    def add_token_listener(self, fn: TokenListener) -> None:
+        """Call ``fn`` with a :class:`~convergent.serve.messages.TokenEvent` for every
+        sampled token and every request that ends (on the engine thread: keep it short)."""
+        self._token_listeners.append(fn)
+
+    def add_fatal_listener(self, fn: FatalListener) -> None:
+        """Call ``fn`` with the error when the engine gives up (no restart left)."""
+        self._fatal_listeners.append(fn)
+
+    def _emit(self, r: Request, token: int) -> None:
+        if self._token_listeners:
+            ev = TokenEvent(r.rid, token, r.finished, r.finish_reason)
+            for fn in self._token_listeners:
+                fn(ev)
+
     # -- requests
     def make_request(
         self,
         prompt: list[int],
         max_tokens: int,
         predicted_len: int | None = None,
-        temperature: float = 0.0,
-        seed: int | None = 0,
+        sampling: SamplingParams | None = None,
         stop_ids: list[int] | None = None,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        logprobs: int = -1,
         extra_stop_ids: list[int] | None = None,
+        *,
+        temperature: float | None = None,
     ) -> Request:
-        """A request; ``stop_ids`` replaces the model's EOS ids, ``extra_stop_ids`` adds to
-        them; ``seed=None`` draws one. Raises :class:`InputError` when the prompt plus
+        """A request; ``sampling`` defaults to greedy (``temperature`` is shorthand for
+        ``SamplingParams(temperature=...)``); ``stop_ids`` replaces the model's EOS ids,
+        ``extra_stop_ids`` adds to them. Raises :class:`InputError` when the prompt plus
         ``max_tokens`` exceeds :attr:`context_limit` (nothing is silently truncated)."""
         if max_tokens < 1:
             raise InputError(f"max_tokens={max_tokens}: must be at least 1")
         why = self.context_error(len(prompt), int(max_tokens))
         if why is not None:
             raise InputError(why)
+        if sampling is not None and temperature is not None:
+            raise ValueError("pass sampling or temperature, not both")
+        if sampling is None:
+            sampling = SamplingParams(temperature=float(temperature or 0.0))
         with self._lock:
             rid = self._next_rid
             self._next_rid += 1
@@ -214,11 +245,7 @@ class Engine:
             int(max_tokens),
             predicted_len=int(predicted_len if predicted_len is not None else max_tokens),
             stop_ids=frozenset(stops),
-            temperature=float(temperature),
-            seed=random.getrandbits(31) if seed is None else int(seed),
-            top_k=int(top_k),
-            top_p=float(top_p),
-            logprobs=int(logprobs),
+            sampling=sampling,
             arrival=time.monotonic(),
         )
 
@@ -230,30 +257,14 @@ class Engine:
             self.sched.add(req)
         return req
 
-    # -- loop
-    def _meta(self, b: MicroBatch) -> BatchMeta:
-        ids, pos, slots, ql, cl, bts, rows, rids, temps, seeds = ([] for _ in range(10))
-        tks, tps, lps = [], [], []
-        for it in b.items:
-            r = self.sched.requests[it.rid]
-            ids.extend(r.token(i) for i in range(it.start, it.start + it.n))
-            pos.extend(range(it.start, it.start + it.n))
-            slots.extend(self.bm.slots(it.rid, it.start, it.n))
-            ql.append(it.n)
-            cl.append(it.start + it.n)
-            bts.append(list(self.bm.tables[it.rid]))
-            if it.sample:
-                rows.append(len(pos) - 1)
-                rids.append(it.rid)
-                temps.append(r.temperature)
-                seeds.append(r.seed * 1_000_003 + it.start + it.n)
-                tks.append(r.top_k)
-                tps.append(r.top_p)
-                lps.append(r.logprobs)
-        return BatchMeta(
-            b.bid, ids, pos, slots, ql, cl, bts, rows, rids, temps, seeds, tks, tps, lps
-        )
+    def abort(self, rid: int) -> None:
+        """Drop a request (client went away); thread-safe."""
+        if self._thread is not None:
+            self._incoming.put(Abort(rid))
+        else:
+            self.sched.abort(rid)
 
+    # -- loop
     def _submit_ready(self) -> None:
         while len(self.in_flight) < self.sched.depth:
             t0 = time.perf_counter()
@@ -263,74 +274,75 @@ class Engine:
                 break
             self.in_flight[b.bid] = b
             self.stats.batches += 1
-            meta = self._meta(b)
-            shape = self.sched.batch_shape(b)
+            meta = BatchMeta.build(b, self.sched.requests, self.bm)
             if self._record:
                 self.stats.batch_log[b.bid] = {
                     "submit": time.monotonic(),
-                    "shape": shape,
+                    "shape": self.sched.batch_shape(b),
                     "stages": {},
                 }
             self.executor.submit(meta)
             if self._record:
                 self.stats.kv_timeline.append((time.monotonic(), self.bm.num_used))
 
-    def _handle(self, msgs: list[tuple]) -> list[Request]:
+    def _busy(self, stage: int, bid: int, t0: float, t1: float) -> None:
+        """Record that ``stage`` computed micro-batch ``bid`` from ``t0`` to ``t1``."""
+        if self._record:
+            self.stats.busy[stage].append((t0, t1))
+        if bid in self.stats.batch_log:
+            self.stats.batch_log[bid]["stages"][stage] = (t0, t1)
+
+    def _handle(self, msgs: list[StageReport]) -> list[Request]:
         finished = []
         recv = time.monotonic()
         for m in msgs:
-            if m[0] == "busy":
-                if self._record:
-                    self.stats.busy[m[1]].append((m[3], m[4]))
-                if m[2] in self.stats.batch_log:
-                    self.stats.batch_log[m[2]]["stages"][m[1]] = (m[3], m[4])
-            elif m[0] == "result":
-                _, bid, tokens, t0, t1, lps = m
-                if self._record:
-                    self.stats.busy[self.num_stages - 1].append((t0, t1))
-                if bid in self.stats.batch_log:
-                    self.stats.batch_log[bid]["stages"][self.num_stages - 1] = (t0, t1)
-                    self.stats.batch_log[bid]["recv"] = recv
-                b = self.in_flight.pop(bid, None)
-                if b is None:  # a batch of a pipeline that was replaced
-                    continue
-                now = time.monotonic()
-                before = {rid: len(self.sched.requests[rid].output) for rid in tokens}
-                t_c = time.perf_counter()
-                done = self.sched.complete(b, tokens, now)
-                self.stats.decide_s += time.perf_counter() - t_c
-                finished.extend(done)
-                if self._record:
-                    self.stats.kv_timeline.append((now, self.bm.num_used))
-                for rid, tok in tokens.items():
-                    r = self.sched.requests[rid]
-                    if len(r.output) > before[rid]:
-                        if r.logprobs >= 0:
-                            r.token_logprobs.append(lps.get(rid))
-                        if self.on_token is not None:
-                            self.on_token(r, tok, r.state == "finished")
+            if isinstance(m, StageBusy):
+                self._busy(m.stage, m.bid, m.t0, m.t1)
+            elif isinstance(m, BatchResult):
+                self._busy(self.num_stages - 1, m.bid, m.t0, m.t1)
+                if m.bid in self.stats.batch_log:
+                    self.stats.batch_log[m.bid]["recv"] = recv
+                finished.extend(self._complete(m))
         return finished
+
+    def _complete(self, m: BatchResult) -> list[Request]:
+        """Apply a micro-batch's sampled tokens; tell the listeners; the requests it ended."""
+        b = self.in_flight.pop(m.bid, None)
+        if b is None:  # a batch of a pipeline that was replaced
+            return []
+        tokens = m.sampled.tokens
+        now = time.monotonic()
+        before = {rid: len(self.sched.requests[rid].output) for rid in tokens}
+        t_c = time.perf_counter()
+        done = self.sched.complete(b, tokens, now)
+        self.stats.decide_s += time.perf_counter() - t_c
+        if self._record:
+            self.stats.kv_timeline.append((now, self.bm.num_used))
+        for rid, tok in tokens.items():
+            r = self.sched.requests[rid]
+            if len(r.output) > before[rid]:
+                if r.sampling.logprobs >= 0:
+                    r.token_logprobs.append(m.sampled.logprobs.get(rid))
+                self._emit(r, tok)
+        return done
 
     def _stalled(self) -> list[Request]:
         if not self.in_flight and self.sched.has_unfinished():
             r = self.sched.resolve_stall()
             if r is not None:
-                if self.on_token is not None:
-                    self.on_token(r, -1, True)
+                self._emit(r, -1)
                 return [r]
         return []
 
     def run(self, progress: Callable[[int], None] | None = None) -> list[Request]:
         """Offline: run until every queued request finishes; returns them (by id)."""
         self.stats.t_start = time.monotonic()
-        n_done = 0
         while self.sched.has_unfinished() or self.in_flight:
             self._submit_ready()
             if not self.in_flight:
-                n_done += len(self._stalled())
+                self._stalled()
                 continue
             done = self._handle(self.executor.poll(timeout=1.0))
-            n_done += len(done)
             if progress and done:
                 progress(len(done))
         self.stats.t_end = time.monotonic()
@@ -378,6 +390,15 @@ class Engine:
             self.sched.prune_finished()
         self.stats.t_end = time.monotonic()
 
+    def _accept(self, msg: Request | Abort) -> None:
+        if isinstance(msg, Abort):
+            self.sched.abort(msg.rid)
+            return
+        self.sched.add(msg)
+        if msg.finished:  # it can never fit: ended at once
+            self._emit(msg, -1)
+
+    # -- failures and shutdown
     def _fail_all(self, reason: str, reset: bool = False) -> None:
         """End every unfinished request with ``finish_reason="error"``; with ``reset`` (the
         pipeline died: nothing in flight survives) also a fresh scheduler and KV map."""
@@ -392,41 +413,35 @@ class Engine:
             r.retryable = not (r.in_flight or r.num_computed or r.output)
             if not reset:
                 self.sched.abort(r.rid)
-            r.state, r.finish_reason, r.error = "finished", "error", reason
+            r.state, r.finish_reason, r.error = RequestStatus.FINISHED, "error", reason
             if reset:
                 r.in_flight = False
-            if self.on_token is not None:
-                self.on_token(r, -1, True)
+            self._emit(r, -1)
 
     def _recover(self, exc: Exception) -> bool:
         """After a failure: end all requests, then restart the pipeline (true) or give up."""
         reason = str(exc) if isinstance(exc, StageFailure) else f"engine error: {exc!r}"
         self.healthy = False
         self.failure = reason
-        now = time.monotonic()
-        self.failures = [t for t in self.failures if now - t < FAILURE_WINDOW_S] + [now]
+        self.failures.record()
         self._fail_all(reason, reset=True)
         self.executor.close(kill=True)
-        while self.cfg.restart_on_failure and len(self.failures) <= self.cfg.max_restarts:
+        while self.failures.allows(self.cfg):
             if self._stop.is_set():
                 return False
             try:
                 self.executor = self._make_executor()
             except Exception as again:
-                self.failures.append(time.monotonic())
+                self.failures.record()
                 self.failure = f"{reason}; restart failed: {again}"
-                time.sleep(min(5.0, 0.5 * len(self.failures)))
+                time.sleep(min(5.0, 0.5 * self.failures.recent))
                 continue
             self.restarts += 1
             self.healthy = True
             return True
-        self.error = StageFailure(
-            f"{reason} (no restart: serve.restart_on_failure={self.cfg.restart_on_failure}, "
-            f"{len(self.failures)} failure(s) in {FAILURE_WINDOW_S:.0f} s, "
-            f"serve.max_restarts={self.cfg.max_restarts})"
-        )
-        if self.on_fatal is not None:
-            self.on_fatal(self.error)
+        self.error = StageFailure(f"{reason} (no restart: {self.failures.refusal(self.cfg)})")
+        for fn in self._fatal_listeners:
+            fn(self.error)
         return False
 
     def begin_shutdown(self, timeout_s: float) -> None:
@@ -443,24 +458,14 @@ class Engine:
         return self._shutdown_at is not None
 
     @property
+    def stalled(self) -> bool:
+        """The engine thread has not looped for ``serve.heartbeat_timeout_s``."""
+        return time.monotonic() - self.last_loop > self.cfg.heartbeat_timeout_s
+
+    @property
     def queue_length(self) -> int:
         """Requests waiting for admission (approximate when read from another thread)."""
         return len(self.sched.waiting) + self._incoming.qsize()
-
-    def _accept(self, msg) -> None:
-        if isinstance(msg, tuple):  # ("abort", rid)
-            self.sched.abort(msg[1])
-            return
-        self.sched.add(msg)
-        if msg.state == "finished" and self.on_token is not None:
-            self.on_token(msg, -1, True)
-
-    def abort(self, rid: int) -> None:
-        """Drop a request (client went away); thread-safe."""
-        if self._thread is not None:
-            self._incoming.put(("abort", rid))
-        else:
-            self.sched.abort(rid)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,18 +6,34 @@
   activations between them (gloo on CPU), metadata through queues. :meth:`check` watches
   the stage processes: an exit code (killed by a signal, crashed) or a heartbeat older
   than the timeout raises :class:`StageFailure` naming the stage and the reason.
+
+Both take :class:`~convergent.serve.messages.BatchMeta` in :meth:`submit` and return
+:data:`~convergent.serve.messages.StageReport` records from :meth:`poll`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import signal
 import socket
 import time
 
 from convergent.errors import ConvergentError
-from convergent.serve.stage import BatchMeta, StageRunner, StageSpec
+from convergent.serve.messages import (
+    BatchMeta,
+    BatchResult,
+    Heartbeat,
+    RendezvousPort,
+    StageBusy,
+    StageError,
+    StageMessage,
+    StageReady,
+    StageReport,
+    StopStage,
+)
+from convergent.serve.stage import StageRunner, StageSpec
 
 __all__ = ["LocalExecutor", "ProcessExecutor", "StageFailure", "free_port"]
 
@@ -52,10 +68,11 @@ class LocalExecutor:
         torch.set_num_threads(max(1, specs[0].threads))
         self.runners = [StageRunner(s) for s in specs]
         self.kv_bytes = sum(r.kv.nbytes for r in self.runners)
-        self._done: list[tuple] = []
+        self._done: list[StageReport] = []
 
     def submit(self, meta: BatchMeta) -> None:
         x = None
+        last = len(self.runners) - 1
         for s, r in enumerate(self.runners):
             t0 = time.monotonic()
             try:
@@ -63,11 +80,11 @@ class LocalExecutor:
             except Exception as exc:
                 raise StageFailure(f"stage {s} failed: {exc!r}") from exc
             t1 = time.monotonic()
-            if s < len(self.runners) - 1:
-                self._done.append(("busy", s, meta.bid, t0, t1))
-        self._done.append(("result", meta.bid, x, t0, t1, dict(self.runners[-1].last_logprobs)))
+            if s < last:
+                self._done.append(StageBusy(s, meta.bid, t0, t1))
+        self._done.append(BatchResult(meta.bid, x, t0, t1))
 
-    def poll(self, timeout: float) -> list[tuple]:
+    def poll(self, timeout: float) -> list[StageReport]:
         out, self._done = self._done, []
         return out
 
@@ -109,11 +126,18 @@ class ProcessExecutor:
         for p in self.procs:
             p.start()
         self.kv_bytes = 0
+        self._await_ready(len(specs), time.monotonic() + start_timeout)
+        self.last_beat = [time.monotonic()] * len(specs)
+        self._checked = 0.0
+        self._pending: list[StageReport] = []  # reports read by check()
+
+    def _await_ready(self, n: int, deadline: float) -> None:
+        """Wait for every stage's :class:`StageReady` (forwarding stage 0's rendezvous
+        port to the others); a stage error, death or the deadline raises StageFailure."""
         ready = 0
-        deadline = time.monotonic() + start_timeout
-        while ready < len(specs):
+        while ready < n:
             try:
-                msg = self.out_q.get(timeout=0.5)
+                msg: StageMessage = self.out_q.get(timeout=0.5)
             except queue.Empty:
                 dead = [(i, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode is not None]
                 if dead or time.monotonic() > deadline:
@@ -125,27 +149,25 @@ class ProcessExecutor:
                     )
                     raise StageFailure(why) from None
                 continue
-            if msg[0] == "error":
+            if isinstance(msg, StageError):
                 self.close(kill=True)
-                raise StageFailure(f"stage {msg[1]} failed to start: {_last_line(msg[2])}")
-            if msg[0] == "port":  # stage 0's rendezvous store: tell the others where
+                why = _last_line(msg.traceback)
+                raise StageFailure(f"stage {msg.stage} failed to start: {why}")
+            if isinstance(msg, RendezvousPort):  # stage 0's store: tell the others where
                 for q in self.in_qs[1:]:
-                    q.put(msg[1])
-            elif msg[0] == "ready":
+                    q.put(msg)
+            elif isinstance(msg, StageReady):
                 ready += 1
-                self.kv_bytes += msg[2]
-        self.last_beat = [time.monotonic()] * len(specs)
-        self._checked = 0.0
-        self._pending: list[tuple] = []  # non-heartbeat messages read by check()
+                self.kv_bytes += msg.kv_bytes
 
     def submit(self, meta: BatchMeta) -> None:
         for i, q in enumerate(self.in_qs):
             if i == 0:
                 q.put(meta)
             else:  # later stages do not need the token ids
-                q.put(BatchMeta(**{**meta.__dict__, "input_ids": []}))
+                q.put(dataclasses.replace(meta, input_ids=[]))
 
-    def poll(self, timeout: float) -> list[tuple]:
+    def poll(self, timeout: float) -> list[StageReport]:
         out = []
         try:
             out.append(self.out_q.get(timeout=timeout))
@@ -157,16 +179,16 @@ class ProcessExecutor:
         self.check()
         return msgs + self._pending
 
-    def _sort(self, out: list[tuple]) -> list[tuple]:
+    def _sort(self, out: list[StageMessage]) -> list[StageReport]:
         """Record heartbeats, raise on a stage's error report, return the rest."""
         now = time.monotonic()
-        msgs = []
+        msgs: list[StageReport] = []
         for m in out:
-            if m[0] == "hb":
-                self.last_beat[m[1]] = now
-            elif m[0] == "error":
-                raise self._failure(f"stage {m[1]} failed: {_last_line(m[2])}")
-            else:
+            if isinstance(m, Heartbeat):
+                self.last_beat[m.stage] = now
+            elif isinstance(m, StageError):
+                raise self._failure(f"stage {m.stage} failed: {_last_line(m.traceback)}")
+            elif isinstance(m, StageBusy | BatchResult):
                 msgs.append(m)
         return msgs
 
@@ -211,7 +233,7 @@ class ProcessExecutor:
         if not kill:
             for q in self.in_qs:
                 with contextlib.suppress(Exception):
-                    q.put(None)
+                    q.put(StopStage())
             for p in self.procs:
                 p.join(timeout=10)
         for p in self.procs:

@@ -14,11 +14,19 @@ from __future__ import annotations
 
 import random
 import time
+from typing import TYPE_CHECKING
 
+from convergent.serve.config import ServeConfig
 from convergent.serve.costs import BatchShape, CostTable, calibrate_from_run
-from convergent.serve.stage import BatchMeta
+from convergent.serve.messages import BatchMeta, BatchResult, StageBusy
+from convergent.serve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from convergent.serve.executor import LocalExecutor, ProcessExecutor
 
 __all__ = ["sweep_shapes", "profile_in_situ"]
+
+GREEDY = SamplingParams()
 
 
 def sweep_shapes(
@@ -46,22 +54,22 @@ def sweep_shapes(
 
 
 def _meta(bid: int, ql: list[int], cl: list[int], num_blocks: int, bs: int) -> BatchMeta:
-    ids, pos, slots, tables, rows = [], [], [], [], []
+    """A synthetic micro-batch of these query and context lengths, every item sampled
+    greedily, its KV in blocks taken round-robin."""
+    meta = BatchMeta(bid, [], [], [], ql, cl, [], [], list(range(len(ql))))
     nxt = 0
     for q, c in zip(ql, cl, strict=True):
         nb = -(-c // bs)
         table = [(nxt + j) % num_blocks for j in range(nb)]
         nxt += nb
-        tables.append(table)
+        meta.block_tables.append(table)
         for p in range(c - q, c):
-            ids.append(p % 200 + 1)
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-        rows.append(len(pos) - 1)
-    rids = list(range(len(ql)))
-    return BatchMeta(
-        bid, ids, pos, slots, ql, cl, tables, rows, rids, [0.0] * len(ql), [0] * len(ql)
-    )
+            meta.input_ids.append(p % 200 + 1)
+            meta.positions.append(p)
+            meta.slots.append(table[p // bs] * bs + p % bs)
+        meta.sample_rows.append(len(meta.positions) - 1)
+        meta.sampling.add(GREEDY, c)
+    return meta
 
 
 def _shape(ql: list[int], cl: list[int]) -> BatchShape:
@@ -77,21 +85,21 @@ def _shape(ql: list[int], cl: list[int]) -> BatchShape:
 
 
 def profile_in_situ(
-    executor,
+    executor: LocalExecutor | ProcessExecutor,
     depth: int,
     base: CostTable,
     num_blocks: int,
-    block_size: int,
-    max_tokens: int,
-    max_seqs: int,
-    max_len: int,
+    cfg: ServeConfig,
     reps: int = 2,
     seed: int = 0,
 ) -> CostTable:
     """Run the sweep ``reps`` times (shuffled) through ``executor`` with ``depth``
-    micro-batches in flight; return per-stage models fitted on the busy intervals
-    (``source = "profiled in situ"``). ``base.layers_per_stage`` gives the stages."""
-    shapes = sweep_shapes(max_tokens, max_seqs, max_len, num_blocks * block_size)
+    micro-batches in flight, within ``num_blocks`` KV blocks and the budgets of ``cfg``;
+    return per-stage models fitted on the busy intervals (``source = "profiled in
+    situ"``). ``base.layers_per_stage`` gives the stages."""
+    bs = cfg.block_size
+    capacity = num_blocks * bs
+    shapes = sweep_shapes(cfg.max_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, capacity)
     shapes = shapes * max(1, reps)
     random.Random(seed).shuffle(shapes)
     shapes = [([1], [16])] * depth + shapes  # warm-up, discarded
@@ -104,16 +112,16 @@ def profile_in_situ(
             i, (ql, cl) = pending.pop(0)
             bid = -1 - i  # negative: never a scheduler's id
             log[bid] = {"submit": time.monotonic(), "shape": _shape(ql, cl), "stages": {}}
-            executor.submit(_meta(bid, ql, cl, num_blocks, block_size))
+            executor.submit(_meta(bid, ql, cl, num_blocks, bs))
             in_flight += 1
         msgs = executor.poll(timeout=1.0)
         recv = time.monotonic()
         for m in msgs:
-            if m[0] == "busy":
-                log[m[2]]["stages"][m[1]] = (m[3], m[4])
-            elif m[0] == "result":
-                log[m[1]]["stages"][p - 1] = (m[3], m[4])
-                log[m[1]]["recv"] = recv
+            if isinstance(m, StageBusy):
+                log[m.bid]["stages"][m.stage] = (m.t0, m.t1)
+            elif isinstance(m, BatchResult):
+                log[m.bid]["stages"][p - 1] = (m.t0, m.t1)
+                log[m.bid]["recv"] = recv
                 in_flight -= 1
     for i in range(depth):
         log.pop(-1 - i)

@@ -75,7 +75,7 @@ def run_trace(
     t_setup = time.monotonic()
     eng = Engine(model_dir, cfg, costs=costs, ignore_eos=True, profile=profile)
     setup_s = time.monotonic() - t_setup
-    tok = ByteTokenizer(eng.mcfg.vocab_size)
+    tok = ByteTokenizer(eng.vocab_size)
     try:
         reqs = []
         for tr in trace:

@@ -16,6 +16,8 @@ from convergent.serve.protocol import (
     TokenLogprob,
     TopLogprob,
 )
+from convergent.serve.sampling import TokenLogprobs
+from convergent.serve.scheduler_base import Request
 
 __all__ = ["ChoiceOutput"]
 
@@ -23,7 +25,7 @@ __all__ = ["ChoiceOutput"]
 class ChoiceOutput:
     """Accumulates one engine request's tokens (``tok`` decodes; may be ``None``)."""
 
-    def __init__(self, index: int, req: Any, tok: Any, stops: list[str]) -> None:
+    def __init__(self, index: int, req: Request, tok: Any, stops: list[str]) -> None:
         self.index, self.req, self.tok = index, req, tok
         self.stop_ids = req.stop_ids
         self.stops = stops
@@ -71,46 +73,49 @@ class ChoiceOutput:
         return delta, hit
 
     # -- logprobs
-    def _entries(self, start: int) -> list[tuple[int, tuple]]:
+    def _entries(self, start: int) -> list[tuple[int, TokenLogprobs]]:
+        """``(token, its logprobs)`` of the output tokens from ``start`` that have them."""
         lps = self.req.token_logprobs
         n = min(len(self.tokens), len(lps))
-        return [(self.tokens[i], lps[i]) for i in range(start, n) if lps[i] is not None]
+        return [(self.tokens[i], e) for i in range(start, n) if (e := lps[i]) is not None]
 
     def _s(self, i: int) -> str:
         return self.tok.token_str(i) if self.tok is not None else str(i)
 
     def chat_logprobs(self, new_only: bool = False) -> ChatLogprobs | None:
-        if self.req.logprobs < 0:
+        if self.req.sampling.logprobs < 0:
             return None
         start = self.lp_sent if new_only else 0
         items = self._entries(start)
         self.lp_sent = start + len(items)
         out = []
-        for t, (lp, top) in items:
+        for t, e in items:
             s = self._s(t)
             tops = [
                 TopLogprob(token=self._s(i), logprob=v, bytes=list(self._s(i).encode()))
-                for i, v in top
+                for i, v in e.top.items()
             ]
-            out.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode()), top_logprobs=tops))
+            out.append(
+                TokenLogprob(token=s, logprob=e.logprob, bytes=list(s.encode()), top_logprobs=tops)
+            )
         return ChatLogprobs(content=out)
 
     def completion_logprobs(
         self, new_only: bool = False, offset0: int = 0
     ) -> CompletionLogprobs | None:
-        if self.req.logprobs < 0:
+        if self.req.sampling.logprobs < 0:
             return None
         start = self.lp_sent if new_only else 0
         items = self._entries(start)
         self.lp_sent = start + len(items)
         toks, lps, tops, offs = [], [], [], []
         off = offset0
-        for t, (lp, top) in items:
+        for t, e in items:
             s = self._s(t)
             toks.append(s)
-            lps.append(lp)
+            lps.append(e.logprob)
             d: dict[str, float] = {}
-            for i, v in top:  # ids that decode alike share a key: keep the likelier
+            for i, v in e.top.items():  # ids that decode alike share a key: keep the likelier
                 d.setdefault(self._s(i), v)
             tops.append(d)
             offs.append(off)

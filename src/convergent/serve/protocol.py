@@ -11,9 +11,12 @@ naming the field (the API answers 400). vLLM extensions accepted: ``top_k``,
 from __future__ import annotations
 
 import math
+import random
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from convergent.serve.sampling import SamplingParams
 
 __all__ = [
     "ChatCompletionRequest",
@@ -104,6 +107,23 @@ class _Sampling(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def logprob_count(self) -> int:
+        """Logprobs asked for: -1 none; k >= 0 the chosen token's and the top k."""
+        raise NotImplementedError
+
+    def sampling_params(self, choice: int = 0) -> SamplingParams:
+        """The engine's sampling settings of choice ``choice`` (0-based, of ``n``): unset
+        fields are off (greedy, no top-k / top-p, no logprobs); the seed is ``seed +
+        choice``, or drawn at random when the request has none."""
+        return SamplingParams(
+            temperature=self.temperature or 0.0,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else 0,
+            top_p=self.top_p if self.top_p is not None else 1.0,
+            seed=random.getrandbits(31) if self.seed is None else self.seed + choice,
+            logprobs=self.logprob_count,
+        )
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
@@ -118,6 +138,10 @@ class CompletionRequest(_Sampling):
         ]
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @property
+    def logprob_count(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
 
 
 class TextPart(_Strict):
@@ -153,6 +177,10 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def logprob_count(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
 
 def _loc(loc: tuple) -> str:

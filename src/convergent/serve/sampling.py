@@ -1,6 +1,12 @@
 """Token sampling on the last stage: greedy, temperature, top-k, top-p, per-row seeds,
 and log-probabilities of the chosen and the most likely tokens.
 
+One :class:`SamplingParams` per request carries the API's sampling fields from the
+protocol model (:meth:`convergent.serve.protocol._Sampling.sampling_params`) through the
+engine's :class:`~convergent.serve.scheduler_base.Request`; the engine gathers the rows
+of a micro-batch into one :class:`RowParams` (:meth:`RowParams.add`), which the last
+stage hands to :func:`sample_rows` and :func:`row_logprobs` as it is.
+
 The order of the filters is that of transformers' ``generate``: temperature, then top-k,
 then top-p (the nucleus keeps the smallest set whose probability reaches ``top_p``, at
 least one token). Each sampled row draws from its own ``torch.Generator`` seeded with the
@@ -13,18 +19,60 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["RowParams", "filter_logits", "sample_rows"]
+__all__ = [
+    "RowParams",
+    "SamplingParams",
+    "TokenLogprobs",
+    "filter_logits",
+    "row_logprobs",
+    "sample_rows",
+]
+
+SEED_STRIDE = 1_000_003  # a row's seed: request seed * SEED_STRIDE + token position
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are drawn (defaults: greedy, no logprobs)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0  # 1.0: off
+    seed: int = 0  # with the token's position, the seed of each draw
+    logprobs: int = -1  # -1: none; k >= 0: the chosen token's logprob and the top k
+
+    def row_seed(self, position: int) -> int:
+        """The seed of the draw of the token at ``position`` (tokens before it)."""
+        return self.seed * SEED_STRIDE + position
 
 
 @dataclass
 class RowParams:
-    """Sampling settings of the rows of one micro-batch (plain lists: cheap to pickle)."""
+    """Sampling settings of the sampled rows of one micro-batch, as columns (plain lists:
+    cheap to pickle); row ``i`` is the ``i``-th :meth:`add`."""
 
     temperatures: list[float] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)  # per row: request seed and position
     top_ks: list[int] = field(default_factory=list)  # <= 0: off
     top_ps: list[float] = field(default_factory=list)  # 1.0: off
     logprobs: list[int] = field(default_factory=list)  # -1: none; k: chosen + top k
+
+    def add(self, p: SamplingParams, position: int) -> None:
+        """Append the row of a request sampling the token at ``position``."""
+        self.temperatures.append(p.temperature)
+        self.seeds.append(p.row_seed(position))
+        self.top_ks.append(p.top_k)
+        self.top_ps.append(p.top_p)
+        self.logprobs.append(p.logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities (nats, raw distribution) of a sampled token and of the ``k``
+    most likely tokens at its position."""
+
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # token id -> logprob, likeliest first
 
 
 def filter_logits(logits, temperature: float, top_k: int, top_p: float):
@@ -44,30 +92,35 @@ def filter_logits(logits, temperature: float, top_k: int, top_p: float):
     return x
 
 
-def sample_rows(logits, p: RowParams) -> tuple[list[int], list[tuple | None]]:
-    """Sampled token per row of ``logits`` [R, V] (float32) and, where asked, its logprob
-    info ``(logprob, [(token, logprob), ...top k])``."""
+def sample_rows(logits, p: RowParams) -> list[int]:
+    """The sampled token of each row of ``logits`` [R, V] (float32): the argmax where the
+    temperature is 0, else a seeded draw from the filtered distribution."""
     import torch
 
     toks = logits.argmax(-1).tolist()
-    n = len(toks)
-    temps = p.temperatures or [0.0] * n
-    for i, t in enumerate(temps):
-        if t and t > 0:
-            k = p.top_ks[i] if p.top_ks else 0
-            tp = p.top_ps[i] if p.top_ps else 1.0
-            x = filter_logits(logits[i].cpu(), t, k, tp)
+    for i, t in enumerate(p.temperatures):
+        if t > 0:
+            x = filter_logits(logits[i].cpu(), t, p.top_ks[i], p.top_ps[i])
             g = torch.Generator().manual_seed(p.seeds[i] & 0x7FFFFFFFFFFF)
             toks[i] = int(torch.multinomial(torch.softmax(x, -1), 1, generator=g))
-    info: list[tuple | None] = [None] * n
-    if p.logprobs and any(k >= 0 for k in p.logprobs):
-        lp = torch.log_softmax(logits, -1).cpu()
-        for i, k in enumerate(p.logprobs):
-            if k < 0:
-                continue
-            top = []
-            if k > 0:
-                v, ix = torch.topk(lp[i], min(k, lp.shape[1]))
-                top = list(zip(ix.tolist(), v.tolist(), strict=True))
-            info[i] = (float(lp[i, toks[i]]), top)
-    return toks, info
+    return toks
+
+
+def row_logprobs(logits, toks: list[int], p: RowParams) -> list[TokenLogprobs | None]:
+    """Per row, the logprobs of its sampled token ``toks[i]`` and its top ``k`` where the
+    row asks for them (``p.logprobs[i] >= 0``), else ``None``."""
+    import torch
+
+    info: list[TokenLogprobs | None] = [None] * len(toks)
+    if not any(k >= 0 for k in p.logprobs):
+        return info
+    lp = torch.log_softmax(logits, -1).cpu()
+    for i, k in enumerate(p.logprobs):
+        if k < 0:
+            continue
+        top: dict[int, float] = {}
+        if k > 0:
+            v, ix = torch.topk(lp[i], min(k, lp.shape[1]))
+            top = dict(zip(ix.tolist(), v.tolist(), strict=True))
+        info[i] = TokenLogprobs(float(lp[i, toks[i]]), top)
+    return info

@@ -38,6 +38,7 @@ from convergent.serve.scheduler_base import (
     Item,
     MicroBatch,
     Request,
+    RequestStatus,
     Scheduler,
     SchedulerConfig,
 )
@@ -45,6 +46,7 @@ from convergent.serve.tdpipe import TDPipeScheduler, predicted_peak_blocks, pred
 
 __all__ = [
     "Request",
+    "RequestStatus",
     "Item",
     "MicroBatch",
     "SchedulerConfig",
@@ -70,7 +72,7 @@ class InterleavedScheduler(Scheduler):
         pool = self._idle_running()
         # 1. requests already running: decodes and unfinished chunked prefills
         for r in sorted(pool, key=lambda x: x.admit_order):
-            if r.state != "running" or r.in_flight:
+            if r.state != RequestStatus.RUNNING or r.in_flight:
                 continue
             n_left = r.total_len - r.num_computed
             if n_left == 1:

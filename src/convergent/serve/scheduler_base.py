@@ -1,10 +1,11 @@
 """Request state and the scheduler base class shared by every policy.
 
-:class:`Request` (a request's tokens, KV progress and sampling settings), :class:`Item` /
-:class:`MicroBatch` (what one micro-batch computes), :class:`SchedulerConfig` (budgets and
-knobs) and :class:`Scheduler` (queueing, admission, completion, preemption by recompute,
-stall resolution). The policies are in :mod:`convergent.serve.scheduler` (sequential,
-interleaved) and :mod:`convergent.serve.tdpipe`.
+:class:`Request` (a request's tokens, KV progress and sampling settings, its
+:class:`RequestStatus`), :class:`Item` / :class:`MicroBatch` (what one micro-batch
+computes), :class:`SchedulerConfig` (budgets and knobs) and :class:`Scheduler` (queueing,
+admission, completion, preemption by recompute, stall resolution). The policies are in
+:mod:`convergent.serve.scheduler` (sequential, interleaved) and
+:mod:`convergent.serve.tdpipe`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,23 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
 
+from convergent.serve.config import ServeConfig
 from convergent.serve.costs import BatchShape, CostTable
 from convergent.serve.kv_cache import BlockManager
+from convergent.serve.sampling import SamplingParams, TokenLogprobs
 
-__all__ = ["Item", "MicroBatch", "Request", "Scheduler", "SchedulerConfig"]
+__all__ = ["Item", "MicroBatch", "Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
+
+
+class RequestStatus(StrEnum):
+    """Where a request is: queued, admitted (holding KV), or done (its value is the
+    plain string, so JSON and comparisons with ``"finished"`` stay as they were)."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)
@@ -29,24 +41,25 @@ class Request:
     max_tokens: int
     predicted_len: int = 0  # predicted output tokens (tdpipe admission)
     stop_ids: frozenset[int] = frozenset()
-    temperature: float = 0.0
-    seed: int = 0
-    top_k: int = 0  # <= 0: off
-    top_p: float = 1.0
-    logprobs: int = -1  # -1: none; k >= 0: chosen token's logprob and the top k
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
-    state: str = "waiting"  # waiting | running | finished
+    state: RequestStatus = RequestStatus.WAITING
     in_flight: bool = False
     finish_reason: str | None = None
     preemptions: int = 0
     admit_order: int = -1
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_logprobs: list = field(default_factory=list)  # per output token, where asked
+    # per output token where sampling.logprobs >= 0 (None where the stage sent none)
+    token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     error: str | None = None  # why it ended with finish_reason "error"
     retryable: bool = False  # ended by a failure before any of it reached the stages
+
+    @property
+    def finished(self) -> bool:
+        return self.state == RequestStatus.FINISHED
 
     @property
     def total_len(self) -> int:
@@ -95,7 +108,7 @@ class SchedulerConfig:
     ignore_eos: bool = False
 
     @classmethod
-    def from_serve(cls, cfg: Any, ignore_eos: bool = False) -> SchedulerConfig:
+    def from_serve(cls, cfg: ServeConfig, ignore_eos: bool = False) -> SchedulerConfig:
         """The scheduler budgets and knobs of a ``serve`` config section."""
         return cls(
             max_num_seqs=cfg.max_num_seqs,
@@ -175,7 +188,7 @@ class Scheduler:
             if r is None:  # dropped after it finished (aborted while in flight)
                 continue
             r.in_flight = False
-            if r.state != "running":
+            if r.state != RequestStatus.RUNNING:
                 continue
             r.num_computed = it.start + it.n
             if not it.sample:
@@ -190,13 +203,13 @@ class Scheduler:
                 self._finish(r, "stop", now)
             elif r.total_len >= self.cfg.max_model_len:
                 self._finish(r, "length", now)
-            if r.state == "finished":
+            if r.state == RequestStatus.FINISHED:
                 done.append(r)
         return done
 
     def abort(self, rid: int) -> None:
         r = self.requests.get(rid)
-        if r is None or r.state == "finished":
+        if r is None or r.state == RequestStatus.FINISHED:
             return
         if r in self.waiting:
             self.waiting.remove(r)
@@ -219,13 +232,13 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
         self.bm.free(r.rid)
-        r.state = "finished"
+        r.state = RequestStatus.FINISHED
         r.finish_reason = reason
         r.finish_time = now
         self.finished.append(r)
 
     def _admit_req(self, r: Request) -> None:
-        r.state = "running"
+        r.state = RequestStatus.RUNNING
         r.admit_order = next(self._admit)
         self.running.append(r)
 
@@ -234,7 +247,7 @@ class Scheduler:
         self.running.remove(victim)
         self.bm.free(victim.rid)
         victim.num_computed = 0
-        victim.state = "waiting"
+        victim.state = RequestStatus.WAITING
         victim.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -249,7 +262,10 @@ class Scheduler:
             victims = [
                 v
                 for v in pool
-                if v is not r and v.rid not in chosen and v.state == "running" and not v.in_flight
+                if v is not r
+                and v.rid not in chosen
+                and v.state == RequestStatus.RUNNING
+                and not v.in_flight
             ]
             if not victims:
                 return False

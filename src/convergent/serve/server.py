@@ -44,7 +44,7 @@ def serve_forever(
     from convergent.serve.tokenizer import load_tokenizer
 
     engine = Engine(model_dir, sc)
-    tok, note = load_tokenizer(model_dir, engine.mcfg.vocab_size)
+    tok, note = load_tokenizer(model_dir, engine.vocab_size)
     log(note)
     engine.start()
     try:
@@ -68,7 +68,7 @@ def serve_forever(
             log(f"error: {exc}")
             server.should_exit = True
 
-        engine.on_fatal = fatal
+        engine.add_fatal_listener(fatal)
         log(
             f"serving {model_dir} ({sc.scheduler}, {engine.num_stages} stage(s), context "
             f"{engine.context_limit} tokens) on http://{host}:{port}/v1"

@@ -4,7 +4,9 @@
 the LM head and sampling). :func:`stage_main` is a stage *process*: it joins a
 ``torch.distributed`` group (gloo on CPU, NCCL on GPU), receives batch metadata from the
 engine through a queue, receives activations point to point from the previous stage,
-and sends its output to the next stage (or sampled tokens back to the engine).
+and sends its output to the next stage (or sampled tokens back to the engine). The
+messages are the records of :mod:`convergent.serve.messages`; the layer split is
+training's too (:func:`convergent.models.layersplit.split_layers`).
 """
 
 from __future__ import annotations
@@ -15,46 +17,26 @@ import queue
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["BatchMeta", "StageRunner", "split_layers", "stage_main", "StageSpec"]
+from convergent.models.layersplit import split_layers, stage_layers
+from convergent.serve.messages import (
+    BatchMeta,
+    BatchResult,
+    Heartbeat,
+    RendezvousPort,
+    Sampled,
+    StageBusy,
+    StageError,
+    StageReady,
+    StopStage,
+)
 
+if TYPE_CHECKING:
+    import torch
 
-def split_layers(n_layers: int, stages: int) -> list[list[int]]:
-    """Contiguous, near-equal layer slices (earlier stages take the remainder)."""
-    if stages < 1 or stages > n_layers:
-        raise ValueError(f"cannot split {n_layers} layers over {stages} stages")
-    base, extra = divmod(n_layers, stages)
-    out, start = [], 0
-    for s in range(stages):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-@dataclass
-class BatchMeta:
-    """What the engine sends every stage for one micro-batch (plain lists: cheap to pickle)."""
-
-    bid: int
-    input_ids: list[int]  # packed new tokens (used by stage 0)
-    positions: list[int]
-    slots: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # packed row of the last token of each sampled item
-    sample_rids: list[int]
-    temperatures: list[float] = field(default_factory=list)
-    seeds: list[int] = field(default_factory=list)  # per sampled row (request seed + position)
-    top_ks: list[int] = field(default_factory=list)  # per sampled row; <= 0: off
-    top_ps: list[float] = field(default_factory=list)  # per sampled row; 1.0: off
-    logprobs: list[int] = field(default_factory=list)  # per sampled row; -1: none
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
+__all__ = ["StageRunner", "StageSpec", "split_layers", "stage_main"]
 
 
 @dataclass
@@ -83,11 +65,10 @@ class StageRunner:
 
         self.spec = spec
         self.torch = torch
-        self.last_logprobs: dict[int, tuple] = {}  # rid -> (logprob, top) of the last run
         self.dtype = getattr(torch, spec.dtype)
         cfg = read_config(spec.model_dir)
         self.config = cfg
-        self.layers = split_layers(cfg.num_hidden_layers, spec.num_stages)[spec.stage]
+        self.layers = stage_layers(cfg.num_hidden_layers, spec.stage, spec.num_stages)
         self.first = spec.stage == 0
         self.last = spec.stage == spec.num_stages - 1
         if spec.device.startswith("cuda"):
@@ -115,15 +96,14 @@ class StageRunner:
             self.device,
         )
 
-    def run(self, meta: BatchMeta, x=None):
+    def run(self, meta: BatchMeta, x: torch.Tensor | None = None) -> torch.Tensor | Sampled:
         """Stage 0 takes ``meta.input_ids``; others the previous stage's hidden ``x``.
 
-        Returns the hidden states (``[T, hidden]``) or, on the last stage, a dict
-        ``rid -> sampled token``.
+        Returns the hidden states (``[T, hidden]``) or, on the last stage, the
+        :class:`~convergent.serve.messages.Sampled` tokens (and logprobs where asked).
         """
         torch = self.torch
         from convergent.models.llama import PagedBatch
-        from convergent.serve.sampling import RowParams, sample_rows
 
         with torch.inference_mode():
             if self.first:
@@ -139,18 +119,20 @@ class StageRunner:
             h = self.model.model.forward_paged(x, batch, self.kv.layers)
             if not self.last:
                 return h
-            rows = self._ids(meta.sample_rows)
-            logits = self.model.logits(h.index_select(0, rows)).float()
-            toks, info = sample_rows(
-                logits,
-                RowParams(meta.temperatures, meta.seeds, meta.top_ks, meta.top_ps, meta.logprobs),
-            )
-            # logprob info (where asked) is kept beside the tokens for the caller
-            out = dict(zip(meta.sample_rids, toks, strict=True))
-            self.last_logprobs = {
-                r: x for r, x in zip(meta.sample_rids, info, strict=True) if x is not None
-            }
-            return out
+            return self._sample(meta, h)
+
+    def _sample(self, meta: BatchMeta, h: torch.Tensor) -> Sampled:
+        """The LM head on the sampled rows, then the sampler (fp32)."""
+        from convergent.serve.sampling import row_logprobs, sample_rows
+
+        logits = self.model.logits(h.index_select(0, self._ids(meta.sample_rows))).float()
+        toks = sample_rows(logits, meta.sampling)
+        lps = row_logprobs(logits, toks, meta.sampling)
+        rids = meta.sample_rids
+        return Sampled(
+            tokens=dict(zip(rids, toks, strict=True)),
+            logprobs={r: x for r, x in zip(rids, lps, strict=True) if x is not None},
+        )
 
     def _ids(self, values: list[int]):
         """int64 index tensor on this stage's device (CUDA: pinned, non-blocking copy)."""
@@ -160,15 +142,17 @@ class StageRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
 
-def _next_meta(in_q, parent: int, poll_s: float = 1.0):
-    """The engine's next message; ``None`` (stop) also when the engine process is gone
-    (killed by a signal: its daemon stages would otherwise wait forever)."""
+def _next_meta(in_q, parent: int, poll_s: float = 1.0) -> BatchMeta | None:
+    """The engine's next micro-batch; ``None`` on :class:`StopStage` and when the engine
+    process is gone (killed by a signal: its daemon stages would otherwise wait forever)."""
     while True:
         try:
-            return in_q.get(timeout=poll_s)
+            msg = in_q.get(timeout=poll_s)
         except queue.Empty:
             if os.getppid() != parent:
                 return None
+            continue
+        return None if isinstance(msg, StopStage) else msg
 
 
 def _start_heartbeat(out_q, stage: int, interval: float) -> None:
@@ -176,7 +160,7 @@ def _start_heartbeat(out_q, stage: int, interval: float) -> None:
 
     def beat():
         while True:
-            out_q.put(("hb", stage))
+            out_q.put(Heartbeat(stage))
             time.sleep(interval)
 
     threading.Thread(target=beat, name="stage-heartbeat", daemon=True).start()
@@ -194,10 +178,10 @@ def _join_pipeline(dist, spec: StageSpec, in_q, out_q, backend: str, timeout_s: 
         store = dist.TCPStore(
             "127.0.0.1", 0, p, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        out_q.put(("port", store.port))
+        out_q.put(RendezvousPort(store.port))
     else:
-        port = in_q.get(timeout=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, p, is_master=False, timeout=timeout)
+        port: RendezvousPort = in_q.get(timeout=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port.port, p, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=spec.stage, world_size=p, timeout=timeout)
 
 
@@ -206,72 +190,81 @@ def stage_main(
 ) -> None:
     """Entry point of a stage process (``multiprocessing`` spawn target).
 
-    Messages to ``out_q``: ``("port", port)`` (stage 0's rendezvous store), ``("ready",
-    stage, kv_bytes)``, ``("busy", stage, bid, t0, t1)``,
-    ``("result", bid, {rid: token}, t0, t1, {rid: logprob info})``, ``("error", stage,
-    traceback)`` and, every ``hb_interval`` seconds from a side thread, ``("hb", stage)``
-    (the engine's liveness check).
+    Sends to ``out_q`` (:mod:`convergent.serve.messages`): :class:`RendezvousPort` (stage
+    0), :class:`StageReady`, then per micro-batch :class:`StageBusy` (or, on the last
+    stage, :class:`BatchResult`), a :class:`StageError` when it fails and, every
+    ``hb_interval`` seconds from a side thread, a :class:`Heartbeat` (the engine's
+    liveness check).
     """
     try:
         import torch
-        import torch.distributed as dist
 
         torch.set_num_threads(max(1, spec.threads))
         parent = os.getppid()
         runner = StageRunner(spec)
-        p = spec.num_stages
-        device_gpu = runner.device.type == "cuda"
-        if p > 1:
-            backend = "nccl" if device_gpu else "gloo"
+        if spec.num_stages > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if runner.device.type == "cuda" else "gloo"
             _join_pipeline(dist, spec, in_q, out_q, backend, rdzv_timeout_s)
-        out_q.put(("ready", spec.stage, runner.kv.nbytes))
+        out_q.put(StageReady(spec.stage, runner.kv.nbytes))
         _start_heartbeat(out_q, spec.stage, hb_interval)
-        hidden = runner.config.hidden_size
-        pending: deque = deque()
-
-        def post_recv(meta):
-            """Post the receive of ``meta``'s activations (later stages); returns
-            ``(meta, tensor, work)``."""
-            if runner.first:
-                return meta, None, None
-            x = torch.empty(meta.num_tokens, hidden, dtype=runner.dtype, device=runner.device)
-            return meta, x, dist.irecv(x, src=spec.stage - 1)
-
-        nxt = None  # the next micro-batch, its receive already posted
-        stop = False  # the engine's stop message was read ahead
-        while True:
-            if nxt is None:
-                meta = None if stop else _next_meta(in_q, parent)
-                if meta is None:
-                    break
-                nxt = post_recv(meta)
-            meta, x, work = nxt
-            nxt = None
-            if work is not None:
-                work.wait()
-            if not runner.first:
-                # post the next receive before computing: the transfer overlaps this
-                # micro-batch instead of starting after it (stage turnaround)
-                with contextlib.suppress(queue.Empty):
-                    ahead = in_q.get_nowait()
-                    if ahead is None:
-                        stop = True
-                    else:
-                        nxt = post_recv(ahead)
-            t0 = time.monotonic()
-            out = runner.run(meta, x)
-            t1 = time.monotonic()
-            if runner.last:
-                out_q.put(("result", meta.bid, out, t0, t1, runner.last_logprobs))
-            else:
-                out = out.contiguous()
-                pending.append((dist.isend(out, dst=spec.stage + 1), out))
-                while len(pending) > 8:
-                    pending.popleft()[0].wait()
-                out_q.put(("busy", spec.stage, meta.bid, t0, t1))
-        while pending:
-            pending.popleft()[0].wait()
-        if p > 1:
-            dist.destroy_process_group()
+        _serve_batches(runner, in_q, out_q, parent)
     except Exception:  # report instead of hanging the engine
-        out_q.put(("error", spec.stage, traceback.format_exc()))
+        out_q.put(StageError(spec.stage, traceback.format_exc()))
+
+
+def _serve_batches(runner: StageRunner, in_q, out_q, parent: int) -> None:
+    """Run micro-batches until the engine says stop: receive activations (the next
+    receive posted before computing this one), compute, send on or report."""
+    import torch
+    import torch.distributed as dist
+
+    stage, p = runner.spec.stage, runner.spec.num_stages
+    hidden = runner.config.hidden_size
+    pending: deque = deque()
+
+    def post_recv(meta: BatchMeta):
+        """Post the receive of ``meta``'s activations (later stages); returns
+        ``(meta, tensor, work)``."""
+        if runner.first:
+            return meta, None, None
+        x = torch.empty(meta.num_tokens, hidden, dtype=runner.dtype, device=runner.device)
+        return meta, x, dist.irecv(x, src=stage - 1)
+
+    nxt = None  # the next micro-batch, its receive already posted
+    stop = False  # the engine's stop message was read ahead
+    while True:
+        if nxt is None:
+            meta = None if stop else _next_meta(in_q, parent)
+            if meta is None:
+                break
+            nxt = post_recv(meta)
+        meta, x, work = nxt
+        nxt = None
+        if work is not None:
+            work.wait()
+        if not runner.first:
+            # post the next receive before computing: the transfer overlaps this
+            # micro-batch instead of starting after it (stage turnaround)
+            with contextlib.suppress(queue.Empty):
+                ahead = in_q.get_nowait()
+                if isinstance(ahead, StopStage):
+                    stop = True
+                else:
+                    nxt = post_recv(ahead)
+        t0 = time.monotonic()
+        out = runner.run(meta, x)
+        t1 = time.monotonic()
+        if runner.last:
+            out_q.put(BatchResult(meta.bid, out, t0, t1))
+        else:
+            out = out.contiguous()
+            pending.append((dist.isend(out, dst=stage + 1), out))
+            while len(pending) > 8:
+                pending.popleft()[0].wait()
+            out_q.put(StageBusy(stage, meta.bid, t0, t1))
+    while pending:
+        pending.popleft()[0].wait()
+    if p > 1:
+        dist.destroy_process_group()

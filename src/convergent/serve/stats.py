@@ -1,10 +1,11 @@
-"""Timings of one engine's life: per-stage busy intervals, KV use, per-batch log."""
+"""Timings of one engine's life (per-stage busy intervals, KV use, per-batch log) and the
+snapshots the HTTP layer reads: KV usage, load, serving stats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["EngineStats"]
+__all__ = ["EngineLoad", "EngineStats", "KVUsage", "ServingStats"]
 
 
 @dataclass
@@ -43,3 +44,45 @@ class EngineStats:
             "kv_blocks": num_blocks,
             "engine_decide_s": self.decide_s,
         }
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """An engine's KV cache in blocks: all of them, in use now, the most ever in use."""
+
+    blocks: int
+    used: int
+    peak: int
+
+    @property
+    def fraction(self) -> float:
+        """Blocks in use over all blocks (0 when there are none)."""
+        return self.used / max(1, self.blocks)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the dispatcher routes by (``GET /load``): requests, tokens, KV use."""
+
+    healthy: bool  # accepting requests
+    waiting: int  # requests not yet admitted
+    running: int  # admitted requests (holding KV)
+    queued_tokens: int  # prompt + max_tokens of the waiting requests
+    kv_used_fraction: float
+
+
+@dataclass(frozen=True)
+class ServingStats:
+    """An online engine's state for ``GET /stats``."""
+
+    scheduler: str
+    num_stages: int
+    kv_blocks: int
+    kv_used_blocks: int
+    kv_peak_blocks: int
+    kv_budget_bytes: int
+    kv_allocated_bytes: int
+    context_limit: int  # tokens (prompt + output) of one request
+    preemptions: int
+    restarts: int
+    last_failure: str | None

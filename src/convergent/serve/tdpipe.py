@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from convergent.serve.costs import BatchShape
-from convergent.serve.scheduler_base import Item, MicroBatch, Request, Scheduler
+from convergent.serve.scheduler_base import Item, MicroBatch, Request, RequestStatus, Scheduler
 
 __all__ = ["TDPipeScheduler", "predicted_peak_blocks", "predicted_peak_tokens"]
 
@@ -228,7 +228,7 @@ class TDPipeScheduler(Scheduler):
         for r in list(pool):
             if len(items) >= target:
                 break
-            if r.state != "running":
+            if r.state != RequestStatus.RUNNING:
                 continue
             if not self._reserve_decode(r, pool, {it.rid for it in items}):
                 break
