@@ -175,7 +175,8 @@ class Campaign:
             dataset=data[0], extra_datasets=data[1:], steps=steps, lr=L.lr,
             batch_atoms=L.batch_atoms, force_weight=L.force_weight,
             seed=_seed("member", L.seed, rnd, k), bootstrap=L.bootstrap, init_from=init,
-            refit_reference=L.refit_reference and not (rnd == 1 and L.init_model))
+            init_reference="refit" if L.refit_reference and not (rnd == 1 and L.init_model)
+            else "keep")
         return tasks.member_config(self.cfg, train)
 
     def train(self, rnd: int) -> dict[str, Any]:

@@ -59,7 +59,17 @@ class TrainConfig(Section):
     record_order: Literal["stored", "key"] = "stored"
     bootstrap: bool = False  # train on a resample with replacement (seeded by ``seed``)
     init_from: PathStr | None = None  # warm start: a saved model directory (models.io)
-    refit_reference: bool = True  # with init_from: refit the element references on the data
+    # with init_from, the element references: refit on this data (offsets, scale, shift),
+    # refit the offsets only and keep the network's scale (fine-tuning to another level of
+    # theory), or keep the warm model's
+    init_reference: Literal["refit", "offsets", "keep"] = "refit"
+    # fine-tuning: parameters whose names match a pattern here (fnmatch, e.g. "embedding.*")
+    # are frozen; param_lr maps patterns to LR multipliers (first match wins; others 1)
+    freeze: list[str] = []
+    param_lr: dict[str, Annotated[float, Field(gt=0)]] = {}
+    # > 0: keep an exponential moving average of the weights (decay ramped as
+    # (1+step)/(10+step) early on) and end with it; mid-run checkpoints hold the raw weights
+    ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
     steps: Count = 300  # optimizer steps
     lr: Positive = 1e-3
     min_lr_ratio: Fraction = 0.1  # cosine decays to lr * min_lr_ratio

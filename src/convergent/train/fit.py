@@ -7,6 +7,7 @@ the same seed and data give the same parameters.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,24 @@ def export_final(cfg: Any, task: Any, last_checkpoint: str | Path, directory: Pa
 def fit(cfg: Any, run_dir: str | Path, export_to: str | Path | None = None) -> dict[str, Any]:
     """Train ``cfg`` (a ConvergentConfig) in this process with the Trainer, writing metrics
     and checkpoints under ``run_dir``; export the final model to ``export_to`` (default
-    ``<run_dir>/ckpt/final``). Returns the Trainer's summary with ``final_dir``."""
+    ``<run_dir>/ckpt/final``). Sets this process's torch threads to ``train.threads``.
+    Returns the Trainer's summary with ``final_dir``."""
+    from convergent.resources import set_torch_threads
     from convergent.train.trainer import Trainer
 
+    set_torch_threads(cfg.train.threads)  # as a `convergent train` process does
     run = RunDir(Path(run_dir))
     run.path.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, run)
-    summary = trainer.train()
-    task = trainer.task
-    del trainer
+    with warnings.catch_warnings():  # DCP says it assumes one process: it is one here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        trainer = Trainer(cfg, run)
+        summary = trainer.train()
+        task = trainer.task
+        del trainer
     if task.kind == "molecular":
         summary["train_records"] = len(task.data)
     dest = Path(export_to) if export_to is not None else run.ckpt / "final"
-    summary["final_dir"] = str(export_final(cfg, task, summary["last_checkpoint"], dest))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        summary["final_dir"] = str(export_final(cfg, task, summary["last_checkpoint"], dest))
     return summary

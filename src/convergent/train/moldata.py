@@ -10,6 +10,7 @@ so the rank shares add up to the global-batch loss exactly.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -127,19 +128,26 @@ class MoleculeSource:
 
 def build(cfg: Any, source: MoleculeSource) -> nn.Module:
     """The molecular model with element reference energies fitted on the training set, or
-    warm-started from ``train.init_from`` (references refitted on the training set with
-    ``train.refit_reference``). It records every element of the records it fitted on."""
+    warm-started from ``train.init_from`` (its references refitted as
+    ``train.init_reference`` says), with ``train.freeze``'s parameters frozen. It records
+    every element of the records it fitted on."""
     model = build_model(cfg.model)
     recs = [source.record(i) for i in range(min(len(source), 5000))]
     t = cfg.train
+    mode = t.init_reference if t.init_from else "refit"
     if t.init_from:
         warm, _ = load_model(t.init_from, "cpu")
         model.load_state_dict(warm.state_dict())
         model.trained_elements = warm.trained_elements
-    if not t.init_from or t.refit_reference:
-        model.set_reference(fit_reference_energies(recs))
+    if mode != "keep":
+        ref = fit_reference_energies(recs)
+        if mode == "offsets":  # the network was trained in the warm model's units
+            ref.scale, ref.shift = float(model.scale), float(model.shift)
+        model.set_reference(ref)
     seen = {int(z) for r in recs for z in r["numbers"]}
     model.trained_elements = tuple(sorted(seen | set(model.trained_elements or ())))
+    for name, p in model.named_parameters():
+        p.requires_grad_(not any(fnmatch.fnmatch(name, pat) for pat in t.freeze))
     return model
 
 

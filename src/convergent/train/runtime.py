@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 import os
@@ -50,3 +51,16 @@ def maybe_fault(rank: int, step: int) -> None:
         log.warning("fault injection: SIGKILL rank %d at step %d", rank, step)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def param_groups(model: Any, lr: float, patterns: dict[str, float]) -> list[dict[str, Any]]:
+    """Optimizer groups of ``model``'s trainable parameters: those whose name matches a
+    pattern of ``patterns`` (fnmatch; the first match wins) at ``lr`` times its multiplier,
+    the rest at ``lr`` (``train.param_lr``). One group, in parameter order, without
+    patterns."""
+    groups: dict[float, list[Any]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            mult = next((m for pat, m in patterns.items() if fnmatch.fnmatch(name, pat)), 1.0)
+            groups.setdefault(mult, []).append(p)
+    return [{"params": ps, "lr": lr * m} for m, ps in groups.items()]

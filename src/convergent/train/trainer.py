@@ -43,10 +43,11 @@ from convergent.runsdb.records import next_attempt
 from convergent.train import precision
 from convergent.train.affinity import ranks_record
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
+from convergent.train.ema import WeightAverage
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
 from convergent.train.preempt import Preempted, Preemption
 from convergent.train.prefetch import Prefetcher
-from convergent.train.runtime import lr_lambda, maybe_fault, pick_device
+from convergent.train.runtime import lr_lambda, maybe_fault, param_groups, pick_device
 from convergent.train.steplog import StepLog, reduce_sums
 from convergent.train.taskapi import MicroBatch, Task
 from convergent.train.tasks import make_task
@@ -79,11 +80,12 @@ class Trainer:
         t = cfg.train
         self.optims = [
             torch.optim.AdamW(
-                p.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                param_groups(p, t.lr, t.param_lr), lr=t.lr, weight_decay=t.weight_decay,
                 foreach=self.device.type == "cuda",  # one kernel per op group on GPU
             )
             for p in self.par.parts
         ]
+        self.ema = WeightAverage(self.par.parts, t.ema_decay) if t.ema_decay > 0 else None
         self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in self.optims]
         self.scaler = precision.grad_scaler(
             cfg.precision.dtype, self.device.type, cfg.precision.init_scale
@@ -324,68 +326,79 @@ class Trainer:
         finally:
             feed.close()
 
-    def _loop(self, feed: Prefetcher, t_start: float, steps: int, last_ckpt: int) -> dict[str, Any]:
+    def _step(self, feed: Prefetcher, step: int, steps: int) -> None:
+        """One optimizer step: data, forward/backward, optimizer, EMA, its record."""
+        par = self.par
+        maybe_fault(self.rank, step)
+        self.timer.reset()
+        start_time = time.time()
+        par.comm.reset()
+        with self.timer.section("data_wait"):  # CUDA: the time the device waited
+            mbs = feed.get(step)
+        blocked = self._comm_clock()
+        if par.strategy == "pipeline":
+            sums = self._pipeline_step(mbs)
+        else:
+            sums = self._forward_backward(mbs)
+        feed.ahead()  # the next batch's copy overlaps this step's GPU work
+        self.timer.move("compute", "comm", self._comm_clock() - blocked)
+        lr = self.scheds[0].get_last_lr()[0]
+        blocked = self._comm_clock()
+        grad_norm = self._optimizer_step()
+        self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
+        if self.ema is not None:
+            self.ema.update(step)
+            if step + 1 == steps:
+                self.ema.install()  # the final checkpoint and export are the average
+        timing = self.timer.snapshot()  # resolved when the record is written
+        rec = TrainStep(
+            step=step + 1, attempt=self.attempt, lr=lr,
+            grad_norm=grad_norm,  # type: ignore[arg-type]  # a device tensor until written
+            start_time=start_time,  # unix s at step start (wall-clock throughput)
+            peak_mem_bytes=peak_memory_bytes(self.device),
+            # gradient payload counted by the DDP comm hook (None: not instrumented)
+            comm_bytes=par.comm.bytes if par.strategy == "ddp" else None,
+            strategy=par.strategy, world=self.world,
+            loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
+        )
+        self.steps.add(sums, rec, timing)
+
+    def _after_step(self, done: int, steps: int) -> bool:
+        """Metrics flush, validation, checkpoint and preemption after step ``done``;
+        whether a checkpoint was saved. Raises :class:`Preempted` when asked to stop."""
         cfg, par = self.cfg, self.par
-        for step in range(self.start_step, steps):
-            maybe_fault(self.rank, step)
-            self.timer.reset()
-            start_time = time.time()
-            par.comm.reset()
-            with self.timer.section("data_wait"):  # CUDA: the time the device waited
-                mbs = feed.get(step)
-            blocked = self._comm_clock()
-            if par.strategy == "pipeline":
-                sums = self._pipeline_step(mbs)
-            else:
-                sums = self._forward_backward(mbs)
-            feed.ahead()  # the next batch's copy overlaps this step's GPU work
-            self.timer.move("compute", "comm", self._comm_clock() - blocked)
-            lr = self.scheds[0].get_last_lr()[0]
-            blocked = self._comm_clock()
-            grad_norm = self._optimizer_step()
-            self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
-            timing = self.timer.snapshot()  # resolved when the record is written
-            done = step + 1
-            rec = TrainStep(
-                step=done, attempt=self.attempt, lr=lr,
-                grad_norm=grad_norm,  # type: ignore[arg-type]  # a device tensor until written
-                start_time=start_time,  # unix s at step start (wall-clock throughput)
-                peak_mem_bytes=peak_memory_bytes(self.device),
-                # gradient payload counted by the DDP comm hook (None: not instrumented)
-                comm_bytes=par.comm.bytes if par.strategy == "ddp" else None,
-                strategy=par.strategy, world=self.world,
-                loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
-            )
-            self.steps.add(sums, rec, timing)
-            val_every = cfg.train.val_every
-            is_val = done == steps or (val_every and done % val_every == 0)
-            is_ckpt = done == steps or (
-                cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0
-            )
-            if is_val or is_ckpt or len(self.steps.pending) >= max(1, cfg.metrics.reduce_every):
-                self.steps.flush()
-            if is_val:
-                vrec = self.validate(done)
-                if vrec is not None:
-                    self.val_history.append(vrec)
-                    if self.sinks is not None:
-                        self.sinks.write(vrec.to_dict())
-            if is_ckpt:
+        val_every = cfg.train.val_every
+        is_val = done == steps or (val_every and done % val_every == 0)
+        is_ckpt = done == steps or bool(cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0)
+        if is_val or is_ckpt or len(self.steps.pending) >= max(1, cfg.metrics.reduce_every):
+            self.steps.flush()
+        if is_val:
+            vrec = self.validate(done)
+            if vrec is not None:
+                self.val_history.append(vrec)
+                if self.sinks is not None:
+                    self.sinks.write(vrec.to_dict())
+        if is_ckpt:
+            self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
+            if self.sinks is not None:
+                self.sinks.commit(done)  # steps up to here are never replayed
+        if done < steps and self.preempt.requested():  # collective when enabled
+            self.steps.flush()
+            if not is_ckpt:
                 self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
-                if self.sinks is not None:
-                    self.sinks.commit(done)  # steps up to here are never replayed
-                last_ckpt = done
-            if done < steps and self.preempt.requested():  # collective when enabled
-                self.steps.flush()
-                if not is_ckpt:
-                    self.ckpt.save(done, par.parts, self.optims, self._extra(done),
-                                   self._local())
-                self.ckpt.wait()
-                if self.sinks is not None:
-                    self.sinks.write({"kind": "train.preempted", "step": done,
-                                      "signal": self.preempt.signal_name})
-                    self.sinks.close()
-                raise Preempted(done)
+            self.ckpt.wait()
+            if self.sinks is not None:
+                self.sinks.write({"kind": "train.preempted", "step": done,
+                                  "signal": self.preempt.signal_name})
+                self.sinks.close()
+            raise Preempted(done)
+        return is_ckpt
+
+    def _loop(self, feed: Prefetcher, t_start: float, steps: int, last_ckpt: int) -> dict[str, Any]:
+        for step in range(self.start_step, steps):
+            self._step(feed, step, steps)
+            if self._after_step(step + 1, steps):
+                last_ckpt = step + 1
         self.steps.flush()
         self.ckpt.wait()
         if self.sinks is not None:
@@ -399,6 +412,6 @@ class Trainer:
             "final": self.history[-1].to_dict() if self.history else None,
             "val": self.val_history[-1].to_dict() if self.val_history else None,
             "world": self.world,
-            "strategy": par.strategy,
+            "strategy": self.par.strategy,
             "placement": self.placement,
         }
