@@ -53,136 +53,140 @@ def _predictor(cfg, scale: float = 1.0):
     return make_predictor(cfg.serve.predictor, cfg.serve.predictor_path, length_scale=scale)
 
 
+def _serve(
+    config: Path | None = CONFIG_ARG,
+    sets: list[str] | None = SET_OPT,
+    model: Path | None = MODEL_OPT,
+    quantize: str | None = QUANT_OPT,
+    host: str | None = typer.Option(None, help="Bind address (default serve.host, 127.0.0.1)."),
+    port: int | None = typer.Option(None, min=1, max=65535, help="Port (default serve.port)."),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="CONVERGENT_API_KEY", help="Require this bearer key."
+    ),
+    instances: int | None = typer.Option(
+        None,
+        "--instances",
+        min=1,
+        max=64,
+        help="Instances behind one dispatcher (serve.instances; given, even 1, a dispatcher runs).",
+    ),
+) -> None:
+    """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
+    /health, /metrics); with serve.instances > 1 (or --instances), N instances behind
+    a load-aware dispatcher."""
+    sets = _with_quant(sets, quantize)
+    cfg = config_from_cli(config, sets)
+    from convergent.resources import check_port_free
+
+    check_port_free(host or cfg.serve.host, port or cfg.serve.port)  # before loading anything
+    mdir = _model_dir(cfg, model)
+    sc = cfg.serve
+    if instances is not None:
+        sc = sc.model_copy(update={"instances": instances})
+    key = api_key if api_key is not None else sc.api_key
+    if sc.instances > 1 or sc.instance_urls or instances is not None:  # dispatched
+        from convergent.serve.dispatch import run_dispatcher
+
+        run_dispatcher(mdir, sc, host or sc.host, port or sc.port, key, config, sets)
+        return
+    from convergent.serve.server import serve_forever
+
+    pred = _predictor(cfg) if sc.scheduler == "tdpipe" and sc.predictor != "oracle" else None
+    serve_forever(mdir, sc, host or sc.host, port or sc.port, key, pred)
+
+
+def _generate(
+    prompt: str = typer.Argument(..., help="Prompt text (byte-level tokenizer)."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
+    sets: list[str] | None = SET_OPT,
+    model: Path | None = MODEL_OPT,
+    quantize: str | None = QUANT_OPT,
+    max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1, help="Tokens to generate."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
+    ids: bool = typer.Option(False, "--ids", help="Print token ids instead of text."),
+) -> None:
+    """Generate a completion for one prompt through the pipeline."""
+    sets = _with_quant(sets, quantize)
+    cfg = config_from_cli(config, sets)
+    from convergent.errors import InputError
+    from convergent.models.llama import read_config
+    from convergent.serve.engine import Engine
+    from convergent.serve.tokenizer import load_tokenizer
+
+    mdir = _model_dir(cfg, model)
+    if max_tokens < 1:
+        raise InputError("--max-tokens must be at least 1")
+    tok, note = load_tokenizer(mdir, read_config(mdir).vocab_size)
+    if tok is None:
+        raise InputError(note.removeprefix("tokenizer: "))
+    with Engine(mdir, cfg.serve.model_copy(update={"profile_costs": False})) as eng:
+        prompt_ids = tok.encode(prompt)
+        limit = eng.context_limit
+        if len(prompt_ids) + max_tokens > limit:
+            raise InputError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context limit of {limit} tokens",
+                hint="shorten the prompt or lower --max-tokens",
+            )
+        req = eng.add_request(eng.make_request(prompt_ids, max_tokens, temperature=temperature))
+        eng.run()
+    typer.echo(dumps_json(req.output) if ids else tok.decode(req.output))
+
+
+def _bench(
+    config: Path | None = CONFIG_ARG,
+    sets: list[str] | None = SET_OPT,
+    model: Path | None = MODEL_OPT,
+    quantize: str | None = QUANT_OPT,
+    requests: int = typer.Option(64, "--requests", "-r", min=1, help="Trace requests."),
+    scale: float = typer.Option(
+        0.125, help="Scale trace lengths (1.0 = ShareGPT-like; smaller for laptops)."
+    ),
+    seed: int = typer.Option(0, help="Trace seed."),
+    out: Path = typer.Option(Path("bench-serve"), "--out", help="Output dir (JSON + PNG)."),
+) -> None:
+    """Offline throughput on a seeded ShareGPT-like trace: req/s, tok/s, bubbles, KV plot."""
+    sets = _with_quant(sets, quantize)
+    cfg = config_from_cli(config, sets)
+    from convergent.errors import InputError
+    from convergent.fsutil import atomic_write_text
+    from convergent.serve.offline import plot_kv_timeline, run_trace
+    from convergent.serve.workload import make_trace, scale_trace, trace_stats
+
+    if requests < 1 or scale <= 0:
+        raise InputError("--requests must be >= 1 and --scale > 0")
+    mdir = _model_dir(cfg, model)
+    trace = make_trace(requests, seed=seed)
+    if scale != 1.0:
+        trace = scale_trace(trace, scale)
+    sc = cfg.serve
+    pred = _predictor(cfg, scale)
+    res = run_trace(mdir, sc, trace, predictor=pred, progress=True)
+    res = {k: v for k, v in res.items() if not k.startswith("_")}
+    res["trace"] = trace_stats(trace)
+    res["predictor"] = sc.predictor
+    out.mkdir(parents=True, exist_ok=True)
+    png = plot_kv_timeline({sc.scheduler: res}, out / "kv_usage.png")
+    atomic_write_text(out / "bench_serve.json", dumps_json(res, indent=1, default=str))
+    typer.echo(
+        f"{sc.scheduler}: {res['requests']} requests in {res['wall_s']:.1f} s | "
+        f"{res['req_s']:.2f} req/s | input {res['input_tok_s']:.0f} tok/s | "
+        f"output {res['output_tok_s']:.0f} tok/s | total {res['total_tok_s']:.0f} tok/s"
+    )
+    for st in res["stages"]:
+        typer.echo(
+            f"  stage {st['stage']}: busy {st['busy_fraction']:.1%}, "
+            f"bubble {st['bubble_s']:.1f} s"
+        )
+    typer.echo(
+        f"  KV peak {res['kv_peak_blocks']}/{res['kv_blocks']} blocks; "
+        f"plot {png}; json {out / 'bench_serve.json'}"
+    )
+
+
 def register(app: typer.Typer) -> None:
     """Add `serve`, `generate` and `bench-serve` to the root app."""
+    app.command("serve")(_serve)
+    app.command("generate")(_generate)
+    app.command("bench-serve")(_bench)
 
-    @app.command("serve")
-    def _serve(
-        config: Path | None = CONFIG_ARG,
-        sets: list[str] | None = SET_OPT,
-        model: Path | None = MODEL_OPT,
-        quantize: str | None = QUANT_OPT,
-        host: str | None = typer.Option(None, help="Bind address (default serve.host, 127.0.0.1)."),
-        port: int | None = typer.Option(None, min=1, max=65535, help="Port (default serve.port)."),
-        api_key: str | None = typer.Option(
-            None, "--api-key", envvar="CONVERGENT_API_KEY", help="Require this bearer key."
-        ),
-        instances: int | None = typer.Option(
-            None,
-            "--instances",
-            min=1,
-            max=64,
-            help="Instances behind one dispatcher (serve.instances; given, even 1, a dispatcher runs).",
-        ),
-    ) -> None:
-        """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
-        /health, /metrics); with serve.instances > 1 (or --instances), N instances behind
-        a load-aware dispatcher."""
-        sets = _with_quant(sets, quantize)
-        cfg = config_from_cli(config, sets)
-        from convergent.resources import check_port_free
-
-        check_port_free(host or cfg.serve.host, port or cfg.serve.port)  # before loading anything
-        mdir = _model_dir(cfg, model)
-        sc = cfg.serve
-        if instances is not None:
-            sc = sc.model_copy(update={"instances": instances})
-        key = api_key if api_key is not None else sc.api_key
-        if sc.instances > 1 or sc.instance_urls or instances is not None:  # dispatched
-            from convergent.serve.dispatch import run_dispatcher
-
-            run_dispatcher(mdir, sc, host or sc.host, port or sc.port, key, config, sets)
-            return
-        from convergent.serve.server import serve_forever
-
-        pred = _predictor(cfg) if sc.scheduler == "tdpipe" and sc.predictor != "oracle" else None
-        serve_forever(mdir, sc, host or sc.host, port or sc.port, key, pred)
-
-    @app.command("generate")
-    def _generate(
-        prompt: str = typer.Argument(..., help="Prompt text (byte-level tokenizer)."),
-        config: Path | None = typer.Option(None, "--config", "-c", help="YAML config file."),
-        sets: list[str] | None = SET_OPT,
-        model: Path | None = MODEL_OPT,
-        quantize: str | None = QUANT_OPT,
-        max_tokens: int = typer.Option(32, "--max-tokens", "-n", min=1, help="Tokens to generate."),
-        temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy."),
-        ids: bool = typer.Option(False, "--ids", help="Print token ids instead of text."),
-    ) -> None:
-        """Generate a completion for one prompt through the pipeline."""
-        sets = _with_quant(sets, quantize)
-        cfg = config_from_cli(config, sets)
-        from convergent.errors import InputError
-        from convergent.models.llama import read_config
-        from convergent.serve.engine import Engine
-        from convergent.serve.tokenizer import load_tokenizer
-
-        mdir = _model_dir(cfg, model)
-        if max_tokens < 1:
-            raise InputError("--max-tokens must be at least 1")
-        tok, note = load_tokenizer(mdir, read_config(mdir).vocab_size)
-        if tok is None:
-            raise InputError(note.removeprefix("tokenizer: "))
-        with Engine(mdir, cfg.serve.model_copy(update={"profile_costs": False})) as eng:
-            prompt_ids = tok.encode(prompt)
-            limit = eng.context_limit
-            if len(prompt_ids) + max_tokens > limit:
-                raise InputError(
-                    f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                    f"context limit of {limit} tokens",
-                    hint="shorten the prompt or lower --max-tokens",
-                )
-            req = eng.add_request(eng.make_request(prompt_ids, max_tokens, temperature=temperature))
-            eng.run()
-        typer.echo(dumps_json(req.output) if ids else tok.decode(req.output))
-
-    @app.command("bench-serve")
-    def _bench(
-        config: Path | None = CONFIG_ARG,
-        sets: list[str] | None = SET_OPT,
-        model: Path | None = MODEL_OPT,
-        quantize: str | None = QUANT_OPT,
-        requests: int = typer.Option(64, "--requests", "-r", min=1, help="Trace requests."),
-        scale: float = typer.Option(
-            0.125, help="Scale trace lengths (1.0 = ShareGPT-like; smaller for laptops)."
-        ),
-        seed: int = typer.Option(0, help="Trace seed."),
-        out: Path = typer.Option(Path("bench-serve"), "--out", help="Output dir (JSON + PNG)."),
-    ) -> None:
-        """Offline throughput on a seeded ShareGPT-like trace: req/s, tok/s, bubbles, KV plot."""
-        sets = _with_quant(sets, quantize)
-        cfg = config_from_cli(config, sets)
-        from convergent.errors import InputError
-        from convergent.fsutil import atomic_write_text
-        from convergent.serve.offline import plot_kv_timeline, run_trace
-        from convergent.serve.workload import make_trace, scale_trace, trace_stats
-
-        if requests < 1 or scale <= 0:
-            raise InputError("--requests must be >= 1 and --scale > 0")
-        mdir = _model_dir(cfg, model)
-        trace = make_trace(requests, seed=seed)
-        if scale != 1.0:
-            trace = scale_trace(trace, scale)
-        sc = cfg.serve
-        pred = _predictor(cfg, scale)
-        res = run_trace(mdir, sc, trace, predictor=pred, progress=True)
-        res = {k: v for k, v in res.items() if not k.startswith("_")}
-        res["trace"] = trace_stats(trace)
-        res["predictor"] = sc.predictor
-        out.mkdir(parents=True, exist_ok=True)
-        png = plot_kv_timeline({sc.scheduler: res}, out / "kv_usage.png")
-        atomic_write_text(out / "bench_serve.json", dumps_json(res, indent=1, default=str))
-        typer.echo(
-            f"{sc.scheduler}: {res['requests']} requests in {res['wall_s']:.1f} s | "
-            f"{res['req_s']:.2f} req/s | input {res['input_tok_s']:.0f} tok/s | "
-            f"output {res['output_tok_s']:.0f} tok/s | total {res['total_tok_s']:.0f} tok/s"
-        )
-        for st in res["stages"]:
-            typer.echo(
-                f"  stage {st['stage']}: busy {st['busy_fraction']:.1%}, "
-                f"bubble {st['bubble_s']:.1f} s"
-            )
-        typer.echo(
-            f"  KV peak {res['kv_peak_blocks']}/{res['kv_blocks']} blocks; "
-            f"plot {png}; json {out / 'bench_serve.json'}"
-        )

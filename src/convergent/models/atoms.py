@@ -164,63 +164,12 @@ def _wrap_and_ghosts(
     return (pos, wrap_int, torch.cat(cand_pos), torch.cat(cand_atom), torch.cat(cand_shift))
 
 
-@torch.no_grad()
-def neighbor_list(
-    positions: torch.Tensor,
-    cutoff: float,
-    batch: torch.Tensor | None = None,
-    n_molecules: int | None = None,
-    cell: torch.Tensor | None = None,
-    pbc: torch.Tensor | None = None,
-    max_neighbors: int | None = None,
-    overflow: str = "error",
-    chunk_size: int = 4096,
-    backend: str = "auto",
-) -> NeighborList:
-    """All pairs closer than ``cutoff`` Å within each molecule (cell list, O(N)).
-
-    ``positions`` float[N,3] Å; ``batch`` int64[N] molecule index (default all 0);
-    ``cell`` [3,3] or [B,3,3] (rows are lattice vectors, Å) and ``pbc`` bool[3] or [B,3]
-    for periodic structures. ``max_neighbors`` caps neighbours per centre: with
-    ``overflow="error"`` an atom above the cap raises :class:`NeighborOverflowError`;
-    with ``overflow="drop"`` the nearest ``max_neighbors`` are kept and the number of
-    dropped pairs is logged and returned in ``n_dropped``. ``backend``: ``"torch"`` (the
-    cell list here), ``"vesin"`` (CPU tensors, needs the package) or ``"auto"`` (vesin
-    for periodic structures on the CPU when installed, else torch).
-    """
-    if cutoff <= 0:
-        raise ValueError("cutoff must be positive")
-    if backend not in ("auto", "torch", "vesin"):
-        raise ValueError("backend must be 'auto', 'torch' or 'vesin'")
-    if overflow not in ("error", "drop"):
-        raise ValueError("overflow must be 'error' or 'drop'")
-    pos = positions.detach()
+def _cell_list_pairs(pos: torch.Tensor, batch: torch.Tensor, n_molecules: int, cells: torch.Tensor,
+                     pbcs: torch.Tensor, cutoff: float, chunk_size: int):  # noqa: ANN202
+    """(src, dst, cell shifts, distances) of every pair closer than ``cutoff`` by a cell
+    list over periodic images, or None when there is none."""
     dev = pos.device
     n = pos.shape[0]
-    if batch is None:
-        batch = torch.zeros(n, dtype=torch.int64, device=dev)
-    batch = batch.to(device=dev, dtype=torch.int64)
-    if n_molecules is None:
-        n_molecules = int(batch.max()) + 1 if n > 0 else 0
-    empty = NeighborList(
-        torch.zeros(2, 0, dtype=torch.int64, device=dev),
-        torch.zeros(0, 3, dtype=pos.dtype, device=dev),
-        torch.zeros(0, 3, dtype=torch.int64, device=dev),
-        torch.zeros(0, dtype=pos.dtype, device=dev),
-    )
-    if n == 0:
-        return empty
-    cells, pbcs = _as_batch_cells(n_molecules, cell, pbc, pos.dtype, dev)
-    counts_mol = torch.bincount(batch, minlength=n_molecules)
-    if not bool(pbcs.any()) and int((counts_mol * counts_mol).sum()) <= max(4096, 32 * n):
-        # Many small molecules: all intra-molecule pairs is fewer operations than binning
-        # and still O(N) for bounded molecule size (sum n_b^2 <= 32 N).
-        src, dst, dist = _small_molecule_pairs(pos, batch, counts_mol, float(cutoff))
-        csh = torch.zeros(src.numel(), 3, dtype=torch.int64, device=dev)
-        return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
-    if _use_vesin(backend, pos, pbcs):
-        src, dst, csh, dist = _vesin_pairs(pos, batch, counts_mol, cells, pbcs, float(cutoff))
-        return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
     work_dtype = torch.float64 if pos.dtype == torch.float64 else torch.float32
     posw, wrap_int, cpos, catom, cshift = _wrap_and_ghosts(
         pos.to(work_dtype), batch, cells.to(work_dtype), pbcs, float(cutoff)
@@ -280,11 +229,71 @@ def neighbor_list(
         sh_all.append(sh)
         d_all.append(torch.sqrt(d2))
     if not src_all:
+        return None
+    return torch.cat(src_all), torch.cat(dst_all), torch.cat(sh_all), torch.cat(d_all)
+
+
+@torch.no_grad()
+def neighbor_list(
+    positions: torch.Tensor,
+    cutoff: float,
+    batch: torch.Tensor | None = None,
+    n_molecules: int | None = None,
+    cell: torch.Tensor | None = None,
+    pbc: torch.Tensor | None = None,
+    max_neighbors: int | None = None,
+    overflow: str = "error",
+    chunk_size: int = 4096,
+    backend: str = "auto",
+) -> NeighborList:
+    """All pairs closer than ``cutoff`` Å within each molecule (cell list, O(N)).
+
+    ``positions`` float[N,3] Å; ``batch`` int64[N] molecule index (default all 0);
+    ``cell`` [3,3] or [B,3,3] (rows are lattice vectors, Å) and ``pbc`` bool[3] or [B,3]
+    for periodic structures. ``max_neighbors`` caps neighbours per centre: with
+    ``overflow="error"`` an atom above the cap raises :class:`NeighborOverflowError`;
+    with ``overflow="drop"`` the nearest ``max_neighbors`` are kept and the number of
+    dropped pairs is logged and returned in ``n_dropped``. ``backend``: ``"torch"`` (the
+    cell list here), ``"vesin"`` (CPU tensors, needs the package) or ``"auto"`` (vesin
+    for periodic structures on the CPU when installed, else torch).
+    """
+    if cutoff <= 0:
+        raise ValueError("cutoff must be positive")
+    if backend not in ("auto", "torch", "vesin"):
+        raise ValueError("backend must be 'auto', 'torch' or 'vesin'")
+    if overflow not in ("error", "drop"):
+        raise ValueError("overflow must be 'error' or 'drop'")
+    pos = positions.detach()
+    dev = pos.device
+    n = pos.shape[0]
+    if batch is None:
+        batch = torch.zeros(n, dtype=torch.int64, device=dev)
+    batch = batch.to(device=dev, dtype=torch.int64)
+    if n_molecules is None:
+        n_molecules = int(batch.max()) + 1 if n > 0 else 0
+    empty = NeighborList(
+        torch.zeros(2, 0, dtype=torch.int64, device=dev),
+        torch.zeros(0, 3, dtype=pos.dtype, device=dev),
+        torch.zeros(0, 3, dtype=torch.int64, device=dev),
+        torch.zeros(0, dtype=pos.dtype, device=dev),
+    )
+    if n == 0:
         return empty
-    src = torch.cat(src_all)
-    dst = torch.cat(dst_all)
-    csh = torch.cat(sh_all)
-    dist = torch.cat(d_all)
+    cells, pbcs = _as_batch_cells(n_molecules, cell, pbc, pos.dtype, dev)
+    counts_mol = torch.bincount(batch, minlength=n_molecules)
+    if not bool(pbcs.any()) and int((counts_mol * counts_mol).sum()) <= max(4096, 32 * n):
+        # Many small molecules: all intra-molecule pairs is fewer operations than binning
+        # and still O(N) for bounded molecule size (sum n_b^2 <= 32 N).
+        src, dst, dist = _small_molecule_pairs(pos, batch, counts_mol, float(cutoff))
+        csh = torch.zeros(src.numel(), 3, dtype=torch.int64, device=dev)
+        return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
+    if _use_vesin(backend, pos, pbcs):
+        src, dst, csh, dist = _vesin_pairs(pos, batch, counts_mol, cells, pbcs, float(cutoff))
+        return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
+    pairs = _cell_list_pairs(pos, batch, n_molecules, cells, pbcs, float(cutoff), chunk_size)
+    if pairs is None:
+        return empty
+    src, dst, csh, dist = pairs
     return _finish(src, dst, csh, dist, n, batch, cells, pos.dtype, cutoff, max_neighbors, overflow)
 
 

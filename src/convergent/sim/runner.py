@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from convergent.clusterconfig import ClusterConfig
 from convergent.sim.farm import Farm, n_workers
@@ -35,6 +36,22 @@ def slurm_watch(client, cluster: ClusterConfig, farm: Farm):
     return watch
 
 
+def _resume_plan(tasks: list[Task], dataset: Path, existing: Any, retry_quarantined: bool,
+                 summary: CampaignSummary) -> tuple[QuarantineLog, set[str], list[Task]]:
+    """(quarantine log, keys to skip, tasks with work left) of a campaign over ``dataset``
+    (``existing``: its committed dataset or None); fills the summary's counts."""
+    qlog = QuarantineLog(dataset / QUARANTINE_NAME)
+    committed = set(existing.keys()) if existing is not None else set()
+    skip = committed | (set() if retry_quarantined else qlog.keys())
+    all_keys = [k for t in tasks for k in t.keys]
+    summary.total_frames = len(all_keys)
+    summary.tasks = len(tasks)
+    summary.skipped = sum(1 for k in all_keys if k in skip)
+    summary.dataset = str(dataset)
+    summary.quarantine_file = str(qlog.path)
+    return qlog, skip, [t for t in tasks if any(k not in skip for k in t.keys)]
+
+
 def run_tasks(
     tasks: list[Task],
     dataset: Path,
@@ -60,17 +77,7 @@ def run_tasks(
     # the dataset is opened once: its keys decide what to skip, the writer appends to it
     existing = open_existing(dataset)
     with contextlib.closing(existing) if existing is not None else contextlib.nullcontext():
-        qlog = QuarantineLog(dataset / QUARANTINE_NAME)
-        committed = set(existing.keys()) if existing is not None else set()
-        quarantined = set() if retry_quarantined else qlog.keys()
-        skip = committed | quarantined
-        all_keys = [k for t in tasks for k in t.keys]
-        summary.total_frames = len(all_keys)
-        summary.tasks = len(tasks)
-        summary.skipped = sum(1 for k in all_keys if k in skip)
-        todo = [t for t in tasks if any(k not in skip for k in t.keys)]
-        summary.dataset = str(dataset)
-        summary.quarantine_file = str(qlog.path)
+        qlog, skip, todo = _resume_plan(tasks, dataset, existing, retry_quarantined, summary)
         if console is None:
             from rich.console import Console
 
