@@ -13,6 +13,7 @@ that puts one identity in two splits.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,19 @@ from convergent.data.identity import chemical_id
 from convergent.errors import DataError
 
 
-def _chem_task(task: ShardTask, rows: list[int]) -> list[str]:
-    """Chemical identity of records ``rows`` (shard-local) of one shard ('' if none)."""
+@dataclass(frozen=True)
+class ChemRows:
+    """Records ``rows`` (shard-local) of one shard, to identify. Not a ShardTask, so the
+    engine runs it on any worker: the RDKit work spreads over the pool even where every
+    molecule's first record sits in one shard (a few records are read straight from it)."""
+
+    task: ShardTask
+    rows: list[int]
+
+
+def _chem_task(item: ChemRows) -> list[str]:
+    """Chemical identity of the records of ``item`` ('' where none is determined)."""
+    task, rows = item.task, item.rows
     v = ShardView(task)
     try:
         out = []
@@ -52,13 +64,19 @@ def identities(engine: Engine, tasks: list[ShardTask], keys: list[np.ndarray],
     where = allf[pick]
     starts = np.array([t.start for t in tasks], np.int64)
     shard = np.searchsorted(starts, where, side="right") - 1
-    used = np.unique(shard)
-    per = [([int(x) for x in where[shard == s] - starts[s]],) for s in used.tolist()]
-    res = engine.map(_chem_task, [tasks[s] for s in used.tolist()], label="split: chemistry",
-                     per_task=per)
+    # chunks of about equal size, 4 per worker, never across shards
+    size = max(1, -(-len(uk) // (4 * max(1, engine.workers))))
+    items, owners = [], []
+    for s in np.unique(shard).tolist():
+        mine = np.flatnonzero(shard == s)
+        for c in range(0, len(mine), size):
+            part = mine[c:c + size]
+            items.append(ChemRows(tasks[s], [int(x) for x in where[part] - starts[s]]))
+            owners.append(part)
+    res = engine.map(_chem_task, items, label="split: chemistry")
     chem = [""] * len(uk)
-    for s, got in zip(used.tolist(), res, strict=True):
-        for j, c in zip(np.flatnonzero(shard == s).tolist(), got, strict=True):
+    for part, got in zip(owners, res, strict=True):
+        for j, c in zip(part.tolist(), got, strict=True):
             chem[j] = c
     return uk, pick, chem
 
