@@ -73,7 +73,7 @@ def _config(model_cfg: Any, train: dict[str, Any]) -> Any:
             "threads": 1, "device": "cpu", "val_every": 0, "prefetch": 0}
     return ConvergentConfig.model_validate({
         "model": model_cfg.model_dump(mode="json"), "train": {**base, **train},
-        "checkpoint": {"interval": 0, "keep": 1, "resume": False},
+        "checkpoint": {"interval": 0, "keep": 1, "resume": False, "at_end": False},
         "metrics": {"tensorboard": False, "mfu": False}})
 
 

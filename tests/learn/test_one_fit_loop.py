@@ -41,7 +41,10 @@ def test_a_committee_member_is_a_convergent_train_run(tmp_path):
     summary = train_member(MemberJob(cfg, str(tmp_path / "member")))
     assert summary["steps"] == 6 and summary["records"] == 24
 
-    (tmp_path / "member.yaml").write_text(yaml.safe_dump(cfg))
+    # the command keeps its final checkpoint and exports from it (the member exports from
+    # memory): the same settings otherwise, and the same weights
+    command_cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "at_end": True}}
+    (tmp_path / "member.yaml").write_text(yaml.safe_dump(command_cfg))
     run = tmp_path / "run"
     assert main(["train", str(tmp_path / "member.yaml"), "--nproc", "1",
                  "--run-dir", str(run)]) == 0

@@ -18,7 +18,6 @@ time, worker, pid, device), from which the driver writes the timeline.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,7 +100,8 @@ def member_config(base: Any, train: Any) -> dict[str, Any]:
     ``train`` (a TrainConfig: data, steps, lr, seed, ...) with the committee's fixed
     choices — records sorted by key (arrival order does not matter), cosine to zero
     without warm-up, gradients clipped at 10, one process on the CPU with one thread, no
-    validation, one final checkpoint, no sinks but the member's metrics.jsonl, no MFU."""
+    validation, no checkpoint (the model is exported from memory), no sinks but the
+    member's metrics.jsonl, no MFU."""
     from convergent.monitor.config import MetricsConfig
     from convergent.tracking.config import TrackingConfig
     from convergent.train.config import CheckpointConfig, ParallelConfig
@@ -112,7 +112,7 @@ def member_config(base: Any, train: Any) -> dict[str, Any]:
         "prefetch": 0, "grad_accum": 1})
     cfg = base.model_copy(update={
         "train": train, "parallel": ParallelConfig(),
-        "checkpoint": CheckpointConfig(interval=0, keep=1, resume=False),
+        "checkpoint": CheckpointConfig(interval=0, keep=1, resume=False, at_end=False),
         "metrics": MetricsConfig(tensorboard=False, mfu=False), "tracking": TrackingConfig()})
     return cfg.model_dump(mode="json")
 
@@ -130,7 +130,6 @@ def train_member(job: MemberJob) -> dict[str, Any]:
     out = Path(job.out_dir)
     t0 = time.perf_counter()
     summary = fit(cfg, out / "train", export_to=out)
-    shutil.rmtree(out / "train" / "ckpt", ignore_errors=True)  # the export is the model
     final = summary.get("final") or {}
     t = cfg.train
     return {"steps": summary["steps"], "records": summary.get("train_records"),

@@ -164,3 +164,6 @@ class CheckpointConfig(Section):
     async_save: bool = False  # write in a background thread (separate gloo group)
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
     export_final: bool = True  # safetensors export to ckpt/final at the end
+    # a checkpoint after the last step; false: none (train/fit.py then exports the trained
+    # model from memory: the same weights, without a DCP write and read per small model)
+    at_end: bool = True

@@ -42,11 +42,15 @@ def fit(cfg: Any, run_dir: str | Path, export_to: str | Path | None = None) -> d
         trainer = Trainer(cfg, run)
         summary = trainer.train()
         task = trainer.task
-        del trainer
-    if task.kind == "molecular":
-        summary["train_records"] = len(task.data)
-    dest = Path(export_to) if export_to is not None else run.ckpt / "final"
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        summary["final_dir"] = str(export_final(cfg, task, summary["last_checkpoint"], dest))
+        if task.kind == "molecular":
+            summary["train_records"] = len(task.data)
+        dest = Path(export_to) if export_to is not None else run.ckpt / "final"
+        if cfg.checkpoint.at_end:
+            del trainer
+            summary["final_dir"] = str(export_final(cfg, task, summary["last_checkpoint"], dest))
+        else:  # no final checkpoint: the trained weights, from memory
+            (model,) = trainer.par.parts
+            task.export(model, dest)
+            summary["final_dir"] = str(dest)
+            summary["last_checkpoint"] = None
     return summary

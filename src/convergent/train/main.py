@@ -105,7 +105,7 @@ def run(config_path: str, run_dir: str) -> dict:
     if rank == 0:
         from convergent.fsutil import atomic_write_text
 
-        if cfg.checkpoint.export_final:
+        if cfg.checkpoint.export_final and cfg.checkpoint.at_end:  # else: nothing saved
             from convergent.train.fit import export_final
 
             summary["final_dir"] = str(export_final(cfg, task, last, run.ckpt / "final"))

@@ -369,7 +369,8 @@ class Trainer:
         cfg, par = self.cfg, self.par
         val_every = cfg.train.val_every
         is_val = done == steps or (val_every and done % val_every == 0)
-        is_ckpt = done == steps or bool(cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0)
+        is_ckpt = (done == steps and cfg.checkpoint.at_end) or bool(
+            cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0)
         if is_val or is_ckpt or len(self.steps.pending) >= max(1, cfg.metrics.reduce_every):
             self.steps.flush()
         if is_val:
