@@ -47,10 +47,13 @@ install-bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS),bench]'
 
 # The whole default suite (not only the `gpu` tests) on a CUDA machine, with pytest-xdist over
-# half its cores when it has 8 or more, log in GPU_LOG. GPU machines come with their own
-# torch: GPU_PYTHON is that interpreter, and the tree's src/ goes on PYTHONPATH.
+# three quarters of its cores when it has 8 or more (2 threads per test process unless
+# OMP_NUM_THREADS says otherwise), log in GPU_LOG. GPU machines come with their own torch:
+# GPU_PYTHON is that interpreter, and the tree's src/ goes on PYTHONPATH as an absolute path
+# (tests run the CLI from other working directories). Where the image has no `convergent`
+# console script, a shim per interpreter goes in .gpu-bin/ and on PATH.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
-GPU_JOBS   ?= $(shell n=$$(nproc); [ $$n -ge 8 ] && echo $$((n / 2)) || echo 0)
+GPU_JOBS   ?= $(shell n=$$(nproc); [ $$n -ge 8 ] && echo $$((n * 3 / 4)) || echo 0)
 GPU_LOG    ?= bench/results/gpu_suite.log
 GPU_CHECK  ?= 1
 # -v: each test's name as it ends, so a run stopped at its time limit still names its failures
@@ -61,10 +64,12 @@ test-gpu:
 	  echo "make test-gpu: pytest-xdist is not installed; running on one process" >&2; jobs=0; fi; \
 	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadfile"; \
 	  if ! command -v convergent >/dev/null && [ ! -x "$$(dirname $(GPU_PYTHON))/convergent" ]; then \
-	    mkdir -p .gpu-bin; printf '#!/bin/sh\nexec %s -c "import sys; from convergent.cli import entry; sys.exit(entry())" "$$@"\n' \
-	      "$$(command -v $(GPU_PYTHON))" > .gpu-bin/convergent; chmod +x .gpu-bin/convergent; \
-	    export PATH="$$PWD/.gpu-bin:$$PATH"; fi; \
-	  PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} bash -o pipefail -c \
+	    py=$$(command -v $(GPU_PYTHON)); bin=$$PWD/.gpu-bin/$$(printf %s "$$py" | cksum | cut -d' ' -f1); \
+	    mkdir -p $$bin; printf '#!/bin/sh\nexec %s -c "import sys; from convergent.cli import entry; sys.exit(entry())" "$$@"\n' \
+	      "$$py" > $$bin/convergent.tmp; chmod +x $$bin/convergent.tmp; mv -f $$bin/convergent.tmp $$bin/convergent; \
+	    export PATH="$$bin:$$PATH"; fi; \
+	  export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2}; \
+	  PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} bash -o pipefail -c \
 	  "$(GPU_PYTHON) -m pytest -m 'not slow or gpu' $$xd -p no:cacheprovider $(GPU_PYTEST_FLAGS) $(PYTEST_ARGS) 2>&1 | tee $(GPU_LOG)"
 
 # The tests marked `numerics` (results compared under a tolerance that depends on the CPU's

@@ -124,6 +124,11 @@ class LoadGuard:
                     self._outside[key] = self._outside.get(key, 0.0) + delta
             self._prev = table
 
+    def cpu_s_of(self, pid: int) -> float:
+        """CPU seconds counted so far for the outside process ``pid`` (0 for one of ours)."""
+        with self._lock:
+            return sum(cpu for (p, _), cpu in self._outside.items() if p == pid)
+
     def report(self) -> dict[str, Any]:
         """The record written into a result: the load at the start, the outside CPU share,
         the busiest outside processes, and ``loaded`` with its reasons."""

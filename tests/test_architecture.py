@@ -30,7 +30,11 @@ def _env() -> dict[str, str]:
 
 def test_import_contracts_hold():
     exe = Path(sys.executable).with_name("lint-imports")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "importlinter.cli"]
+    # where the console script is missing (a GPU machine's image), its entry point itself:
+    # `python -m importlinter.cli` would import the module, run nothing and exit 0
+    cmd = [str(exe)] if exe.exists() else [
+        sys.executable, "-c",
+        "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
     proc = subprocess.run(
         [*cmd, str(ROOT / "pyproject.toml"), "--no-cache"],
         cwd=ROOT,

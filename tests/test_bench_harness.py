@@ -155,9 +155,11 @@ def test_guard_counts_cpu_outside_the_process_tree_not_its_own_children(tmp_path
     _wait(outside_done)
     rec = guard.report()
     guard.stop()
-    pids = {p["pid"] for p in rec["top_outside"]}
-    assert outside_pid in pids and own.pid not in pids
+    # by pid, not through the top-5 list: on a machine running other tests (make test-gpu's
+    # workers) busier processes than these may fill it
     # its 1.5 CPU-s less at most one sampling interval's share missed before it exited
+    assert guard.cpu_s_of(outside_pid) >= 1.0, rec
+    assert guard.cpu_s_of(own.pid) == 0.0, rec
     assert rec["outside_cpu_s"] >= 1.0, rec
     assert rec["cores"] == len(os.sched_getaffinity(0)) and 0 < rec["outside_cpu_share"]
 

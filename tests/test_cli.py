@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 
 import pytest
-
-EXE = shutil.which("convergent") or str(__import__("pathlib").Path(sys.executable).parent / "convergent")
+from cli_exe import EXE  # tests/cli_exe.py
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -9,17 +9,13 @@ two real subprocesses check that no traceback reaches the terminal.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import typer
+from cli_exe import EXE  # tests/cli_exe.py
 
 from convergent.cli import app, main
-
-EXE = shutil.which("convergent") or str(Path(sys.executable).parent / "convergent")
 
 
 def _leaves(cmd, path=()):
@@ -41,6 +37,12 @@ def _kind(param) -> str:
     if getattr(param, "is_flag", False):
         return "bool"
     t = getattr(param, "type", None)
+    # by class first: the type's display name differs between click versions (a GPU image's)
+    classes = {c.__name__ for c in type(t).__mro__}
+    if classes & {"IntParamType", "IntRange"}:
+        return "int"
+    if classes & {"FloatParamType", "FloatRange"}:
+        return "float"
     if t is not None and hasattr(t, "name"):
         name = str(t.name).lower()
         return {"integer": "int", "integer range": "int", "float": "float",

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
+
+from cli_exe import EXE  # tests/cli_exe.py
 
 from convergent.trainrecords import read_train_records
 
-EXE = str(Path(sys.executable).parent / "convergent")
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "train.steps=6", "--set", "checkpoint.interval=3",
         "--set", "train.device=cpu",  # the 2-rank CPU job it asserts, on any machine

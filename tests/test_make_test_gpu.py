@@ -63,6 +63,10 @@ def test_where_the_cli_is_not_installed_it_puts_a_shim_on_path(tmp_path):
          f"GPU_PYTHON={bindir / 'python3'}", "GPU_JOBS=0", f"GPU_LOG={log}",
          "PYTEST_ARGS=tests/test_cli.py -k test_version"],
         capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PATH": path, "PYTHONPATH": ":".join(site)})
+        # the packages this interpreter sees: its site-packages, and what PYTHONPATH already
+        # adds (on a GPU machine the carried wheels; make adds src/ itself)
+        env={**os.environ, "PATH": path,
+             "PYTHONPATH": ":".join([*filter(None, os.environ.get("PYTHONPATH", "").split(":")),
+                                     *site])})
     assert p.returncode == 0, log.read_text()[-3000:] if log.exists() else p.stderr[-2000:]
     assert re.search(r"test_cli.py::test_version PASSED", log.read_text())

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_exe import EXE  # tests/cli_exe.py
 
-EXE = shutil.which("convergent") or str(Path(sys.executable).parent / "convergent")
 NAMES = ["H2O", "CH4", "NH3", "CH3OH", "C2H6", "H2CO"]
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_exe import EXE  # tests/cli_exe.py
 from datarecords import bytes_records, molecular_records
 
 from convergent.data.manifest import read_manifest
@@ -17,8 +16,6 @@ from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
-
-EXE = str(Path(sys.executable).parent / "convergent")
 
 
 def read_all(path) -> None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_exe import EXE  # tests/cli_exe.py
 from datarecords import assert_same_record, molecular_records
 
 from convergent.data.manifest import read_manifest
@@ -16,8 +15,6 @@ from convergent.data.parallel import write_parallel
 from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.errors import DataError, InputError
-
-EXE = str(Path(sys.executable).parent / "convergent")
 
 
 class MakeRecords:

@@ -5,19 +5,16 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 import tarfile
-from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_exe import EXE  # tests/cli_exe.py
 from datarecords import bytes_records
 
 from convergent.data.export import export_dataset
 from convergent.data.inspect import inspect_dataset
 from convergent.data.writer import DatasetWriter
-
-EXE = str(Path(sys.executable).parent / "convergent")
 
 
 def test_inspect_reports_counts_elements_and_energy(small_molecular):

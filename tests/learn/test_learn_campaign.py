@@ -61,7 +61,10 @@ def test_campaign_labels_with_provenance_and_retries_a_crashed_member(uninterrup
     run, proc = uninterrupted
     assert (run / "learn" / "fault-train.marker").exists()  # the crash really happened
     state = json.loads((run / "learn" / "state.json").read_text())
-    assert sum(r["train_retries"] for r in state["rounds"].values()) == 1
+    # the killed worker's running member fails, and any member Dask had already queued on
+    # that worker fails with it (allowed_failures 0): one or both are retried, once each
+    retries = sum(r["train_retries"] for r in state["rounds"].values())
+    assert 1 <= retries <= 2, state["rounds"]
     assert state["stop"] == "rounds" and state["final_round"] == 3
     keys = _keys(run / "data" / "labels")
     assert len(keys) == len(set(keys)) == 4 + 2 * 3

@@ -17,11 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from cli_exe import EXE  # tests/cli_exe.py
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "convergent.json"
-EXE = str(Path(sys.executable).parent / "convergent")
+
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 TRAIN_SERIES = [

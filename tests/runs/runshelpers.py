@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-EXE = str(Path(sys.executable).parent / "convergent")
+from cli_exe import EXE  # tests/cli_exe.py
+
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "checkpoint.interval=3",
         "--set", "screen.md_check.seeds=1", "--set", "screen.md_check.time_fs=20"]
