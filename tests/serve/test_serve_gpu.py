@@ -66,3 +66,22 @@ def test_two_stages_on_one_gpu_is_refused_with_the_fix(hf_llama_dir):
         pytest.skip("more than 3 GPUs: cannot ask for more stages than GPUs on this model")
     with pytest.raises(ConfigError, match=r"serve\.stages"):
         Engine(hf_llama_dir, cfg)
+
+
+def test_serving_attention_never_takes_cudnn(hf_llama_dir):
+    """cuDNN's SDPA builds a graph per shape, and serving's shapes change every step: on an
+    H100 it cost 1.18 ms of host time per call (docs/gpu-notes.md). The serving forward
+    limits SDPA to FlashAttention / memory-efficient / math; prefills and masked decode
+    groups both run, and none of them is cuDNN's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
+                      profile_costs=False, dtype="bfloat16", device="cuda")
+    with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            reqs = [eng.add_request(eng.make_request(p, 8)) for p in PROMPTS]
+            eng.run()
+    assert all(len(r.output) == 8 for r in reqs)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in ops, sorted(ops)[:50]
+    assert not [o for o in ops if "cudnn_attention" in o], sorted(ops)

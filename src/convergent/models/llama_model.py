@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convergent.models.llama_config import MLP_ACTS, LlamaConfig
-from convergent.models.llama_paged import PagedBatch, paged_attention
+from convergent.models.llama_paged import PagedBatch, paged_attention, serving_attention
 from convergent.models.llama_rope import Rotary, apply_rope
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP", "RMSNorm"]
@@ -170,8 +170,9 @@ class LlamaModel(nn.Module):
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         batch.prepare(self.rotary)
-        for j, layer in enumerate(self.layers.values()):
-            x = layer.forward_paged(x, batch, kv[j][0], kv[j][1])
+        with serving_attention(x.device):
+            for j, layer in enumerate(self.layers.values()):
+                x = layer.forward_paged(x, batch, kv[j][0], kv[j][1])
         return self.norm(x) if self.norm is not None else x
 
 

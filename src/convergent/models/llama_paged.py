@@ -9,16 +9,33 @@ per batch the RoPE tables and the padded attention groups every layer reuses, an
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from convergent.models.llama_rope import Rotary
 
-__all__ = ["DecodeGroup", "PagedBatch", "PrefillGroup", "pad_groups", "paged_attention"]
+__all__ = ["DecodeGroup", "PagedBatch", "PrefillGroup", "SERVING_SDPA_BACKENDS", "pad_groups",
+           "paged_attention", "serving_attention"]
+
+# SDPA backends of the serving forward on CUDA: not cuDNN's. Its attention builds and caches
+# a graph per input shape, and a serving step's shapes change every step (context width,
+# group sizes): profiled on an H100 (2026-11-27, docs/gpu-notes.md) it spent 1.18 ms of host
+# time per call, 4.5 s of a 7.4 s trace, for 32 ms of GPU work. FlashAttention takes the
+# causal prefills, the memory-efficient kernel the masked decode groups.
+SERVING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                         SDPBackend.MATH]
+
+
+def serving_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """The context one serving forward runs in: on CUDA, SDPA limited to
+    :data:`SERVING_SDPA_BACKENDS`; elsewhere nothing changes."""
+    return sdpa_kernel(SERVING_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def pad_groups(
