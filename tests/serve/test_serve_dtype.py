@@ -1,5 +1,6 @@
 """Serving in bfloat16 / float16: weights, KV cache and attention in the serving dtype,
-logits and sampling in float32, compared with transformers in the same dtype (CPU).
+logits and sampling in float32, compared with transformers in the same dtype and on the
+same device (the CPU; and a CUDA GPU where one is visible, marked ``gpu``).
 
 Teacher forcing, not free-running agreement: two greedy decoders in a reduced dtype that
 are both correct still part at the first near tie (two logits within rounding of each
@@ -56,27 +57,30 @@ def _gap(logits: torch.Tensor) -> torch.Tensor:
     return top[..., 0] - top[..., 1]
 
 
-def _hf(model_dir, dtype):
-    return transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+def _hf(model_dir, dtype, device="cpu"):
+    return transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def _paged_logits(model, tokens, dtype, prefill, bs=4):
     """Prefill ``tokens[:prefill]`` then decode the rest one at a time through the paged
-    cache (as the engine does); float32 logits of every position from the prefill's last
-    on (row i predicts ``tokens[prefill + i]``)."""
+    cache (as the engine does), on the model's device; float32 logits (on the CPU) of
+    every position from the prefill's last on (row i predicts ``tokens[prefill + i]``)."""
     cfg = model.config
-    kv = KVCache(cfg.num_hidden_layers, 64, bs, cfg.num_key_value_heads, cfg.head_dim, dtype)
+    dev = next(model.parameters()).device
+    kv = KVCache(cfg.num_hidden_layers, 64, bs, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
     assert all(k.dtype == dtype and v.dtype == dtype for k, v in kv.layers)
     table = list(range(64))
     rows = []
 
     def step(start, n):
         pos = list(range(start, start + n))
-        batch = PagedBatch(torch.tensor(pos), torch.tensor([table[p // bs] * bs + p % bs for p in pos]),
+        batch = PagedBatch(torch.tensor(pos, device=dev),
+                           torch.tensor([table[p // bs] * bs + p % bs for p in pos], device=dev),
                            [n], [start + n], [table[: -(-(start + n) // bs)]], bs)
-        h = model.model.forward_paged(torch.tensor(tokens[start:start + n]), batch, kv.layers)
+        h = model.model.forward_paged(torch.tensor(tokens[start:start + n], device=dev), batch,
+                                      kv.layers)
         assert h.dtype == dtype
-        return model.logits(h[-1:]).float()
+        return model.logits(h[-1:]).float().cpu()
 
     with torch.inference_mode():
         rows.append(step(0, prefill))
@@ -85,31 +89,40 @@ def _paged_logits(model, tokens, dtype, prefill, bs=4):
     return torch.cat(rows)
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "float16"])
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                             reason="needs a CUDA GPU (none visible)")]
+
+
+@pytest.fixture(scope="module", params=[
+    ("bfloat16", "cpu"), ("float16", "cpu"),
+    pytest.param(("bfloat16", "cuda"), marks=_CUDA), pytest.param(("float16", "cuda"), marks=_CUDA)],
+    ids=lambda p: "-".join(p))
 def teacher(request, hf_llama_dir):
     """The reference's greedy tokens and the logits that chose them (transformers'
-    generate in the dtype), and our paged logits on the same tokens (teacher-forced)."""
-    name = request.param
+    generate in the dtype, on the device), and our paged logits on the same tokens
+    (teacher-forced)."""
+    name, device = request.param
     dtype = getattr(torch, name)
-    hf = _hf(hf_llama_dir, dtype)
-    ours = load_pretrained(hf_llama_dir, dtype=dtype)
+    hf = _hf(hf_llama_dir, dtype, device)
+    ours = load_pretrained(hf_llama_dir, dtype=dtype).to(device)
     assert {p.dtype for p in ours.parameters()} == {dtype}
     tokens, ref, got = [], [], []
     for p in PROMPTS:
         with torch.no_grad():
-            g = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ids = torch.tensor([p], device=device)
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids),
                             max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
                             output_logits=True, return_dict_in_generate=True)
         toks = g.sequences[0, len(p):].tolist()
-        logits = torch.stack([x[0].float() for x in g.logits])
+        logits = torch.stack([x[0].float() for x in g.logits]).cpu()
         assert logits.argmax(-1).tolist() == toks  # greedy: the tokens are these logits' argmax
         tokens.append(toks)
         ref.append(logits)
         # the last generated token is never fed back: N_NEW rows, one per generated token
         got.append(_paged_logits(ours, p + toks[:-1], dtype, len(p)))
     tol = logit_tol(dtype, torch.cat(ref))
-    return {"name": name, "dtype": dtype, "dir": hf_llama_dir, "hf": hf, "tokens": tokens, "ref": ref, "ours": got,
-            "tol": tol}
+    return {"name": name, "dtype": dtype, "device": device, "dir": hf_llama_dir, "hf": hf,
+            "tokens": tokens, "ref": ref, "ours": got, "tol": tol}
 
 
 @pytest.mark.numerics
@@ -133,7 +146,7 @@ def test_teacher_forced_paged_logits_match_transformers_same_dtype(teacher):
     assert decisive >= N_NEW * len(PROMPTS) // 4, (name, decisive)
     # and reduced precision is really in use: float32 logits on the same tokens are not
     # those values (they are not even representable in the dtype)
-    ours32 = load_pretrained(teacher["dir"])
+    ours32 = load_pretrained(teacher["dir"]).to(teacher["device"])
     got32 = _paged_logits(ours32, PROMPTS[0] + teacher["tokens"][0][:-1], torch.float32, len(PROMPTS[0]))
     assert not torch.equal(got32, teacher["ours"][0])
     assert torch.equal(teacher["ours"][0], teacher["ours"][0].to(teacher["dtype"]).float())
@@ -147,8 +160,9 @@ def test_engine_generate_follows_teacher_forced_argmax(hf_llama_dir, teacher):
     after it, on its own sequence, each token is the reference's argmax wherever the
     reference's top-2 gap there is clear of the tolerance."""
     name, dtype, tol, hf = teacher["name"], teacher["dtype"], teacher["tol"], teacher["hf"]
+    device = teacher["device"]
     cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
-                      profile_costs=False, dtype=name)
+                      profile_costs=False, dtype=name, device=device)
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         (runner,) = eng.executor.runners  # one stage, in process: the dtype really served
         assert {p.dtype for p in runner.model.parameters()} == {dtype}
@@ -165,7 +179,8 @@ def test_engine_generate_follows_teacher_forced_argmax(hf_llama_dir, teacher):
         assert r.output[:first] == want[:first], (name, i, first, r.output, want)
         # the whole free-running sequence, scored by the reference on the engine's prefix
         with torch.no_grad():
-            scored = hf(torch.tensor([p + r.output[:-1]])).logits[0, len(p) - 1:].float()
+            scored = hf(torch.tensor([p + r.output[:-1]], device=device)).logits[0, len(p) - 1:]
+        scored = scored.float().cpu()
         clear = _gap(scored) > tol
         bad = [t for t in range(N_NEW) if clear[t] and int(scored[t].argmax()) != r.output[t]]
         assert not bad, (name, i, bad, r.output)

@@ -18,7 +18,6 @@ pytestmark = [
 
 PROMPTS = [[256, 72, 105, 33], [256] + list(range(60, 90)), [256, 7]]
 N_NEW = 32
-TIE = {"float32": 1e-3, "bfloat16": 4 * 2**-5}  # see test_serve_dtype.py
 
 
 def _hf_generate(model_dir, name):
@@ -33,27 +32,17 @@ def _hf_generate(model_dir, name):
     return m, out
 
 
-@pytest.mark.parametrize("name", ["float32", "bfloat16"])
-def test_gpu_serving_matches_transformers_same_device_and_dtype(hf_llama_dir, name):
-    """float32: token for token; bfloat16: >= 90% of tokens, partings only at near ties."""
-    hf, ref = _hf_generate(hf_llama_dir, name)
+def test_gpu_serving_matches_transformers_float32(hf_llama_dir):
+    """float32 on the GPU: token for token. (bf16/fp16 on the GPU are compared teacher-forced,
+    within a tolerance in ulps of the dtype, by tests/serve/test_serve_dtype.py's cuda
+    parameters: free-running agreement counts near ties, not the engine.)"""
+    _, ref = _hf_generate(hf_llama_dir, "float32")
     cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
-                      profile_costs=False, dtype=name, device="cuda")
+                      profile_costs=False, dtype="float32", device="cuda")
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         reqs = [eng.add_request(eng.make_request(p, N_NEW)) for p in PROMPTS]
         eng.run()
-    got = [r.output for r in reqs]
-    if name == "float32":
-        assert got == ref
-        return
-    same = sum(a == b for g, w in zip(got, ref, strict=True) for a, b in zip(g, w, strict=True))
-    assert same / (N_NEW * len(PROMPTS)) >= 0.9
-    for p, g, w in zip(PROMPTS, got, ref, strict=True):
-        split = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
-        if split is not None:
-            with torch.no_grad():
-                logits = hf(torch.tensor([p + w[:split]], device="cuda")).logits[0, -1].float()
-            assert abs((logits[w[split]] - logits[g[split]]).item()) <= TIE[name]
+    assert [r.output for r in reqs] == ref
 
 
 def test_two_stages_on_one_gpu_is_refused_with_the_fix(hf_llama_dir):
