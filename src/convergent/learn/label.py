@@ -79,6 +79,119 @@ def _trusted(records: list[dict[str, Any]], max_force: float, rnd: int
     return keep, bad
 
 
+def _first_todo(queue: Sequence[Candidate], committed: set[str], done: set[str], k: int
+                ) -> tuple[list[Candidate], int]:
+    """The candidates to submit first, and the index of ``queue`` the refills start at.
+
+    The batch is the first ``k`` candidates of the ranking that label successfully; a
+    resumed batch keeps what an earlier attempt labelled or quarantined and goes on in
+    rank order, so it ends with the same structures as an uninterrupted one."""
+    need = k - sum(1 for c in queue if c.key in committed)
+    todo: list[Candidate] = []
+    nxt = 0  # next index of ``queue`` to take from
+    while need > 0 and nxt < len(queue):
+        if queue[nxt].key not in done:
+            todo.append(queue[nxt])
+            need -= 1
+        nxt += 1
+    return todo, nxt
+
+
+@dataclass
+class _Labelling:
+    """The state of one batch in flight: submitted chunks, the refill cursor, the outcome."""
+
+    pool: Pool
+    calc: dict[str, Any]
+    rnd: int
+    strategy: str
+    scores: dict[str, float] | None
+    retries: int
+    min_distance: float
+    max_force: float
+    log: Path | None
+    qlog: QuarantineLog
+    queue: list[Candidate]
+    done: set[str]
+    nxt: int
+    out: LabelOutcome
+    rank: dict[str, int] = field(default_factory=dict)
+    pending: dict[Any, tuple[list[Candidate], int]] = field(default_factory=dict)
+    ac: Any = None
+
+    def prov(self, c: Candidate) -> dict[str, Any]:
+        """The provenance a candidate's record carries in its meta."""
+        s = (self.scores or {}).get(c.key)
+        return {"round": self.rnd, "strategy": self.strategy, "rank": self.rank[c.key],
+                "score": float(s) if s is not None else None}
+
+    def submit(self, cands: list[Candidate], attempt: int) -> None:
+        """Submit one chunk as a label task and track its future."""
+        items = [_item(c, {kk: v for kk, v in self.prov(c).items() if v is not None}) for c in cands]
+        f = self.pool.submit("label", f"{cands[0].key[:10]}", self.rnd, label_items, items,
+                             self.calc, self.min_distance)
+        self.pending[f.key] = (cands, attempt)
+        self.ac.add(f)
+
+    def failed_chunk(self, cands: list[Candidate], attempt: int, exc: Exception) -> list[str] | None:
+        """Retry a chunk whose task failed (``None``), or quarantine it once out of retries
+        (its keys)."""
+        if attempt < self.retries:
+            self.submit(cands, attempt + 1)
+            return None
+        reason = f"label task failed {attempt + 1} times: {type(exc).__name__}: {exc}"
+        self.qlog.append([quarantine_entry(c.key, c.molecule_id, reason, round=self.rnd) for c in cands])
+        return [c.key for c in cands]
+
+    def commit(self, res: Any, writer: DatasetWriter) -> list[str]:
+        """Append a finished chunk's trusted records (and log them); quarantine the rest and
+        return their keys."""
+        records, untrusted = _trusted(res.records, self.max_force, self.rnd)
+        rejected = [*res.quarantined, *untrusted]
+        for rec in records:
+            writer.write(rec)
+        writer.flush()
+        if self.log is not None:
+            with self.log.open("a", encoding="utf-8") as fh:
+                for rec in records:
+                    fh.write(dumps_json({"key": rec["key"], "round": self.rnd, "strategy": self.strategy,
+                                         "time": time.time()}) + "\n")
+        self.out.labelled += [rec["key"] for rec in records]
+        if rejected:
+            self.qlog.append([{**q, "round": self.rnd} for q in rejected])
+        return [q["key"] for q in rejected]
+
+    def refill(self, failed: list[str]) -> None:
+        """Submit the next candidates of the ranking in place of the failed ones."""
+        refill = []
+        for _ in failed:
+            while self.nxt < len(self.queue) and self.queue[self.nxt].key in self.done:
+                self.nxt += 1
+            if self.nxt < len(self.queue):
+                refill.append(self.queue[self.nxt])
+                self.nxt += 1
+        if refill:
+            self.out.refills += len(refill)
+            self.submit(refill, 0)
+
+    def drain(self, writer: DatasetWriter, on_chunk: Callable[[int], None] | None) -> None:
+        """Handle finished chunks as they complete until none is pending."""
+        for fut in self.ac:
+            cands, attempt = self.pending.pop(fut.key)
+            try:
+                res = self.pool.result(fut)
+            except Exception as exc:  # a crashed worker or an unexpected error: retry the chunk
+                failed = self.failed_chunk(cands, attempt, exc)
+                if failed is None:
+                    continue
+            else:
+                failed = self.commit(res, writer)
+            self.out.quarantined += failed
+            self.refill(failed)
+            if on_chunk is not None:
+                on_chunk(len(self.out.labelled))
+
+
 def label_batch(
     pool: Pool,
     dataset: Path,
@@ -98,91 +211,23 @@ def label_batch(
 ) -> LabelOutcome:
     """Label the first ``k`` usable candidates of ``ranked`` (refilling after failures;
     ``max_force`` eV/Å > 0 quarantines labels with a larger force component)."""
+    from distributed import as_completed
+
     t0 = time.perf_counter()
     out = LabelOutcome()
     qlog = QuarantineLog(dataset / QUARANTINE_NAME)
     committed = committed_keys(dataset)
     done = committed | qlog.keys()
-    rank = {c.key: i for i, c in enumerate(ranked)}
     queue = list(ranked)
-    # The batch is the first ``k`` candidates of the ranking that label successfully; a
-    # resumed batch keeps what an earlier attempt labelled or quarantined and goes on in
-    # rank order, so it ends with the same structures as an uninterrupted one.
-    need = k - sum(1 for c in queue if c.key in committed)
     out.skipped = sum(1 for c in queue if c.key in done)
-    todo: list[Candidate] = []
-    nxt = 0  # next index of ``queue`` to take from
-    while need > 0 and nxt < len(queue):
-        if queue[nxt].key not in done:
-            todo.append(queue[nxt])
-            need -= 1
-        nxt += 1
-
-    def prov(c: Candidate) -> dict[str, Any]:
-        s = (scores or {}).get(c.key)
-        return {"round": rnd, "strategy": strategy, "rank": rank[c.key],
-                "score": float(s) if s is not None else None}
-
-    def submit(cands: list[Candidate], attempt: int):
-        items = [_item(c, {kk: v for kk, v in prov(c).items() if v is not None}) for c in cands]
-        f = pool.submit("label", f"{cands[0].key[:10]}", rnd, label_items, items, calc, min_distance)
-        return f, cands, attempt
-
-    from distributed import as_completed
-
-    pending = {}
-    ac = as_completed(loop=pool.client.loop)
+    todo, nxt = _first_todo(queue, committed, done, k)
+    job = _Labelling(pool, calc, rnd, strategy, scores, retries, min_distance, max_force, log,
+                     qlog, queue, done, nxt, out, rank={c.key: i for i, c in enumerate(ranked)},
+                     ac=as_completed(loop=pool.client.loop))
     for i in range(0, len(todo), chunk):
-        f, cs, a = submit(todo[i:i + chunk], 0)
-        pending[f.key] = (cs, a)
-        ac.add(f)
-    if not pending:
-        out.seconds = time.perf_counter() - t0
-        return out
-    with DatasetWriter(dataset, schema="molecular", append=True) as writer:
-        for fut in ac:
-            cands, attempt = pending.pop(fut.key)
-            failed: list[str] = []
-            try:
-                res = pool.result(fut)
-            except Exception as exc:  # a crashed worker or an unexpected error: retry the chunk
-                if attempt < retries:
-                    f, cs, a = submit(cands, attempt + 1)
-                    pending[f.key] = (cs, a)
-                    ac.add(f)
-                    continue
-                reason = f"label task failed {attempt + 1} times: {type(exc).__name__}: {exc}"
-                qlog.append([quarantine_entry(c.key, c.molecule_id, reason, round=rnd) for c in cands])
-                failed = [c.key for c in cands]
-            else:
-                records, untrusted = _trusted(res.records, max_force, rnd)
-                rejected = [*res.quarantined, *untrusted]
-                for rec in records:
-                    writer.write(rec)
-                writer.flush()
-                if log is not None:
-                    with log.open("a", encoding="utf-8") as fh:
-                        for rec in records:
-                            fh.write(dumps_json({"key": rec["key"], "round": rnd, "strategy": strategy,
-                                                 "time": time.time()}) + "\n")
-                out.labelled += [rec["key"] for rec in records]
-                if rejected:
-                    qlog.append([{**q, "round": rnd} for q in rejected])
-                failed = [q["key"] for q in rejected]
-            out.quarantined += failed
-            refill = []
-            for _ in failed:  # refill the batch with the next candidates of the ranking
-                while nxt < len(queue) and queue[nxt].key in done:
-                    nxt += 1
-                if nxt < len(queue):
-                    refill.append(queue[nxt])
-                    nxt += 1
-            if refill:
-                out.refills += len(refill)
-                f, cs, a = submit(refill, 0)
-                pending[f.key] = (cs, a)
-                ac.add(f)
-            if on_chunk is not None:
-                on_chunk(len(out.labelled))
+        job.submit(todo[i:i + chunk], 0)
+    if job.pending:
+        with DatasetWriter(dataset, schema="molecular", append=True) as writer:
+            job.drain(writer, on_chunk)
     out.seconds = time.perf_counter() - t0
     return out
