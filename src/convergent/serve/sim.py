@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from convergent.serve.costs import CostTable
 from convergent.serve.kv_cache import BlockManager
@@ -65,6 +67,94 @@ class SimResult:
         }
 
 
+def _stage_turnaround(costs: CostTable, p: int) -> list[float]:
+    """Per-stage turnaround of the table; one mean value per stage for a table of another split."""
+    turn = list(costs.turnaround or [0.0] * p)
+    if len(turn) != p:  # a table of another stage split: one mean value for every stage
+        turn = [sum(turn) / len(turn)] * p
+    return turn
+
+
+@dataclass
+class _Replay:
+    """The simulated clock of one replay: engine time, stage occupancy, micro-batches in flight."""
+
+    sched: Any
+    bm: BlockManager
+    costs: CostTable
+    engine_overhead: float
+    clock: Callable[[], float] | None
+    p: int
+    turn: list[float]
+    t: float = 0.0
+    engine_s: float = 0.0
+    n_batches: int = 0
+    stage_free: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
+    heap: list[tuple[float, int]] = field(default_factory=list)
+    inflight: dict[int, object] = field(default_factory=dict)
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stage_free = [0.0] * self.p
+        self.busy = [0.0] * self.p
+
+    def decide(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call a scheduler method, charging its wall time to the engine when timed."""
+        t0 = self.clock() if self.clock else 0.0
+        out = fn(*args)
+        if self.clock:
+            dt = self.clock() - t0
+            self.t += dt
+            self.engine_s += dt
+        return out
+
+    def launch(self, b: Any) -> None:
+        """Send a micro-batch through the stages and schedule its return to the engine."""
+        costs = self.costs
+        self.n_batches += 1
+        shape = self.sched.batch_shape(b)
+        ts = self.t + self.engine_overhead + costs.dispatch
+        for s in range(self.p):
+            if s > 0:
+                ts += costs.hop
+            start = max(ts, self.stage_free[s] + self.turn[s])
+            dur = costs.stage_time(shape, s)
+            self.stage_free[s] = start + dur
+            self.busy[s] += dur
+            ts = start + dur
+        self.inflight[b.bid] = b
+        heapq.heappush(self.heap, (ts + costs.ret, b.bid))
+        self.timeline.append((self.t, self.bm.num_used))
+
+    def fill(self) -> None:
+        """Submit micro-batches while fewer than the scheduler's depth are in flight."""
+        while len(self.inflight) < self.sched.depth:
+            b = self.decide(self.sched.schedule)
+            if b is None:
+                break
+            self.launch(b)
+
+    def retire(self) -> None:
+        """Complete the micro-batch that returns first."""
+        t_done, bid = heapq.heappop(self.heap)
+        self.t = max(self.t, t_done)  # the engine may still be busy deciding
+        b = self.inflight.pop(bid)
+        self.decide(self.sched.complete, b, {it.rid: -1 for it in b.items if it.sample}, self.t)
+        self.timeline.append((self.t, self.bm.num_used))
+
+    def run(self) -> None:
+        """Replay until every request is finished (or the scheduler cannot go on)."""
+        sched = self.sched
+        while sched.has_unfinished() or self.inflight:
+            self.fill()
+            if not self.inflight:
+                if sched.resolve_stall() is None:
+                    break
+                continue
+            self.retire()
+
+
 def simulate(
     scheduler: str,
     requests: list[tuple[int, int, int]],
@@ -96,70 +186,23 @@ def simulate(
     sched = make_scheduler(scheduler, cfg, bm, p, costs)
     for i, (n_in, n_out, pred) in enumerate(requests):
         sched.add(Request(i, [0] * n_in, n_out, predicted_len=pred))
-    t = 0.0
-    stage_free = [0.0] * p
-    turn = list(costs.turnaround or [0.0] * p)
-    if len(turn) != p:  # a table of another stage split: one mean value for every stage
-        turn = [sum(turn) / len(turn)] * p
-    busy = [0.0] * p
-    heap: list[tuple[float, int]] = []
-    inflight: dict[int, object] = {}
-    n_batches = 0
-    timeline = []
     clock = time.perf_counter if time_decisions else None
-    engine_s = 0.0
-    while sched.has_unfinished() or inflight:
-        while len(inflight) < sched.depth:
-            t0 = clock() if clock else 0.0
-            b = sched.schedule()
-            if clock:
-                dt = clock() - t0
-                t += dt
-                engine_s += dt
-            if b is None:
-                break
-            n_batches += 1
-            shape = sched.batch_shape(b)
-            ts = t + engine_overhead + costs.dispatch
-            for s in range(p):
-                if s > 0:
-                    ts += costs.hop
-                start = max(ts, stage_free[s] + turn[s])
-                dur = costs.stage_time(shape, s)
-                stage_free[s] = start + dur
-                busy[s] += dur
-                ts = start + dur
-            inflight[b.bid] = b
-            heapq.heappush(heap, (ts + costs.ret, b.bid))
-            timeline.append((t, bm.num_used))
-        if not inflight:
-            if sched.resolve_stall() is None:
-                break
-            continue
-        t_done, bid = heapq.heappop(heap)
-        t = max(t, t_done)  # the engine may still be busy deciding
-        b = inflight.pop(bid)
-        t0 = clock() if clock else 0.0
-        sched.complete(b, {it.rid: -1 for it in b.items if it.sample}, t)
-        if clock:
-            dt = clock() - t0
-            t += dt
-            engine_s += dt
-        timeline.append((t, bm.num_used))
+    rep = _Replay(sched, bm, costs, engine_overhead, clock, p, _stage_turnaround(costs, p))
+    rep.run()
     out_tok = sum(len(r.output) for r in sched.finished)
     in_tok = sum(len(r.prompt) for r in sched.finished)
     return SimResult(
         scheduler,
-        max(t, 1e-9),
+        max(rep.t, 1e-9),
         out_tok,
         in_tok,
         len(sched.finished),
-        busy,
-        n_batches,
+        rep.busy,
+        rep.n_batches,
         bm.peak_used,
         sched.num_preemptions,
-        timeline,
-        engine_s,
+        rep.timeline,
+        rep.engine_s,
     )
 
 
