@@ -23,7 +23,7 @@ The seeds are the rounds of bench/_harness.py: per seed ours then random (interl
 every number over seeds is a median with its spread. Writes
 bench/results/active_learning.json (+ active_learning.png, the curves, and
 active_learning_timeline.png beside it). Usage:
-``python bench/active_learning.py [--seeds 0 1 2] [--set learn.train_steps=60 ...]
+``python bench/active_learning.py [--seeds 0 1 2] [--set train.steps=60 ...]
 [--allow-dirty]`` (``--set`` changes a setting for both strategies; the JSON records it).
 """
 
@@ -59,30 +59,32 @@ RESULTS = ROOT / "results"
 SETTINGS = {
     "cluster.n_workers": 2,
     "model.hidden": 32, "model.layers": 2, "model.heads": 4,
-    "learn.pool": "nci", "learn.elements": "[C,H,N,O]", "learn.min_atoms": 6,
-    "learn.max_atoms": 16, "learn.pool_conformers": 8,
-    "learn.pool_sigma": 0.05, "learn.pool_sample": 0, "learn.holdout_fraction": 0.25,
-    "learn.holdout_per_molecule": 4, "learn.init_labels": 16, "learn.batch": 32,
-    "learn.rounds": 5, "learn.label_budget": 176, "learn.committee": 4,
-    "learn.first_train_steps": 1000, "learn.train_steps": 500, "learn.lr": 2e-3,
-    "learn.force_weight": 0.1, "learn.max_force": 50.0,
-    "learn.md_trajectories": 4, "learn.md_steps": 40, "learn.md_interval": 10,
-    "learn.md_temperature": 300.0,
-    "learn.label_chunk": 4, "learn.score_chunk": 128, "learn.diversity_tol": 0.05,
+    "simulate.source": "nci", "simulate.elements": "[C,H,N,O]", "simulate.min_atoms": 6,
+    "simulate.max_atoms": 16, "learn.pool.conformers": 8,
+    "simulate.rattle_sigma": 0.05, "learn.pool.sample": 0, "learn.pool.holdout_fraction": 0.25,
+    "learn.pool.holdout_per_molecule": 4, "learn.label.init": 16, "learn.label.batch": 32,
+    "learn.rounds": 5, "learn.label.budget": 176, "learn.committee": 4,
+    "learn.members.first_round_steps": 1000, "train.steps": 500, "train.lr": 2e-3,
+    "train.force_weight": 0.1, "learn.label.max_force": 50.0,
+    "learn.explore.trajectories": 4, "learn.explore.steps": 40, "learn.explore.interval": 10,
+    "learn.explore.temperature": 300.0,
+    "learn.label.chunk": 4, "learn.select.score_chunk": 128, "learn.select.diversity_tol": 0.05,
     # used by ours only (random ignores scores): the energy spread alone (the metric is the
     # held-out energy; on seed 0 the force term gave 0.74x labels, energy alone 0.64x), one structure
     # per compound in a batch (the held-out set is other compounds), and no near-copy
     # (0.25 A: 99% of two conformers of one pool compound are closer) of a labelled one
-    "learn.force_weight_score": 0.0, "learn.max_per_molecule": 1, "learn.labelled_tol": 0.25,
+    "learn.select.force_weight": 0.0, "learn.select.max_per_molecule": 1,
+    "learn.select.labelled_tol": 0.25,
     # the batch: greedily the largest spread x (how much the candidate's label lowers the
     # mean last-layer posterior variance over the pool), conditioned on each pick
     # (convergent.learn.posterior; the spread alone, top-k, needed 0.69x the labels)
-    "learn.acquisition": "posterior", "learn.posterior_gain": "pool", "learn.posterior_alpha": 1.0,
+    "learn.select.acquisition": "posterior", "learn.select.posterior_gain": "pool",
+    "learn.select.posterior_alpha": 1.0,
 }
 
 
 def overrides(strategy: str, seed: int, pipelined: bool = True) -> list[str]:
-    s = dict(SETTINGS, **{"learn.strategy": strategy, "learn.seed": seed,
+    s = dict(SETTINGS, **{"learn.select.strategy": strategy, "learn.seed": seed,
                           "learn.pipelined": str(pipelined).lower()})
     return [f"{k}={v}" for k, v in s.items()]
 
@@ -102,6 +104,7 @@ def versions() -> dict[str, str]:
 def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) -> dict[str, Any]:
     """One campaign in this process (its own Dask LocalCluster); its curve and utilisation."""
     from convergent.config import load_config
+    from convergent.learn.config import LEARN_PRESET
     from convergent.learn.engine import read_timeline
     from convergent.learn.loop import run_learning
     from convergent.learn.report import utilisation
@@ -109,7 +112,7 @@ def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) ->
 
     path = WORK / name
     shutil.rmtree(path, ignore_errors=True)
-    cfg = load_config(None, overrides(strategy, seed, pipelined))
+    cfg = load_config(None, overrides(strategy, seed, pipelined), preset=LEARN_PRESET)
     run = open_run(cfg, path, command="learn")
     _share_pool(path, seed)
     t0 = time.time()
@@ -128,9 +131,9 @@ def _pool_cache(seed: int) -> Path:
     """Where the pool of this seed and these pool settings is kept between campaigns."""
     import hashlib
 
-    keys = ("learn.pool", "learn.elements", "learn.min_atoms", "learn.max_atoms",
-            "learn.max_molecules", "learn.pool_conformers", "learn.pool_sigma",
-            "learn.holdout_fraction", "learn.holdout_per_molecule")
+    keys = ("simulate.source", "simulate.elements", "simulate.min_atoms", "simulate.max_atoms",
+            "simulate.max_molecules", "learn.pool.conformers", "simulate.rattle_sigma",
+            "learn.pool.holdout_fraction", "learn.pool.holdout_per_molecule")
     tag = hashlib.blake2b(json.dumps([seed, [str(SETTINGS.get(k)) for k in keys]]).encode(),
                           digest_size=6).hexdigest()
     return WORK / f"pool-{tag}"
@@ -190,9 +193,11 @@ def killed_and_resumed(seed: int, reference: Path) -> dict[str, Any]:
         cmd += ["--set", o]
     # the pool files are put in place first: the run directory must already be a run
     from convergent.config import load_config, save_config
+    from convergent.learn.config import LEARN_PRESET
     from convergent.runs import RunDir
 
-    save_config(load_config(None, overrides("uncertainty", seed)), RunDir(path).config)
+    save_config(load_config(None, overrides("uncertainty", seed), preset=LEARN_PRESET),
+                RunDir(path).config)
     log = path / "learn" / "labels.jsonl"
     proc = subprocess.Popen([*cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -267,11 +272,11 @@ def main() -> None:
         return run
 
     res = interleave("active_learning", [
-        Side("ours", side("uncertainty"), {**SETTINGS, "learn.strategy": "uncertainty"}),
-        Side("random", side("random"), {**SETTINGS, "learn.strategy": "random"})],
+        Side("ours", side("uncertainty"), {**SETTINGS, "learn.select.strategy": "uncertainty"}),
+        Side("random", side("random"), {**SETTINGS, "learn.select.strategy": "random"})],
         rounds=len(args.seeds), differences=[
             "only the choice of each batch differs (uncertainty+diversity vs random); "
-            "learn.force_weight_score, learn.max_per_molecule and learn.labelled_tol are read by ours only",
+            "learn.select.force_weight, learn.select.max_per_molecule and learn.select.labelled_tol are read by ours only",
             "the seed of a round changes the split, the pool, the initial labels and the "
             "training runs alike for both strategies"])
     seq = run_campaign(f"ours-s{args.seeds[0]}-sequential", "uncertainty", args.seeds[0], pipelined=False)

@@ -37,7 +37,7 @@ from _harness import Side, add_args, check_clean, interleave, spread, write_resu
 
 RESULTS = ROOT / "results"
 # the oracle ranks by its score (top-k under ours' rules): a perfect uncertainty, no posterior
-ORACLE = {"learn.acquisition": "top"}
+ORACLE = {"learn.select.acquisition": "top"}
 
 
 def pool_labels(seed: int) -> dict[str, Any]:
@@ -46,13 +46,14 @@ def pool_labels(seed: int) -> dict[str, Any]:
     from convergent.cluster import dask_client
     from convergent.config import load_config
     from convergent.data.reader import open_dataset
+    from convergent.learn.config import LEARN_PRESET
     from convergent.learn.engine import Pool
     from convergent.learn.loop import Campaign
     from convergent.runs import open_run
 
     path = al.WORK / f"pool-labels-s{seed}"
     shutil.rmtree(path, ignore_errors=True)
-    cfg = load_config(None, al.overrides("uncertainty", seed))
+    cfg = load_config(None, al.overrides("uncertainty", seed), preset=LEARN_PRESET)
     run = open_run(cfg, path, command="learn")
     al._share_pool(path, seed)
     camp = Campaign(cfg, run, None, progress=False)
@@ -118,9 +119,9 @@ def main() -> None:
         return run
 
     res = interleave("active_learning_ceiling", [
-        Side("oracle", side("oracle"), {**al.SETTINGS, **ORACLE, "learn.strategy": "uncertainty",
+        Side("oracle", side("oracle"), {**al.SETTINGS, **ORACLE, "learn.select.strategy": "uncertainty",
                                         "score": "committee's true error |E_mean - E_ref| / n_atoms"}),
-        Side("random", side("random"), {**al.SETTINGS, "learn.strategy": "random"})],
+        Side("random", side("random"), {**al.SETTINGS, "learn.select.strategy": "random"})],
         rounds=len(args.seeds), differences=[
             "only the choice of each batch differs: the oracle ranks candidates by the committee's "
             "true energy error (labels of the whole pool computed beforehand, not counted), under "

@@ -169,3 +169,40 @@ def test_json_and_yaml_side_files_name_their_line(tmp_path):
     hf.write_text('{\n  "hidden_size": 8,\n}\n')
     with pytest.raises(InputError, match=r"config\.json:3: not valid JSON \(Expecting property name"):
         read_config(hf)
+
+
+def test_a_moved_learn_key_names_its_new_place(tmp_path):
+    """learn's flat keys moved into sub-sections or to the section they repeated: each is
+    refused in one line naming the new key (YAML with its line, and --set)."""
+    from convergent.learn.config import MOVED_KEYS
+
+    assert MOVED_KEYS["learn.lr"] == "train.lr" and MOVED_KEYS["learn.pool"] == "simulate.source"
+    p = tmp_path / "old.yaml"
+    p.write_text("learn:\n  rounds: 2\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match=r"old.yaml:3: config key 'learn.lr' has moved to 'train.lr'"):
+        load_config(p)
+    for old, new in [("learn.pool=nci", "simulate.source"), ("learn.committee.size=2", None),
+                     ("learn.md_steps=10", "learn.explore.steps")]:
+        if new is None:  # not a moved key: committee stays a count
+            with pytest.raises(ConfigError, match="is not a section"):
+                load_config(None, [old])
+            continue
+        with pytest.raises(ConfigError, match=f"--set: config key '{old.split('=')[0]}' has moved to '{new}'"):
+            load_config(None, [old])
+    # the new layout, where a moved key's name is now a section's: accepted
+    p.write_text("learn:\n  pool:\n    conformers: 3\n")
+    assert load_config(p).learn.pool.conformers == 3
+    assert load_config(None, ["learn.pool.sample=5"]).learn.pool.sample == 5
+    # every new place exists
+    for new in MOVED_KEYS.values():
+        section, *rest = new.split(".")
+        node = getattr(ConvergentConfig(), section)
+        for key in rest:
+            node = getattr(node, key)
+
+
+def test_learn_cli_refuses_a_moved_key_in_one_line(tmp_path):
+    from convergent.cli import main
+
+    code = main(["learn", "--run-dir", str(tmp_path / "r"), "--set", "learn.train_steps=5"])
+    assert code == 2 and not (tmp_path / "r").exists()

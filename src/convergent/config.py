@@ -20,6 +20,7 @@ from convergent.configbase import Name, PathStr, Section
 from convergent.data.config import DataConfig, TextConfig
 from convergent.errors import ConfigError, parse_error_text
 from convergent.fsutil import atomic_write_text
+from convergent.learn.config import MOVED_KEYS as LEARN_MOVED_KEYS
 from convergent.learn.config import LearnConfig
 from convergent.models.config import ModelConfig
 from convergent.monitor.config import MetricsConfig
@@ -58,6 +59,32 @@ class ConvergentConfig(Section):
     text: TextConfig = TextConfig()  # the LM task's text corpus (convergent.data.textcorpus)
 
 
+# Keys of earlier layouts and where each went: a config that uses one is refused in one
+# line naming the new key (each section module that moved keys lists them).
+MOVED_KEYS: dict[str, str] = {**LEARN_MOVED_KEYS}
+
+
+def _moved_error(dotted: str, where: str) -> ConfigError:
+    return ConfigError(f"{where}: config key '{dotted}' has moved to '{MOVED_KEYS[dotted]}'",
+                       hint=f"write {MOVED_KEYS[dotted]} instead (docs/science.md, the learn section)")
+
+
+def _check_moved(data: dict[str, Any], source: str, path: str | Path | None = None) -> None:
+    """Refuse a key of an earlier layout present in ``data`` (a YAML file's tree). A moved
+    key whose name is now a section's (``learn.pool``) counts only with a non-mapping value."""
+    for dotted in MOVED_KEYS:
+        keys = dotted.split(".")
+        node: Any = data
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or keys[-1] not in node:
+            continue
+        if isinstance(node[keys[-1]], dict) and _section_at(keys) is not None:
+            continue
+        line = yaml_line(path, tuple(keys)) if path is not None else None
+        raise _moved_error(dotted, f"{source}:{line}" if line else source)
+
+
 def _parse_value(text: str) -> Any:
     """Parse an override value as YAML scalar/list (``3e-4``, ``true``, ``[1,2]``, ``abc``)."""
     try:
@@ -73,6 +100,8 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node: dict[str, Any] = tree
     model: type[Section] | None = ConvergentConfig
+    if dotted in MOVED_KEYS and not (isinstance(value, dict) and _section_at(keys) is not None):
+        raise _moved_error(dotted, "--set")
     for depth, key in enumerate(keys):
         if model is not None and key not in model.model_fields:
             where = ".".join(keys[:depth]) or "top level"
@@ -200,8 +229,10 @@ def load_config(
 ) -> ConvergentConfig:
     """Load defaults <- ``preset`` (a command's own defaults, e.g. the demo's) <- YAML file
     (optional) <- ``--set`` overrides, validated."""
-    data = _merge(preset or {}, read_yaml(path) if path is not None else {})
     source = str(path) if path is not None else "config"
+    user = read_yaml(path) if path is not None else {}
+    _check_moved(user, source, path)
+    data = _merge(preset or {}, user)
     data = _merge(data, parse_overrides(overrides))
     try:
         return ConvergentConfig.model_validate(data)

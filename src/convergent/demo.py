@@ -174,14 +174,21 @@ def learn_config(cfg: ConvergentConfig, run: RunDir) -> ConvergentConfig:
     ds = open_dataset(run.data / "train")
     labelled = len(ds)
     ds.close()
-    sim = cfg.simulate
-    learn = cfg.learn.model_copy(update={
-        "rounds": 1, "committee": 2, "init_dataset": str(run.data / "train"),
-        "init_model": str(run.ckpt / "final"), "pool": sim.source, "elements": sim.elements,
-        "max_atoms": sim.max_atoms, "min_atoms": sim.min_atoms, "pool_conformers": 2,
-        "holdout_per_molecule": 1, "train_steps": 25, "batch": 8,
-        "label_budget": labelled + 8, "md_trajectories": 2, "md_steps": 20, "seed": sim.seed})
-    return cfg.model_copy(update={"learn": learn})
+    from convergent.learn.config import LEARN_PRESET
+
+    L = cfg.learn
+    learn = L.model_copy(update={
+        "rounds": 1, "committee": 2, "seed": cfg.simulate.seed,
+        "pool": L.pool.model_copy(update={"conformers": 2, "holdout_per_molecule": 1}),
+        "label": L.label.model_copy(update={"init_dataset": str(run.data / "train"), "batch": 8,
+                                            "budget": labelled + 8}),
+        "members": L.members.model_copy(update={"init_model": str(run.ckpt / "final")}),
+        "explore": L.explore.model_copy(update={"trajectories": 2, "steps": 20})})
+    # members: 25 warm-started steps at learn's rate and batch (LEARN_PRESET), the demo's
+    # force weight
+    train = cfg.train.model_copy(update={"steps": 25, "lr": LEARN_PRESET["train"]["lr"],
+                                         "batch_atoms": LEARN_PRESET["train"]["batch_atoms"]})
+    return cfg.model_copy(update={"learn": learn, "train": train})
 
 
 def learn_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
@@ -192,7 +199,7 @@ def learn_stage(cfg: ConvergentConfig, run: RunDir) -> dict[str, Any]:
     summary = run_learning(lcfg, RunDir(run.path / "active_learning"))
     final = summary.get("final") or {}
     console.print(f"active learning report: {summary['report']}")
-    return {"labels_added": summary["labels"] - (lcfg.learn.label_budget - lcfg.learn.batch),
+    return {"labels_added": summary["labels"] - (lcfg.learn.label.budget - lcfg.learn.label.batch),
             "rounds": summary["rounds"], "report": summary["report"],
             "heldout_energy_mae_per_atom": final.get("energy_mae_per_atom"),
             "heldout_force_mae": final.get("force_mae")}

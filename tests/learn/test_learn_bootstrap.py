@@ -1,4 +1,4 @@
-"""Bagged committee members (learn.bootstrap): each trains on its own resample of the labels."""
+"""Bagged committee members (learn.members.bootstrap): each trains on its own resample of the labels."""
 
 from __future__ import annotations
 

@@ -22,11 +22,11 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SETS = ["cluster.n_workers=2", "model.hidden=16", "model.layers=1", "model.heads=2",
-        "learn.pool=g2", "learn.max_molecules=8", "learn.pool_conformers=3",
-        "learn.holdout_per_molecule=1", "learn.rounds=2", "learn.committee=2",
-        "learn.init_labels=4", "learn.batch=3", "learn.label_chunk=1",
-        "learn.first_train_steps=30", "learn.train_steps=15", "learn.md_trajectories=2",
-        "learn.md_steps=20", "learn.seed=3"]
+        "simulate.source=g2", "simulate.max_molecules=8", "learn.pool.conformers=3",
+        "learn.pool.holdout_per_molecule=1", "learn.rounds=2", "learn.committee=2",
+        "learn.label.init=4", "learn.label.batch=3", "learn.label.chunk=1",
+        "learn.members.first_round_steps=30", "train.steps=15", "learn.explore.trajectories=2",
+        "learn.explore.steps=20", "learn.seed=3"]
 
 
 def _cmd(run_dir: Path, resume: bool = False) -> list[str]:
@@ -180,4 +180,4 @@ def test_label_above_the_force_trust_limit_is_quarantined(tmp_path):
     assert out.quarantined == [bad.key] and out.refills == 1
     assert sorted(_keys(data)) == sorted(c.key for c in good)
     q = [json.loads(x) for x in (data / "quarantine.jsonl").read_text().splitlines()]
-    assert [e["key"] for e in q] == [bad.key] and "learn.max_force=20" in q[0]["reason"]
+    assert [e["key"] for e in q] == [bad.key] and "learn.label.max_force=20" in q[0]["reason"]

@@ -50,5 +50,5 @@ def test_refuses_an_element_only_in_the_held_out_set_or_too_few_labels():
     with pytest.raises(InputError, match=r"element Cl \(Z=17\) is in the held-out structure CH3Cl"):
         cover_elements(pool, _cands(["CH3Cl"]), k=10)
     pool = _cands(["CH4", "H2O", "NH3", "CH3Cl"])
-    with pytest.raises(InputError, match="learn.init_labels=2 cannot cover"):
+    with pytest.raises(InputError, match="learn.label.init=2 cannot cover"):
         cover_elements(pool, [], k=2)

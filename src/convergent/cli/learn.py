@@ -21,10 +21,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Rounds of committee training -> candidates (pool + surrogate MD) -> selection by
         disagreement -> labels on Dask, until a label, time or error budget is reached."""
+        from convergent.learn.config import LEARN_PRESET
         from convergent.learn.loop import check_inputs, run_learning
         from convergent.runs import open_run
 
-        cfg = config_from_cli(config, sets)
+        cfg = config_from_cli(config, sets, preset=LEARN_PRESET)
         run = open_run(cfg, run_dir, resume=resume, command="learn", check=lambda: check_inputs(cfg))
         summary = run_learning(cfg, run)
         final = summary.get("final") or {}

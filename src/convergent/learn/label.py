@@ -74,7 +74,7 @@ def _trusted(records: list[dict[str, Any]], max_force: float, rnd: int
             keep.append(rec)
         else:
             bad.append(quarantine_entry(rec["key"], str(rec.get("molecule_id", "")),
-                                        f"largest force {fmax:.4g} eV/A above learn.max_force={max_force:g}",
+                                        f"largest force {fmax:.4g} eV/A above learn.label.max_force={max_force:g}",
                                         round=rnd))
     return keep, bad
 

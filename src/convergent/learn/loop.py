@@ -55,10 +55,8 @@ from convergent.learn.report import build_learn_report
 from convergent.learn.select import combined_score, select_batch
 from convergent.runs import RunDir
 from convergent.sim.calculators import CalcSpec
-from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import stable_int
 from convergent.sim.sources import check_source
-from convergent.train.config import TrainConfig
 
 console = Console(stderr=True)
 
@@ -100,17 +98,20 @@ class Campaign:
         pool_f, held_f = self.p.root / "pool.npz", self.p.root / "holdout.npz"
         if pool_f.exists() and held_f.exists():
             return load_candidates(pool_f), load_candidates(held_f)
-        pool, held = build_pool(self.L, seen=dataset_molecules(self.L.init_dataset))
+        pool, held = build_pool(self.L.pool, self.cfg.simulate, self.L.seed,
+                                seen=dataset_molecules(self.L.label.init_dataset))
         save_candidates(held_f, held)
         save_candidates(pool_f, pool)
         self.say(f"pool: {len(pool)} structures; held out: {len(held)} structures")
         return pool, held
 
     def calc(self, rnd: int) -> dict[str, Any]:
-        kind = self.L.calculator
-        if self.L.dft_from_round and rnd >= self.L.dft_from_round:
-            kind = "dft"
-        sim = SimulateConfig(calculator=kind, method=None if kind != "xtb" else "GFN2-xTB")
+        """The calculator of round ``rnd``: the simulate section's (PySCF from
+        ``learn.label.dft_from_round`` on, with the section's DFT method or B3LYP)."""
+        sim = self.cfg.simulate
+        if self.L.label.dft_from_round and rnd >= self.L.label.dft_from_round and sim.calculator != "dft":
+            method = sim.method if sim.calculator == "dft" else None
+            sim = sim.model_copy(update={"calculator": "dft", "method": method})
         return CalcSpec.from_simulate(sim).to_dict()
 
     def labels_used(self) -> int:
@@ -118,16 +119,16 @@ class Campaign:
         return n + self.init_count()
 
     def init_count(self) -> int:
-        if not self.L.init_dataset:
+        if not self.L.label.init_dataset:
             return 0
-        return len(committed_keys(Path(self.L.init_dataset)))
+        return len(committed_keys(Path(self.L.label.init_dataset)))
 
     def label(self, rnd: int, ranked: list[Candidate], k: int, strategy: str,
               scores: dict[str, float] | None = None, dataset: Path | None = None):
         return label_batch(self.pool, dataset or self.p.labels, ranked, k, self.calc(rnd),
-                           rnd=rnd, strategy=strategy, scores=scores, chunk=self.L.label_chunk,
-                           retries=self.L.label_retries, min_distance=self.L.min_distance,
-                           max_force=self.L.max_force,
+                           rnd=rnd, strategy=strategy, scores=scores, chunk=self.L.label.chunk,
+                           retries=self.L.label.retries, min_distance=self.cfg.simulate.min_distance,
+                           max_force=self.L.label.max_force,
                            log=self.p.root / LABEL_LOG if dataset is None else None)
 
     # ---------------------------------------------------------------- round 0
@@ -135,13 +136,13 @@ class Campaign:
         """Label the held-out set and the initial random labels (round 0); the initial
         labels hold every element of the pool and the held-out set (``cover_elements``)."""
         init = []
-        if not self.L.init_dataset:  # refused before any label is spent
+        if not self.L.label.init_dataset:  # refused before any label is spent
             rng = np.random.default_rng(_seed("init", self.L.seed))
             ranked = [self.cands[i] for i in rng.permutation(len(self.cands))]
-            init = cover_elements(ranked, self.held, self.L.init_labels)
+            init = cover_elements(ranked, self.held, self.L.label.init)
         held = self.label(0, self.held, len(self.held), "holdout", dataset=self.p.holdout)
         if init:
-            out = self.label(0, init, self.L.init_labels, "init")
+            out = self.label(0, init, self.L.label.init, "init")
             self.check_cover(committed_keys(self.p.labels))
             self.say(f"round 0: {len(held.labelled)} held-out and {len(out.labelled)} initial "
                      f"labels ({len(out.quarantined)} quarantined)")
@@ -156,7 +157,7 @@ class Campaign:
             raise InputError(
                 f"learn: no initial label holds element {symbol(z)} (Z={z}): its "
                 "structures were quarantined, so the committee could not predict them",
-                hint="see learn/quarantine and raise learn.init_labels")
+                hint="see learn/quarantine and raise learn.label.init")
 
     # ---------------------------------------------------------------- training
     def members(self, rnd: int) -> list[str]:
@@ -171,26 +172,27 @@ class Campaign:
         data = [d for d in [str(self.p.labels), *extra] if (Path(d) / MANIFEST_NAME).is_file()]
         if not data:
             raise RuntimeError(f"round {rnd}: no labelled structures to train on")
-        train = TrainConfig(
-            dataset=data[0], extra_datasets=data[1:], steps=steps, lr=L.lr,
-            batch_atoms=L.batch_atoms, force_weight=L.force_weight,
-            seed=_seed("member", L.seed, rnd, k), bootstrap=L.bootstrap, init_from=init,
-            init_reference="refit" if L.refit_reference and not (rnd == 1 and L.init_model)
-            else "keep")
+        M = L.members
+        train = self.cfg.train.model_copy(update={
+            "dataset": data[0], "extra_datasets": data[1:], "steps": steps,
+            "seed": _seed("member", L.seed, rnd, k), "bootstrap": M.bootstrap, "init_from": init,
+            "init_reference": "refit" if M.refit_reference and not (rnd == 1 and M.init_model)
+            else "keep"})
         return tasks.member_config(self.cfg, train)
 
     def train(self, rnd: int) -> dict[str, Any]:
         """Train (or, on resume, keep) the K members of round ``rnd``; retry crashed ones."""
         L = self.L
         done = set(self.state["members"].get(str(rnd), []))
-        extra = [L.init_dataset] if L.init_dataset else []
-        steps = L.first_train_steps if rnd == 1 and not L.init_model else L.train_steps
+        extra = [L.label.init_dataset] if L.label.init_dataset else []
+        steps = (L.members.first_round_steps if rnd == 1 and not L.members.init_model
+                 else self.cfg.train.steps)
         fault = None
         if (marker := _fault_marker()) is not None:
             fault = str(self.p.root / marker)
 
         def submit(k: int):
-            init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.init_model
+            init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.members.init_model
             job = tasks.MemberJob(self.member_config(rnd, k, steps, init, extra),
                                   str(self.p.member(rnd, k)), fault)
             return self.pool.submit("train", f"m{k}", rnd, tasks.train_member, job)
@@ -203,7 +205,7 @@ class Campaign:
             try:
                 summaries.append(self.pool.result(fut))
             except Exception as exc:
-                if attempt >= L.train_retries:
+                if attempt >= L.members.retries:
                     raise RuntimeError(f"round {rnd}: committee member {k} failed "
                                        f"{attempt + 1} times: {type(exc).__name__}: {exc}") from None
                 self.say(f"[yellow]round {rnd}: member {k} failed ({type(exc).__name__}); retrying")
@@ -219,13 +221,15 @@ class Campaign:
     def submit_md(self, rnd: int) -> None:
         """Exploration for round ``rnd`` driven by committee ``rnd - 1`` (background)."""
         L = self.L
-        if rnd in self.md_futures or L.md_trajectories == 0 or self.p.md(rnd).exists():
+        if rnd in self.md_futures or L.explore.trajectories == 0 or self.p.md(rnd).exists():
             return
-        models = self.members(rnd - 1) if rnd > 1 else ([L.init_model] if L.init_model else [])
+        models = (self.members(rnd - 1) if rnd > 1
+                  else [L.members.init_model] if L.members.init_model else [])
         if not models:
             return
         # start from the labels of rounds before rnd - 1: the same set whenever this runs
-        source = self.p.labels if committed_keys(self.p.labels) else Path(L.init_dataset or self.p.labels)
+        source = (self.p.labels if committed_keys(self.p.labels)
+                  else Path(L.label.init_dataset or self.p.labels))
         if not committed_keys(source):
             return
         ds = open_dataset(source)
@@ -235,14 +239,15 @@ class Campaign:
         finally:
             ds.close()
         rng = np.random.default_rng(_seed("md-start", L.seed, rnd))
-        starts = [recs[i] for i in rng.choice(len(recs), size=min(len(recs), L.md_trajectories),
+        starts = [recs[i] for i in rng.choice(len(recs), size=min(len(recs), L.explore.trajectories),
                                               replace=False)]
         futs = []
         for j, rec in enumerate(starts):
             start = {"numbers": rec["numbers"], "positions": rec["positions"],
                      "molecule_id": rec["molecule_id"], "key": rec["key"]}
-            f = self.pool.submit("explore", f"t{j}", rnd, tasks.explore_md, models, start, L.md_steps,
-                                 L.md_interval, L.md_temperature, L.md_timestep_fs, L.md_friction,
+            f = self.pool.submit("explore", f"t{j}", rnd, tasks.explore_md, models, start, L.explore.steps,
+                                 L.explore.interval, L.explore.temperature, L.explore.timestep_fs,
+                                 L.explore.friction,
                                  _seed("md", L.seed, rnd, j), device="cpu")
             futs.append((f, start))
         self.md_futures[rnd] = futs
@@ -272,7 +277,7 @@ class Campaign:
         if rnd in self.curve or rnd in self.eval_futures:
             return
         f = self.pool.submit("eval", "holdout", rnd, tasks.evaluate, self.members(rnd),
-                             str(self.p.holdout), self.L.batch_atoms, device="cpu")
+                             str(self.p.holdout), self.cfg.train.batch_atoms, device="cpu")
         self.eval_futures[rnd] = (f, labels)
 
     def collect_eval(self, rnd: int) -> dict[str, Any] | None:
@@ -290,11 +295,12 @@ class Campaign:
         with ``features``, the last-layer ``features`` (:mod:`convergent.learn.posterior`)."""
         L = self.L
         recs_all = records if records is not None else [c.record() for c in cands]
-        elements = [atomic_numbers[e] for e in L.elements] if features else None
+        elements = [atomic_numbers[e] for e in self.cfg.simulate.elements] if features else None
         futs = []
-        for i in range(0, len(recs_all), L.score_chunk):
+        for i in range(0, len(recs_all), L.select.score_chunk):
             futs.append(self.pool.submit("score", f"c{i}", rnd, tasks.score_records, self.members(rnd),
-                                         recs_all[i:i + L.score_chunk], L.batch_atoms, device="cpu",
+                                         recs_all[i:i + L.select.score_chunk], self.cfg.train.batch_atoms,
+                                         device="cpu",
                                          elements=elements))
         parts = [self.pool.result(f) for f in futs]
         names = ("energy_pred", "energy_std", "force_std_max", "n_atoms") + (("features",) if features else ())
@@ -303,15 +309,15 @@ class Campaign:
 
     def score(self, rnd: int, cands: list[Candidate]) -> np.ndarray:
         p = self.predict(rnd, cands)
-        return combined_score(p["energy_std"], p["force_std_max"], p["n_atoms"], self.L.force_weight_score)
+        return combined_score(p["energy_std"], p["force_std_max"], p["n_atoms"], self.L.select.force_weight)
 
     def candidates(self, rnd: int, exclude: set[str]) -> list[Candidate]:
         """A seeded sample of the unlabelled pool, then this round's exploration frames."""
         L = self.L
         free = [c for c in self.cands if c.key not in exclude]
-        if L.pool_sample and len(free) > L.pool_sample:
+        if L.pool.sample and len(free) > L.pool.sample:
             rng = np.random.default_rng(_seed("pool-sample", L.seed, rnd))
-            free = [free[i] for i in sorted(rng.choice(len(free), L.pool_sample, replace=False))]
+            free = [free[i] for i in sorted(rng.choice(len(free), L.pool.sample, replace=False))]
         return free + [c for c in self.md_candidates(rnd) if c.key not in exclude]
 
     def labelled_records(self) -> list[dict[str, Any]]:
@@ -338,31 +344,29 @@ class Campaign:
             by_key = {c.key: c for c in self.cands}
             by_key.update({c.key: c for c in self.md_candidates(rnd)})
             return [by_key[x] for x in sel["ranked"]], sel["scores"]
-        L = self.L
+        L, S = self.L, self.L.select
         exclude = committed_keys(self.p.labels) | quarantined_keys(self.p.labels)
         cands = self.candidates(rnd, exclude)
         feats = None
-        lab_recs = self.labelled_records() if L.labelled_tol > 0 or L.acquisition == "posterior" else []
-        if L.strategy != "uncertainty":
+        lab_recs = self.labelled_records() if S.labelled_tol > 0 or S.acquisition == "posterior" else []
+        if S.strategy != "uncertainty":
             scores = np.full(len(cands), np.nan)
-        elif L.acquisition == "posterior":  # the candidates' and the labels' last-layer features, in one go
+        elif S.acquisition == "posterior":  # the candidates' and the labels' last-layer features, in one go
             p = self.predict(rnd, [], records=[c.record() for c in cands] + lab_recs, features=True)
             n = len(cands)
             scores = combined_score(p["energy_std"][:n], p["force_std_max"][:n], p["n_atoms"][:n],
-                                    L.force_weight_score)
+                                    S.force_weight)
             x = p["features"].reshape(n + len(lab_recs), -1)
             feats = (x[:n], x[n:])
         else:
             scores = self.score(rnd, cands)
-        labelled = [(r["numbers"], r["positions"]) for r in lab_recs] if L.labelled_tol > 0 else ()
-        picked = select_batch(cands, scores, 2 * k + 4, L.strategy, L.diversity_tol,
-                              _seed("select", L.seed, rnd), exclude, L.max_per_molecule,
-                              labelled, L.labelled_tol, L.acquisition, L.power_beta,
-                              feats, L.posterior_alpha, L.posterior_ridge, L.posterior_gain)
+        labelled = [(r["numbers"], r["positions"]) for r in lab_recs] if S.labelled_tol > 0 else ()
+        picked = select_batch(cands, scores, 2 * k + 4, S, seed=_seed("select", L.seed, rnd),
+                              exclude=exclude, labelled=labelled, features=feats)
         ranked = [cands[i] for i in picked]
         by = {cands[i].key: float(scores[i]) for i in picked if np.isfinite(scores[i])}
         atomic_write_text(path, dumps_json({
-            "round": rnd, "strategy": L.strategy, "k": k, "ranked": [c.key for c in ranked],
+            "round": rnd, "strategy": S.strategy, "k": k, "ranked": [c.key for c in ranked],
             "scores": by, "candidates": len(cands),
             "from_md": sum(1 for c in cands if c.origin == "md"),
             "mean_score_all": float(np.nanmean(scores)) if np.isfinite(scores).any() else None,
@@ -383,15 +387,15 @@ class Campaign:
             self.submit_eval(rnd, labels_now)
             if not L.pipelined:
                 self.collect_eval(rnd)
-            final = rnd > L.rounds or labels_now >= L.label_budget
+            final = rnd > L.rounds or labels_now >= L.label.budget
             if done_row is None and not final:
                 if L.pipelined and rnd + 1 <= L.rounds:
                     self.submit_md(rnd + 1)  # explores for the next round while this one works
-                k = min(L.batch, L.label_budget - labels_now)
+                k = min(L.label.batch, L.label.budget - labels_now)
                 if not L.pipelined:
                     self.md_candidates(rnd)
                 ranked, scores = self.select(rnd, k)
-                out = self.label(rnd, ranked, k, L.strategy, scores)
+                out = self.label(rnd, ranked, k, L.select.strategy, scores)
                 sel = json.loads(self.p.selection(rnd).read_text())
                 row = {"round": rnd, "labels_before": labels_now, "selected": len(out.labelled),
                        "quarantined": len(out.quarantined), "refills": out.refills,
@@ -413,7 +417,7 @@ class Campaign:
                 self.say(f"round {rnd}: held-out energy MAE {point['energy_mae_per_atom']:.4f} eV/atom, "
                          f"force MAE {point['force_mae']:.4f} eV/Å at {point['labels']} labels")
             if final:
-                stop = stop or ("label budget" if labels_now >= L.label_budget else "rounds")
+                stop = stop or ("label budget" if labels_now >= L.label.budget else "rounds")
                 break
             if L.target_energy_mae and point and point["energy_mae_per_atom"] <= L.target_energy_mae:
                 stop = "target error"
@@ -442,11 +446,12 @@ def _fault_marker() -> str | None:
 def check_inputs(cfg: ConvergentConfig) -> None:
     """What can fail before any work: the pool source, the warm-start model and dataset."""
     L: LearnConfig = cfg.learn
-    check_source(L.pool, "quarantine")
-    if L.init_model and not (Path(L.init_model) / "model_config.json").is_file():
-        raise InputError(f"learn.init_model: {L.init_model} is not a saved model directory")
-    if L.init_dataset:
-        check_dataset(L.init_dataset, "learn.init_dataset")
+    check_source(cfg.simulate.source, "quarantine")
+    init_model = L.members.init_model
+    if init_model and not (Path(init_model) / "model_config.json").is_file():
+        raise InputError(f"learn.members.init_model: {init_model} is not a saved model directory")
+    if L.label.init_dataset:
+        check_dataset(L.label.init_dataset, "learn.label.init_dataset")
 
 
 def run_learning(cfg: ConvergentConfig, run: RunDir, client=None, progress: bool = True) -> dict[str, Any]:

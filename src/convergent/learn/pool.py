@@ -23,7 +23,8 @@ from convergent.data.reader import open_dataset
 from convergent.elements import symbol
 from convergent.errors import InputError
 from convergent.fsutil import atomic_write_bytes, dumps_json
-from convergent.learn.config import LearnConfig
+from convergent.learn.config import PoolConfig
+from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import Molecule, stable_int
 from convergent.sim.sources import load_molecules
 
@@ -96,12 +97,12 @@ def cover_elements(ranked: list[Candidate], held: list[Candidate], k: int) -> li
         raise InputError(
             f"learn: element {symbol(only_held[0])} (Z={only_held[0]}) is in the held-out "
             f"structure {where.molecule_id} ({where.key}) but in no pool structure, so no "
-            "initial label can teach it", hint="add molecules with it to learn.pool")
+            "initial label can teach it", hint="add molecules with it to simulate.source")
     if len(picks) > k:
         raise InputError(
-            f"learn.init_labels={k} cannot cover the pool's {len(covered)} elements "
+            f"learn.label.init={k} cannot cover the pool's {len(covered)} elements "
             f"({', '.join(symbol(z) for z in sorted(covered))}): {len(picks)} structures "
-            "are needed", hint=f"set learn.init_labels to {len(picks)} or more")
+            "are needed", hint=f"set learn.label.init to {len(picks)} or more")
     chosen = {id(c) for c in picks}
     return picks + [c for c in ranked if id(c) not in chosen]
 
@@ -134,35 +135,38 @@ def dataset_molecules(path: str | None) -> frozenset[str]:
         ds.close()
 
 
-def _held_out_ids(ids: list[str], cfg: LearnConfig, seen: frozenset[str]) -> set[str]:
+def _held_out_ids(ids: list[str], fraction: float, seed: int, source: str,
+                  seen: frozenset[str]) -> set[str]:
     """The held-out molecules: by seeded hash (:func:`is_holdout`); with starting data, as
     many, taken in the same hash order from the molecules it does not contain."""
-    by_hash = {i for i in ids if is_holdout(i, cfg.holdout_fraction, cfg.seed)}
+    by_hash = {i for i in ids if is_holdout(i, fraction, seed)}
     if not seen:
         return by_hash
-    unseen = sorted({i for i in ids if i not in seen},
-                    key=lambda i: stable_int("holdout", cfg.seed, i))
+    unseen = sorted({i for i in ids if i not in seen}, key=lambda i: stable_int("holdout", seed, i))
     if not unseen:
         raise InputError(
-            f"learn: every molecule of learn.pool ({cfg.pool}) is in learn.init_dataset, so "
-            "none can be held out unseen", hint="add molecules to learn.pool")
+            f"learn: every molecule of simulate.source ({source}) is in learn.label.init_dataset, "
+            "so none can be held out unseen", hint="add molecules to simulate.source")
     return set(unseen[:max(1, len(by_hash))])
 
 
-def build_pool(cfg: LearnConfig, seen: frozenset[str] = frozenset()
-               ) -> tuple[list[Candidate], list[Candidate]]:
-    """(pool, held-out) candidates from ``cfg.pool``, split by molecule. Molecules in
-    ``seen`` (those of the starting data, ``learn.init_dataset``, which the starting model
+def build_pool(pool_cfg: PoolConfig, sim: SimulateConfig, seed: int,
+               seen: frozenset[str] = frozenset()) -> tuple[list[Candidate], list[Candidate]]:
+    """(pool, held-out) candidates from the molecules of ``sim``'s source filter (source,
+    elements, atom counts, max_molecules), rattled by ``sim.rattle_sigma``, split by
+    molecule. Molecules in ``seen`` (those of the starting data, which the starting model
     was trained on) are never held out, so the held-out curve measures unseen molecules."""
-    mols, _ = load_molecules(cfg.pool, cfg.elements, cfg.min_atoms, cfg.max_atoms,
-                             cfg.max_molecules, cfg.seed, on_bad_input="quarantine")
-    held_ids = _held_out_ids([m.molecule_id for m in mols], cfg, seen)
+    mols, _ = load_molecules(sim.source, sim.elements, sim.min_atoms, sim.max_atoms,
+                             sim.max_molecules, seed, on_bad_input="quarantine")
+    held_ids = _held_out_ids([m.molecule_id for m in mols], pool_cfg.holdout_fraction, seed,
+                             sim.source, seen)
+    sigma = sim.rattle_sigma
     pool, held = [], []
     for mol in mols:
         if mol.molecule_id in held_ids:
-            held += conformers(mol, cfg.holdout_per_molecule, cfg.pool_sigma, cfg.seed + 1, "holdout")
+            held += conformers(mol, pool_cfg.holdout_per_molecule, sigma, seed + 1, "holdout")
         else:
-            pool += conformers(mol, cfg.pool_conformers, cfg.pool_sigma, cfg.seed, "pool")
+            pool += conformers(mol, pool_cfg.conformers, sigma, seed, "pool")
     return _unique(pool), _unique(held)
 
 

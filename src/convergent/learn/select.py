@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from convergent.learn.config import SelectConfig
 from convergent.learn.pool import Candidate
 from convergent.learn.posterior import Posterior
 
@@ -58,24 +59,20 @@ def select_batch(
     cands: Sequence[Candidate],
     scores: np.ndarray,
     k: int,
-    strategy: str = "uncertainty",
-    tol: float = 0.05,
+    sel: SelectConfig,
+    *,
     seed: int = 0,
     exclude: set[str] | frozenset[str] = frozenset(),
-    max_per_molecule: int = 0,
     labelled: Sequence[tuple[np.ndarray, np.ndarray]] = (),
-    labelled_tol: float = 0.0,
-    acquisition: str = "top",
-    beta: float = 1.0,
     features: tuple[np.ndarray, np.ndarray] | None = None,
-    alpha: float = 1.0,
-    ridge: float = 1.0,
-    gain: str = "variance",
 ) -> list[int]:
-    """Indices into ``cands`` of the batch, in selection order (at most ``k``);
-    ``labelled``: (numbers, positions) of the structures labelled so far; ``features``:
-    (candidates' rows, labelled structures' rows) of
-    :func:`convergent.learn.posterior.structure_features` (``acquisition="posterior"``)."""
+    """Indices into ``cands`` of the batch, in selection order (at most ``k``), by the
+    rules of ``sel`` (``learn.select``); ``labelled``: (numbers, positions) of the
+    structures labelled so far; ``features``: (candidates' rows, labelled structures' rows)
+    of :func:`convergent.learn.posterior.structure_features` (``acquisition="posterior"``)."""
+    strategy, tol, max_per_molecule = sel.strategy, sel.diversity_tol, sel.max_per_molecule
+    labelled_tol, acquisition, beta = sel.labelled_tol, sel.acquisition, sel.power_beta
+    alpha, ridge, gain = sel.posterior_alpha, sel.posterior_ridge, sel.posterior_gain
     ok = [i for i, c in enumerate(cands) if c.key not in exclude]
     if strategy == "random":
         rng = np.random.default_rng(seed)
