@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from convergent.runs import RunDir
 from convergent.train.checkpoint import load_full_model
 
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
 
-def export_final(cfg: Any, task: Any, last_checkpoint: str | Path, directory: Path) -> Path:
+
+def export_final(cfg: ConvergentConfig, task: Any, last_checkpoint: str | Path, directory: Path) -> Path:
     """The final weights of the DCP checkpoint ``last_checkpoint`` exported with the task's
     exporter (molecular: models.io, with config and elements) to ``directory``."""
     torch.manual_seed(cfg.train.seed)
@@ -26,7 +29,7 @@ def export_final(cfg: Any, task: Any, last_checkpoint: str | Path, directory: Pa
     return directory
 
 
-def fit(cfg: Any, run_dir: str | Path, export_to: str | Path | None = None) -> dict[str, Any]:
+def fit(cfg: ConvergentConfig, run_dir: str | Path, export_to: str | Path | None = None) -> dict[str, Any]:
     """Train ``cfg`` (a ConvergentConfig) in this process with the Trainer, writing metrics
     and checkpoints under ``run_dir``; export the final model to ``export_to`` (default
     ``<run_dir>/ckpt/final``). Sets this process's torch threads to ``train.threads``.

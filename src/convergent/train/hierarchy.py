@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ import torch.distributed as dist
 from convergent.errors import ConfigError
 from convergent.train.compression import instrument, powersgd_bytes, topk_payload, topk_sum
 from convergent.train.topology import _host_to_rack, node_name, read_topology_file
+
+if TYPE_CHECKING:
+    from convergent.train.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def build_tiers(
     return Tiers(list(racks.values()))
 
 
-def discover_tiers(pcfg: Any, world: int) -> Tiers:
+def discover_tiers(pcfg: ParallelConfig, world: int) -> Tiers:
     """Tiers for this job (collective: every rank must call it)."""
     topo = read_topology_file(pcfg.topology_file) if pcfg.topology_file else {}
     keys: list[Any] = [None] * world
@@ -174,7 +177,7 @@ class HierState:
             self.residuals = {int(k): v for k, v in sd.get("residual", {}).items()}
 
 
-def make_state(tiers: Tiers, rank: int, pcfg: Any) -> HierState:
+def make_state(tiers: Tiers, rank: int, pcfg: ParallelConfig) -> HierState:
     """Create every hop's process groups (collective) and this rank's hook state."""
     groups, sizes = [], []
     for level in tiers.levels():
@@ -278,7 +281,7 @@ def hierarchical_hook(state, bucket):  # noqa: ANN001 - DDP checks annotations, 
     return fut
 
 
-def register_hierarchical(ddp_model: Any, pcfg: Any, stats: Any, tiers: Tiers) -> HierState:
+def register_hierarchical(ddp_model: Any, pcfg: ParallelConfig, stats: Any, tiers: Tiers) -> HierState:
     """Register the hierarchical hook on a DDP model, counting slow-hop bytes."""
     st = make_state(tiers, dist.get_rank(), pcfg)
 
@@ -294,7 +297,7 @@ def register_hierarchical(ddp_model: Any, pcfg: Any, stats: Any, tiers: Tiers) -
     return st
 
 
-def plan_record(algorithm: str, tiers: Tiers, pcfg: Any) -> dict[str, Any]:
+def plan_record(algorithm: str, tiers: Tiers, pcfg: ParallelConfig) -> dict[str, Any]:
     """The metrics record naming the gradient all-reduce algorithm chosen for the run."""
     return {
         "kind": "comm_algorithm",

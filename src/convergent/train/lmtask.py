@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -11,6 +11,9 @@ from torch import nn
 from convergent.errors import ConfigError
 from convergent.models.llama import LlamaConfig, LlamaForCausalLM, save_pretrained
 from convergent.train.taskapi import MicroBatch, Task, stage_layers
+
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
 
 
 def ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -34,7 +37,7 @@ class LMTask(Task):
     stat_keys = ("ce_sum", "tokens")
     pipeline_capable = True
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ConvergentConfig) -> None:
         super().__init__(cfg)
         t = cfg.train
         self.V = int(t.vocab_size)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from convergent.train.compression import CommStats, register_compression
 from convergent.train.taskapi import Task, find_blocks
 from convergent.train.tasks import check_pipeline
 from convergent.train.topology import gather_hostnames, group_ranks, read_topology_file
+
+if TYPE_CHECKING:
+    from convergent.train.config import ParallelConfig
 
 
 @dataclass
@@ -115,7 +118,7 @@ def apply_compile(model: nn.Module) -> int:
 
 
 def apply_fsdp(
-    model: nn.Module, mesh: Any, pcfg: Any, prec: Any, keep: list[str]
+    model: nn.Module, mesh: Any, pcfg: ParallelConfig, prec: Any, keep: list[str]
 ) -> nn.Module:
     """FSDP2: fp32-kept modules, then each block, then the root."""
     from torch.distributed.fsdp import fully_shard
@@ -183,7 +186,7 @@ class GatheredForward(nn.Module):
         return self._call(tensors, args, kwargs)
 
 
-def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
+def build_hsdp_mesh(device: torch.device, pcfg: ParallelConfig, world: int) -> Any:
     """2-D (replicate, shard) DeviceMesh following the topology."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -195,7 +198,7 @@ def build_hsdp_mesh(device: torch.device, pcfg: Any, world: int) -> Any:
     )
 
 
-def register_ddp_hook(ddp: Any, pcfg: Any, par: Parallelized) -> None:
+def register_ddp_hook(ddp: Any, pcfg: ParallelConfig, par: Parallelized) -> None:
     """Flat (compressed) or hierarchical gradient all-reduce, per ``parallel.allreduce``."""
     tiers = hierarchy.discover_tiers(pcfg, par.dp_world)
     algo = hierarchy.choose_algorithm(pcfg.allreduce, tiers)

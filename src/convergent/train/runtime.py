@@ -7,9 +7,15 @@ import logging
 import math
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from convergent.config import ConvergentConfig
+
 
 log = logging.getLogger("convergent.train")
 
@@ -27,7 +33,7 @@ def pick_device(pref: str, local_rank: int, tf32: bool = True) -> torch.device:
     return torch.device("cpu")
 
 
-def lr_lambda(cfg: Any) -> Any:
+def lr_lambda(cfg: ConvergentConfig) -> Callable[[int], float]:
     t = cfg.train
 
     def f(step: int) -> float:

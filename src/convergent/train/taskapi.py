@@ -19,12 +19,15 @@ to floating-point summation order. The loader state is just ``(epoch, position)`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from convergent.models import layersplit
+
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
 
 
 @dataclass
@@ -86,7 +89,7 @@ class Task:
     stat_keys: tuple[str, ...] = ()  # the sum statistics of :meth:`val_stats`
     pipeline_capable = False
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ConvergentConfig) -> None:
         self.cfg = cfg
 
     def build_model(self) -> nn.Module:  # pragma: no cover - interface

@@ -15,7 +15,7 @@ windows of the held-out files (``val_max_batches x batch_seqs`` of them); the re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,10 +27,14 @@ from convergent.fsutil import dumps_json
 from convergent.train.lmtask import LMTask
 from convergent.train.taskapi import MicroBatch, Task
 
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
+
+
 __all__ = ["TextLMTask", "load_corpus"]
 
 
-def load_corpus(cfg: Any) -> Any:
+def load_corpus(cfg: ConvergentConfig) -> Any:
     """The prepared corpus of ``cfg.text``: built by rank 0, loaded by every rank."""
     from convergent.data.textcorpus import prepare_corpus
 
@@ -51,7 +55,7 @@ def load_corpus(cfg: Any) -> Any:
 class TextLMTask(LMTask):
     """LMTask on the token streams of a text corpus (see the module doc)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ConvergentConfig) -> None:
         Task.__init__(self, cfg)
         self.corpus = load_corpus(cfg)
         self.V = int(self.corpus.vocab_size)

@@ -29,7 +29,7 @@ import os
 import time
 from contextlib import nullcontext as _null
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,12 +53,17 @@ from convergent.train.taskapi import MicroBatch, Task
 from convergent.train.tasks import make_task
 from convergent.trainrecords import TrainStep, ValRecord
 
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
+    from convergent.runs import RunDir
+
+
 log = logging.getLogger("convergent.train")
 
 class Trainer:
     """Builds everything from the config and runs ``train.steps`` optimizer steps."""
 
-    def __init__(self, cfg: Any, run: Any) -> None:
+    def __init__(self, cfg: ConvergentConfig, run: RunDir) -> None:
         self.cfg = cfg
         self.run = run
         self.rank = dist.get_rank() if dist.is_initialized() else 0
