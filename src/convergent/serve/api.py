@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves annotations
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from convergent.serve.api_requests import build_requests, error_response
 from convergent.serve.api_stream import TokenChannel, events, final_response, sse_chunks
@@ -48,62 +49,58 @@ from convergent.serve.protocol import (
 __all__ = ["create_app"]
 
 
-def create_app(
-    engine: Engine,
-    model_name: str = "convergent-llama",
-    api_key: str = "",
-    predictor: LengthPredictor | None = None,
-    tokenizer: Any = "auto",
-):
-    """Build the FastAPI app; the engine must be started (:meth:`Engine.start`).
+class _Api:
+    """What the routes share: the engine, the open token channels, the counters and metrics."""
 
-    ``tokenizer="auto"`` loads the checkpoint's (:func:`~convergent.serve.tokenizer.load_tokenizer`).
-    """
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        api_key: str,
+        predictor: LengthPredictor | None,
+        tok: Any,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.predictor = predictor
+        self.tok = tok
+        self.streams: dict[int, TokenChannel] = {}
+        self.counters = {"requests": 0, "completed": 0, "tokens": 0}
+        self.metrics = ServeMetrics(lambda: engine.queue_length, lambda: engine.kv_usage().fraction)
 
-    if tokenizer == "auto":
-        from convergent.serve.tokenizer import load_tokenizer
-
-        tokenizer, _ = load_tokenizer(engine.model_dir, engine.vocab_size)
-    tok = tokenizer
-    app = FastAPI(title="convergent serve", version="0.2")
-    streams: dict[int, TokenChannel] = {}
-    counters = {"requests": 0, "completed": 0, "tokens": 0}
-    metrics = ServeMetrics(lambda: engine.queue_length, lambda: engine.kv_usage().fraction)
-    app.state.metrics = metrics
-    app.state.tokenizer = tok
-
-    def on_token(ev: TokenEvent) -> None:
-        s = streams.get(ev.rid)
+    def on_token(self, ev: TokenEvent) -> None:
+        """Engine-thread listener: time the token (TTFT / ITL) and hand it to its channel."""
+        s = self.streams.get(ev.rid)
         if s is None:
             return
         if ev.token >= 0:
             now = time.monotonic()
             last = s.last.get(ev.rid)
             if last is None:
-                metrics.ttft.observe(now - s.arrival)
+                self.metrics.ttft.observe(now - s.arrival)
             else:
-                metrics.itl.observe(now - last)
+                self.metrics.itl.observe(now - last)
             s.last[ev.rid] = now
-            metrics.output_tokens.inc()
+            self.metrics.output_tokens.inc()
         s.push(ev)
 
-    engine.add_token_listener(on_token)
-
-    def _auth(request: HTTPRequest):
-        if not api_key:
+    def auth(self, request: HTTPRequest):
+        """The 401 of a request without the API key, or ``None``."""
+        if not self.api_key:
             return None
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             return error_response(
                 401, "invalid or missing API key", "invalid_api_key", "authentication_error"
             )
         return None
 
-    def _unavailable():
+    def unavailable(self):
+        """The 503 while the engine takes no requests (dead, shutting down, restarting), or ``None``."""
+        engine = self.engine
         if engine.accepting:
             return None
-        metrics.requests.labels(status="rejected").inc()
+        self.metrics.requests.labels(status="rejected").inc()
         if engine.error is not None:
             msg, code = f"the engine stopped: {engine.error}", "engine_dead"
         elif engine.shutting_down:
@@ -115,82 +112,104 @@ def create_app(
             )
         return error_response(503, msg, code, "server_error")
 
-    def _finish_metrics(outs, cancelled: bool) -> None:
+    def rejected(self, response):
+        """Count a rejected request and pass its error response on."""
+        self.metrics.requests.labels(status="rejected").inc()
+        return response
+
+    async def parse(self, request: HTTPRequest, chat: bool):
+        """The validated body and its engine requests and choices, or the 400 / 404."""
+        try:
+            body = parse_request(
+                await request.body(), ChatCompletionRequest if chat else CompletionRequest
+            )
+            if body.model is not None and body.model != self.model_name:
+                return self.rejected(
+                    error_response(
+                        404,
+                        f"The model '{body.model}' does not exist (this server has '{self.model_name}')",
+                        "model_not_found",
+                        "NotFoundError",
+                        param="model",
+                    )
+                )
+            reqs, outs = build_requests(self.engine, body, chat, self.tok, self.predictor)
+        except RequestError as e:
+            return self.rejected(error_response(400, e.message, e.code, param=e.param))
+        except Exception as e:  # noqa: BLE001 - e.g. InputError from the engine
+            return self.rejected(error_response(400, str(e), "invalid_request"))
+        return body, reqs, outs
+
+    def start(self, reqs: list, t_arrival: float) -> TokenChannel:
+        """Open the token channel of a request's choices and add them to the engine."""
+        stream = TokenChannel(asyncio.get_running_loop(), t_arrival)
+        for r in reqs:
+            self.streams[r.rid] = stream
+        self.counters["requests"] += 1
+        for r in reqs:
+            self.engine.add_request(r)
+        return stream
+
+    def finish(self, reqs: list, outs: list, cancelled: bool) -> None:
+        """Close a request: drop its channel, abort unfinished choices, count the outcome."""
+        for r in reqs:
+            self.streams.pop(r.rid, None)
+            if not r.finished:
+                self.engine.abort(r.rid)
         if cancelled:
             status = "aborted"
         elif any(o.finish_reason == "error" for o in outs):
             status = "error"
         else:
             status = "ok"
-        metrics.requests.labels(status=status).inc()
-        counters["completed"] += 1
-        counters["tokens"] += sum(len(o.tokens) for o in outs)
+        self.metrics.requests.labels(status=status).inc()
+        self.counters["completed"] += 1
+        self.counters["tokens"] += sum(len(o.tokens) for o in outs)
 
-    async def _handle(request: HTTPRequest, chat: bool):
+    async def handle(self, request: HTTPRequest, chat: bool):
+        """A completion or chat completion request, streamed or whole."""
         t_arrival = time.monotonic()
-        err = _auth(request) or _unavailable()
+        err = self.auth(request) or self.unavailable()
         if err is not None:
             return err
-        try:
-            body = parse_request(
-                await request.body(), ChatCompletionRequest if chat else CompletionRequest
-            )
-            if body.model is not None and body.model != model_name:
-                metrics.requests.labels(status="rejected").inc()
-                return error_response(
-                    404,
-                    f"The model '{body.model}' does not exist (this server has '{model_name}')",
-                    "model_not_found",
-                    "NotFoundError",
-                    param="model",
-                )
-            reqs, outs = build_requests(engine, body, chat, tok, predictor)
-        except RequestError as e:
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, e.message, e.code, param=e.param)
-        except Exception as e:  # noqa: BLE001 - e.g. InputError from the engine
-            metrics.requests.labels(status="rejected").inc()
-            return error_response(400, str(e), "invalid_request")
-        stream = TokenChannel(asyncio.get_running_loop(), t_arrival)
-        for r in reqs:
-            streams[r.rid] = stream
-        counters["requests"] += 1
-        for r in reqs:
-            engine.add_request(r)
+        parsed = await self.parse(request, chat)
+        if not isinstance(parsed, tuple):
+            return parsed
+        body, reqs, outs = parsed
+        stream = self.start(reqs, t_arrival)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-
-        def cleanup(cancelled: bool):
-            for r in reqs:
-                streams.pop(r.rid, None)
-                if not r.finished:
-                    engine.abort(r.rid)
-            _finish_metrics(outs, cancelled)
-
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-            async def sse_body():
-                cancelled = True
-                try:
-                    async for chunk in sse_chunks(
-                        engine, stream, reqs, outs, chat, rid, created, model_name, include_usage
-                    ):
-                        yield chunk
-                    cancelled = False
-                finally:
-                    cleanup(cancelled)
-
-            return StreamingResponse(sse_body(), media_type="text/event-stream")
-
+            chunks = sse_chunks(
+                self.engine, stream, reqs, outs, chat, rid, created, self.model_name, include_usage
+            )
+            return StreamingResponse(
+                self.sse_body(chunks, reqs, outs), media_type="text/event-stream"
+            )
         cancelled = True
         try:
-            async for _o, _d in events(engine, stream, reqs, outs):
+            async for _o, _d in events(self.engine, stream, reqs, outs):
                 pass
             cancelled = False
         finally:
-            cleanup(cancelled)
-        return final_response(reqs, outs, chat, rid, created, model_name)
+            self.finish(reqs, outs, cancelled)
+        return final_response(reqs, outs, chat, rid, created, self.model_name)
+
+    async def sse_body(self, chunks, reqs: list, outs: list):
+        """Relay the server-sent events, closing the request however the stream ends."""
+        cancelled = True
+        try:
+            async for chunk in chunks:
+                yield chunk
+            cancelled = False
+        finally:
+            self.finish(reqs, outs, cancelled)
+
+
+def _add_status_routes(app, api: _Api) -> None:
+    """``GET /health``, ``/metrics``, ``/load`` and ``/stats``."""
+    engine = api.engine
 
     @app.get("/health")
     async def health():
@@ -205,32 +224,61 @@ def create_app(
 
     @app.get("/metrics")
     async def prom():
-        data, ctype = metrics.render()
+        data, ctype = api.metrics.render()
         return Response(data, media_type=ctype)
 
     @app.get("/load")
     async def load():
         return asdict(engine.load())
 
+    @app.get("/stats")
+    async def stats():
+        return {**api.counters, **asdict(engine.serving_stats())}
+
+
+def _add_openai_routes(app, api: _Api) -> None:
+    """``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
-        err = _auth(request)
+        err = api.auth(request)
         if err is not None:
             return err
         return ModelList(
-            data=[ModelCard(id=model_name, max_model_len=engine.context_limit)]
+            data=[ModelCard(id=api.model_name, max_model_len=api.engine.context_limit)]
         ).model_dump()
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        return await _handle(request, chat=False)
+        return await api.handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        return await _handle(request, chat=True)
+        return await api.handle(request, chat=True)
 
-    @app.get("/stats")
-    async def stats():
-        return {**counters, **asdict(engine.serving_stats())}
 
+def create_app(
+    engine: Engine,
+    model_name: str = "convergent-llama",
+    api_key: str = "",
+    predictor: LengthPredictor | None = None,
+    tokenizer: Any = "auto",
+):
+    """Build the FastAPI app; the engine must be started (:meth:`Engine.start`).
+
+    ``tokenizer="auto"`` loads the checkpoint's (:func:`~convergent.serve.tokenizer.load_tokenizer`).
+    """
+    from fastapi import FastAPI
+
+    if tokenizer == "auto":
+        from convergent.serve.tokenizer import load_tokenizer
+
+        tokenizer, _ = load_tokenizer(engine.model_dir, engine.vocab_size)
+    api = _Api(engine, model_name, api_key, predictor, tokenizer)
+    app = FastAPI(title="convergent serve", version="0.2")
+    app.state.metrics = api.metrics
+    app.state.tokenizer = tokenizer
+    engine.add_token_listener(api.on_token)
+    _add_status_routes(app, api)
+    _add_openai_routes(app, api)
     return app
