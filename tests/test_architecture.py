@@ -4,11 +4,14 @@ The layer and cycle contracts live in pyproject.toml (`[tool.importlinter]`) and
 here with import-linter's own command, exactly as `lint-imports` runs them by hand.
 
 Size rule: no module in src/, bench/, scripts/ or tests/ is over MAX_LINES lines unless its first line is a comment
-`# size: <one-line reason>` saying why it is one job all the same.
+`# size: <one-line reason>` saying why it is one job all the same. No function in src/
+(nested ones included) is over MAX_FUNCTION_LINES lines; ruff's PLR0915 (pyproject.toml)
+bounds their statements as well.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import grimp
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MAX_LINES = 500
+MAX_FUNCTION_LINES = 80
 SIZE_MARK = "# size:"
 
 
@@ -86,4 +90,21 @@ def test_modules_are_small_or_say_why():
     assert not too_big, (
         f"modules over {MAX_LINES} lines without a first line '{SIZE_MARK} <reason>':\n"
         + "\n".join(too_big)
+    )
+
+
+def test_functions_are_short():
+    """Every function in src/convergent, nested ones included, is at most MAX_FUNCTION_LINES
+    lines (decorators not counted, docstring included)."""
+    too_long = []
+    for path in sorted((SRC / "convergent").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not too_long, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them by responsibility):\n"
+        + "\n".join(too_long)
     )
