@@ -1,4 +1,5 @@
-"""ASE Calculator backed by a saved molecular surrogate (or an ensemble of them).
+"""ASE Calculator backed by a saved molecular surrogate (or an ensemble of them): the
+molecular model or MACE, whichever ``model.kind`` the saved directory records.
 
 >>> from convergent.models.calculator import SurrogateCalculator
 >>> atoms.calc = SurrogateCalculator("runs/demo/ckpt/final")  # doctest: +SKIP
@@ -52,9 +53,11 @@ class SurrogateCalculator(Calculator):
         rec = atoms_to_record(self.atoms)
         rec.pop("energy", None)
         rec.pop("forces", None)
-        batch = collate_records([rec]).to(self.device)
         energies, forces, per_atom = [], [], []
         for m in self.models:
+            # positions in the network's type (a float64 MACE gets float64 positions)
+            dtype = getattr(m, "input_dtype", torch.float32)
+            batch = collate_records([rec], dtype=dtype).to(self.device)
             if getattr(m, "force_head", None) is not None:  # direct force head
                 with torch.no_grad():
                     e, ea = m(batch, per_atom=True)

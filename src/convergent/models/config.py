@@ -1,15 +1,51 @@
 """Config of the molecular surrogate (``model`` section).
 
 Distances in Å, energies in eV. Every default works on a 2-core laptop.
+``model.kind`` picks the network: ``molecular`` (the sparse-attention Transformer of
+:mod:`convergent.models.molecular`), ``mace`` (mace-torch's MACE,
+:mod:`convergent.models.mace`, hyper-parameters in ``model.mace``; optional extra
+``convergent[mace]``) or ``llama`` (the language model of the LM tasks).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
 from convergent.configbase import Count, Count0, Positive, Section
+
+
+class MaceConfig(Section):
+    """MACE hyper-parameters (``model.kind: mace``): mace-torch's ``ScaleShiftMACE``.
+
+    The defaults are the "small" MACE of bench/molbench_mace.py (mace_run_train's settings
+    except the width): ``r_max`` 5 Å, 2 interactions, hidden irreps ``32x0e+32x1o``
+    (``channels`` per l up to ``max_L``), spherical harmonics to ``max_ell`` 3, body order
+    ``correlation`` 3, 8 Bessel functions with a p=5 polynomial cutoff, a 64x64x64 radial
+    MLP and a 16-wide readout MLP. ``dtype``: the network's floating type (MACE recommends
+    float64 for MD; the element reference energies and the energy sums are float64 either
+    way).
+    """
+
+    r_max: float = Field(5.0, gt=0.0, le=12.0)  # Å: the neighbour cutoff
+    num_interactions: int = Field(2, ge=1, le=6)  # message-passing layers
+    channels: int = Field(32, ge=1, le=512)  # channels per l of the hidden irreps
+    max_L: int = Field(1, ge=0, le=3)  # highest l of the hidden irreps (1: 32x0e+32x1o)
+    max_ell: int = Field(3, ge=1, le=6)  # highest l of the edge spherical harmonics
+    correlation: int = Field(3, ge=1, le=4)  # body order of the product basis
+    num_radial_basis: int = Field(8, ge=1, le=64)  # Bessel functions of the distance
+    num_polynomial_cutoff: int = Field(5, ge=1, le=12)  # p of the polynomial envelope
+    radial_mlp: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=lambda: [64, 64, 64], min_length=1, max_length=6)
+    readout_mlp: int = Field(16, ge=1, le=512)  # width of the last layer's readout MLP
+    dtype: Literal["float32", "float64"] = "float32"
+
+    @property
+    def hidden_irreps(self) -> str:
+        """``channels`` x every l to ``max_L`` with the parity of a polar vector:
+        ``32x0e+32x1o`` for the defaults (as mace_run_train's num_channels and max_L)."""
+        return "+".join(f"{self.channels}x{ell}{'eo'[ell % 2]}" for ell in range(self.max_L + 1))
 
 
 class ModelConfig(Section):
@@ -28,7 +64,11 @@ class ModelConfig(Section):
     backward, so it also trains with ``parallel.strategy: pipeline``; not conservative).
     """
 
-    kind: Literal["molecular", "llama"] = "molecular"
+    kind: Literal["molecular", "mace", "llama"] = "molecular"
+    # kind=mace: MACE's own hyper-parameters (hidden/layers/heads/attention/cutoff and the
+    # other Transformer fields below do not apply to it; max_z, max_neighbors,
+    # neighbor_overflow, repulsion and repulsion_scale do)
+    mace: MaceConfig = MaceConfig()
     hidden: Count = 64
     layers: Count = 3
     heads: Count = 4
@@ -70,6 +110,13 @@ class ModelConfig(Section):
         hidden = info.data.get("hidden")
         if hidden and hidden % v:
             raise ValueError(f"must divide model.hidden ({hidden})")
+        return v
+
+    @field_validator("forces")
+    @classmethod
+    def _mace_forces_by_autograd(cls, v: str, info: ValidationInfo) -> str:
+        if v == "direct" and info.data.get("kind") == "mace":
+            raise ValueError("must be autograd with model.kind=mace (MACE's forces are -dE/dx)")
         return v
 
     @field_validator("edge_chunk")

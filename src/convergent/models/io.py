@@ -1,10 +1,11 @@
 """Save / load the molecular surrogate: ``model.safetensors`` + ``model_config.json``.
 
-The directory is self-contained: the config (architecture), the weights and the buffers
-(element reference energies, scale, shift), and ``elements``: the atomic numbers the model
-was trained on (:func:`trained_elements`; ``null`` for a model never fitted to data).
-Files are written atomically. :func:`check_elements` refuses a structure with any other
-element.
+The directory is self-contained: the config (architecture; its ``model.kind`` says which
+network to build: ``molecular`` or ``mace``, also written as the top-level ``kind``), the
+weights and the buffers (element reference energies, scale, shift; MACE's element table
+and ``avg_num_neighbors``), and ``elements``: the atomic numbers the model was trained on
+(:func:`trained_elements`; ``null`` for a model never fitted to data). Files are written
+atomically. :func:`check_elements` refuses a structure with any other element.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def save_model(
         state[k] = v.detach().cpu().contiguous()
     atomic_write_bytes(out / WEIGHTS, save(state, metadata={"format": FORMAT}))
     elements = trained_elements(model)
-    meta = {"format": FORMAT, "model": cfg.model_dump(mode="json"), "extra": extra or {},
+    meta = {"format": FORMAT, "kind": cfg.kind, "model": cfg.model_dump(mode="json"),
+            "extra": extra or {},
             "code": code_version().to_dict(),
             "elements": list(elements) if elements is not None else None}
     if elements is None:
@@ -127,8 +129,6 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from convergent.models.molecular import build_model
-
     d = Path(directory)
     cfg_path, w_path = d / CONFIG, d / WEIGHTS
     if not cfg_path.is_file() or not w_path.is_file():
@@ -147,7 +147,7 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
         state = load_file(str(w_path), device="cpu")
     except (SafetensorError, OSError) as exc:
         raise InputError(f"{w_path}: unreadable weights ({exc})") from None
-    model = build_model(cfg)
+    model = build_saved(cfg, state, w_path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise InputError(
@@ -156,6 +156,23 @@ def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tup
     attach_elements(model, meta, d)
     model.to(device).eval()
     return model, cfg
+
+
+def build_saved(cfg: ModelConfig, state: dict[str, torch.Tensor], where: Path) -> nn.Module:
+    """A fresh network of ``cfg.kind`` shaped for the saved ``state`` (weights not loaded):
+    the molecular model from its config alone, MACE from its config and the element table
+    and neighbour normalisation stored in its weights (mace-torch needed)."""
+    if cfg.kind == "mace":
+        from convergent.models.mace import mace_from_state
+
+        if "net.atomic_numbers" not in state or "avg_num_neighbors" not in state:
+            raise InputError(f"{where}: not the weights of a MACE model (no element table)")
+        return mace_from_state(cfg, state)
+    if cfg.kind != "molecular":
+        raise InputError(f"{where}: model.kind={cfg.kind} is not a surrogate model directory")
+    from convergent.models.molecular import build_model
+
+    return build_model(cfg)
 
 
 def read_extra(directory: str | Path) -> dict[str, Any]:
