@@ -21,7 +21,8 @@ from torch import nn
 
 from convergent.data.cache import ShardCache
 from convergent.data.reader import open_dataset
-from convergent.errors import DataError
+from convergent.elements import symbol
+from convergent.errors import ConfigError, DataError
 from convergent.models.batching import batches_by_atom_budget
 from convergent.models.io import load_model, save_model
 from convergent.models.losses import error_sums, loss_from_sums
@@ -127,16 +128,16 @@ class MoleculeSource:
 
 
 def build(cfg: Any, source: MoleculeSource) -> nn.Module:
-    """The molecular model with element reference energies fitted on the training set, or
-    warm-started from ``train.init_from`` (its references refitted as
-    ``train.init_reference`` says), with ``train.freeze``'s parameters frozen. It records
-    every element of the records it fitted on."""
-    model = build_model(cfg.model)
+    """The surrogate of ``model.kind`` (molecular or MACE) with element reference energies
+    fitted on the training set, or warm-started from ``train.init_from`` (its references
+    refitted as ``train.init_reference`` says), with ``train.freeze``'s parameters frozen.
+    It records every element of the records it fitted on."""
     recs = [source.record(i) for i in range(min(len(source), 5000))]
     t = cfg.train
     mode = t.init_reference if t.init_from else "refit"
-    if t.init_from:
-        warm, _ = load_model(t.init_from, "cpu")
+    warm = _warm_model(cfg, recs) if t.init_from else None
+    model = new_model(cfg.model, recs, warm)
+    if warm is not None:
         model.load_state_dict(warm.state_dict())
         model.trained_elements = warm.trained_elements
     if mode != "keep":
@@ -149,6 +150,40 @@ def build(cfg: Any, source: MoleculeSource) -> nn.Module:
     for name, p in model.named_parameters():
         p.requires_grad_(not any(fnmatch.fnmatch(name, pat) for pat in t.freeze))
     return model
+
+
+def new_model(model_cfg: Any, records: list[dict[str, Any]], warm: nn.Module | None = None) -> nn.Module:
+    """A freshly initialised network of ``model_cfg.kind`` for training data ``records``:
+    MACE's element table and neighbour normalisation come from them (from ``warm``, the
+    model it will be warm-started from, when given); the molecular model needs neither."""
+    if model_cfg.kind != "mace":
+        return build_model(model_cfg)
+    from convergent.models.mace import MaceModel, build_mace
+
+    if warm is None:
+        return build_mace(model_cfg, records)
+    assert isinstance(warm, MaceModel)
+    return MaceModel(model_cfg, warm.elements, float(warm.avg_num_neighbors))
+
+
+def _warm_model(cfg: Any, records: list[dict[str, Any]]) -> nn.Module:
+    """The model of ``train.init_from``, refused (ConfigError) when it is another kind or,
+    for MACE, lacks an element of the data (MACE's element table is fixed when built)."""
+    warm, warm_cfg = load_model(cfg.train.init_from, "cpu")
+    where = f"train.init_from={cfg.train.init_from}"
+    if warm_cfg.kind != cfg.model.kind:
+        raise ConfigError(f"{where} is a model.kind={warm_cfg.kind} model, not {cfg.model.kind}",
+                          hint=f"set model.kind={warm_cfg.kind} or warm-start from a {cfg.model.kind} model")
+    if cfg.model.kind == "mace":
+        seen = {int(z) for r in records for z in r["numbers"]}
+        missing = sorted(seen - set(warm.elements))
+        if missing:
+            names = ", ".join(symbol(z) for z in missing)
+            raise ConfigError(f"{where}: the data holds {names}, not in this MACE model's element "
+                              f"table ({', '.join(symbol(z) for z in warm.elements)})",
+                              hint="MACE's elements are fixed when it is first trained; "
+                                   "train it from scratch on data with every element")
+    return warm
 
 
 def plan_epoch(

@@ -19,7 +19,8 @@ from convergent.train.taskapi import MicroBatch, Task, split_evenly
 
 
 class MolecularTask(Task):
-    """Energies (eV) and forces (eV/Å) of molecules with :mod:`convergent.models`.
+    """Energies (eV) and forces (eV/Å) of molecules with :mod:`convergent.models`: the
+    network of ``model.kind`` (``molecular`` or ``mace``, built by :func:`moldata.build`).
 
     Loss of a global batch: :mod:`convergent.models.losses`, computed from sums so that
     ranks' shares add up to the global-batch loss.
@@ -31,8 +32,9 @@ class MolecularTask(Task):
 
     @property
     def pipeline_capable(self) -> bool:  # type: ignore[override]
-        """Pipeline stages need direct forces (no double backward across stages)."""
-        return self.cfg.model.forces == "direct"
+        """Pipeline stages need direct forces (no double backward across stages): the
+        molecular model's force head (MACE has none)."""
+        return self.cfg.model.kind == "molecular" and self.cfg.model.forces == "direct"
 
     @property
     def double_backward(self) -> bool:

@@ -1,4 +1,5 @@
-"""What is trained: the molecular surrogate (energies + forces) or a Llama-style LM.
+"""What is trained: the molecular surrogate (energies + forces; ``model.kind`` molecular or
+mace) or a Llama-style LM.
 
 :func:`make_task` picks the task of a config; :func:`check_before_launch` raises the
 config errors the ranks would hit at start-up before any process starts. The task
@@ -11,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from convergent.data.manifest import check_dataset
-from convergent.errors import ConfigError
+from convergent.errors import ConfigError, NotAvailableError
+from convergent.models.mace import INSTALL_HINT, mace_installed
 from convergent.tracking.store import import_mlflow
 from convergent.train.lmtask import LMTask
 from convergent.train.moltask import MolecularTask
@@ -19,13 +21,35 @@ from convergent.train.taskapi import MicroBatch, Task, find_blocks, split_evenly
 from convergent.train.texttask import TextLMTask
 
 __all__ = [
-    "LMTask", "MicroBatch", "MolecularTask", "Task", "check_before_launch", "check_pipeline",
+    "LMTask", "MicroBatch", "MolecularTask", "Task", "check_before_launch", "check_mace",
+    "check_pipeline",
     "find_blocks", "make_task", "split_evenly",
 ]
 
 
+def check_mace(cfg: Any) -> None:
+    """Refuse what MACE's training cannot run: pipeline stages (its forces are a double
+    backward through every stage) and reduced-precision autocast (e3nn's tensor products
+    take one dtype; MACE computes in ``model.mace.dtype``)."""
+    if cfg.model.kind != "mace":
+        return
+    if cfg.parallel.strategy == "pipeline":
+        raise ConfigError(
+            "parallel.strategy=pipeline is not supported for model.kind=mace",
+            hint="MACE's forces are -dE/dpositions (a double backward through every stage); "
+                 "use parallel.strategy=ddp/fsdp/hsdp",
+        )
+    if cfg.precision.dtype != "fp32":
+        raise ConfigError(
+            f"precision.dtype={cfg.precision.dtype} is not supported for model.kind=mace",
+            hint="e3nn's tensor products do not run under autocast; set precision.dtype=fp32 "
+                 "(model.mace.dtype picks float32 or float64)",
+        )
+
+
 def check_pipeline(cfg: Any) -> None:
     """Refuse ``parallel.strategy=pipeline`` for models whose training it cannot run."""
+    check_mace(cfg)
     if cfg.parallel.strategy != "pipeline" or cfg.model.kind != "molecular":
         return
     if cfg.model.forces != "direct":
@@ -44,7 +68,10 @@ def check_before_launch(cfg: Any, data: bool = True) -> None:
     check_pipeline(cfg)
     if cfg.tracking.mlflow:
         import_mlflow()  # tracking asked for but MLflow missing: one line, nothing created
-    if not data or cfg.model.kind != "molecular":
+    if cfg.model.kind == "mace" and not mace_installed():  # found without importing it
+        raise NotAvailableError("model.kind=mace needs mace-torch, which is not installed",
+                                hint=INSTALL_HINT)
+    if not data or cfg.model.kind == "llama":
         return
     for key in ("dataset", "val_dataset"):
         path = getattr(cfg.train, key)
@@ -60,7 +87,10 @@ def check_before_launch(cfg: Any, data: bool = True) -> None:
 
 
 def make_task(cfg: Any) -> Task:
-    """The task for ``cfg.model.kind``: ``molecular`` or ``llama``."""
+    """The task for ``cfg.model.kind``: ``molecular`` and ``mace`` (the molecular task: the
+    same data, batches, loss and export; the network is built by ``model.kind``) or
+    ``llama``."""
+    check_mace(cfg)  # also for train/fit.py's callers, which skip check_before_launch
     if cfg.model.kind == "llama" and cfg.text.source:  # a real text corpus
         return TextLMTask(cfg)
     return LMTask(cfg) if cfg.model.kind == "llama" else MolecularTask(cfg)
