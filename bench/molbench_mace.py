@@ -16,7 +16,6 @@ are MACE's own outputs. Optional: needs ``pip install -e '.[mace]'``.
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -46,33 +45,12 @@ MACE_DEFAULTS: dict[str, Any] = {
 
 
 def mace_import() -> Any:
-    """Import ``mace.modules`` (quietly: it warns when the CUDA cuequivariance kernels are
-    absent, which on a CPU they always are). ImportError if mace-torch is not installed.
+    """Import ``mace.modules`` quietly, undoing its import-time side effects (the one
+    definition: :func:`convergent.models.mace.import_mace`, which ``model.kind: mace``
+    uses too). :class:`~convergent.errors.NotAvailableError` if mace-torch is missing."""
+    from convergent.models.mace import import_mace
 
-    ``import mace`` sets ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` for the whole process (e3nn
-    loads its constants with a plain ``torch.load`` while mace imports it); the variable
-    is put back as it was afterwards, so no later ``torch.load`` in the bench unpickles
-    arbitrary objects."""
-    import contextlib
-    import io
-    import logging
-
-    key = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
-    before = os.environ.get(key)
-    # it also prints (to stdout) that the CUDA-only cuequivariance kernels are absent
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        prev = logging.root.manager.disable
-        logging.disable(logging.WARNING)
-        try:
-            from mace import modules
-        finally:
-            logging.disable(prev)
-            if before is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = before
-    return modules
+    return import_mace()[0]
 
 
 def mace_available() -> tuple[bool, str]:
@@ -87,17 +65,11 @@ def mace_available() -> tuple[bool, str]:
 
 
 def avg_num_neighbors(records: list[dict[str, Any]], cutoff: float, batch_atoms: int = 4096) -> float:
-    """Mean number of neighbours within ``cutoff`` per atom over ``records``."""
-    from convergent.models.atoms import neighbor_list
-    from convergent.models.batching import batches_by_atom_budget, collate_records
+    """Mean number of neighbours within ``cutoff`` per atom over ``records`` (the one
+    definition: :func:`convergent.models.mace.avg_num_neighbors`)."""
+    from convergent.models import mace
 
-    edges = atoms = 0
-    for idx in batches_by_atom_budget([len(r["numbers"]) for r in records], batch_atoms):
-        b = collate_records([records[i] for i in idx])
-        nl = neighbor_list(b.positions, cutoff, b.batch, b.n_molecules)
-        edges += int(nl.edge_index.shape[1])
-        atoms += b.num_atoms
-    return edges / max(atoms, 1)
+    return mace.avg_num_neighbors(records, cutoff, batch_atoms)
 
 
 class MacePotential:
