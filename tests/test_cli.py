@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from cli_exe import EXE  # tests/cli_exe.py
+
+from tests.cli_exe import EXE
 
 
 def run(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -13,9 +13,9 @@ import subprocess
 
 import pytest
 import typer
-from cli_exe import EXE  # tests/cli_exe.py
 
 from convergent.cli import app, main
+from tests.cli_exe import EXE
 
 
 def _leaves(cmd, path=()):

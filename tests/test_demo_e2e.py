@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from cli_exe import EXE  # tests/cli_exe.py
-
 from convergent.trainrecords import read_train_records
+from tests.cli_exe import EXE
 
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "train.steps=6", "--set", "checkpoint.interval=3",

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +19,7 @@ def client():
 @pytest.fixture(scope="session")
 def demo_like(tmp_path_factory):
     """The training tests' EMT dataset (G2 molecules, built like the demo's labels)."""
-    from moldataset import make_dataset
+    from tests.train.moldataset import make_dataset
 
     train, _ = make_dataset(tmp_path_factory.mktemp("demo"), n_train=96, n_val=24)
     return train

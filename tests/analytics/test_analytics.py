@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from analyticsdata import distinct_records, plant_duplicates, ring_records
 
 from convergent.analytics.dedup import dedup_dataset
 from convergent.analytics.engine import Engine
@@ -19,6 +18,7 @@ from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.data.writer import write_records
 from convergent.errors import ConvergentError
+from tests.analytics.analyticsdata import distinct_records, plant_duplicates, ring_records
 
 
 def _write(path: Path, recs: list[dict], shard_bytes: int = 8192) -> Path:
@@ -150,9 +150,10 @@ def test_bad_where_is_one_line_exit_2(demo_like, tmp_path, capsys, where, needle
 
 
 def test_split_by_scaffold_has_no_leakage(client, tmp_path):
-    from analyticsdata import RING_SMILES
     from rdkit import Chem
     from rdkit.Chem.Scaffolds import MurckoScaffold
+
+    from tests.analytics.analyticsdata import RING_SMILES
 
     recs = ring_records(frames=4)  # no SMILES in the records: scaffolds from the geometry
     src = _write(tmp_path / "rings", recs, shard_bytes=4096)

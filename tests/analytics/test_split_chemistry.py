@@ -14,7 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_exe import EXE  # tests/cli_exe.py
+
+from tests.cli_exe import EXE
 
 NAMES = ["H2O", "CH4", "NH3", "CH3OH", "C2H6", "H2CO"]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from analyticsdata import distinct_records, shard_records_plus
 
 from convergent.analytics import derived
 from convergent.analytics import groupkeys as gk
@@ -20,6 +19,7 @@ from convergent.data.verify import verify_dataset
 from convergent.data.writer import write_records
 from convergent.errors import DataError
 from convergent.fsutil import start_writeback
+from tests.analytics.analyticsdata import distinct_records, shard_records_plus
 
 
 def _column(strs: list[str]) -> tuple[np.ndarray, bytes]:

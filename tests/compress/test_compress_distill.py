@@ -3,20 +3,12 @@ trained by the real training engine and saved as a normal checkpoint."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-
 
 def test_teacher_labels_are_the_committee_mean_and_the_student_learns_them(tmp_path):
-    from moldataset import make_dataset
-    from trainhelpers import run_training
-
     from convergent.compress.distill import teacher_dataset
     from convergent.compress.qcheckpoint import load_surrogate
     from convergent.data.reader import open_dataset
@@ -24,6 +16,8 @@ def test_teacher_labels_are_the_committee_mean_and_the_student_learns_them(tmp_p
     from convergent.models.config import ModelConfig
     from convergent.models.io import save_model
     from convergent.models.molecular import build_model, energy_and_forces
+    from tests.train.moldataset import make_dataset
+    from tests.train.trainhelpers import run_training
 
     train, val = make_dataset(tmp_path / "data", n_train=24, n_val=8)
     cfg = ModelConfig(hidden=32, layers=1, heads=4)

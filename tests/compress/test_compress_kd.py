@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
 
 
 def _kl(teacher, student, wins) -> float:
@@ -19,11 +14,10 @@ def _kl(teacher, student, wins) -> float:
 
 
 def test_student_distilled_from_teacher_gets_closer_to_it(tmp_path):
-    from trainhelpers import run_training
-
     from convergent.config import load_config
     from convergent.models.llama import load_pretrained
     from convergent.train.tasks import make_task
+    from tests.train.trainhelpers import run_training
 
     base = [
         "text.source=stdlib", "text.max_files=24", "text.vocab_size=300",

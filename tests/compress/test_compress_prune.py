@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,6 @@ import torch
 from convergent.compress.prune import prune_llama, save_pruned_llama
 from convergent.errors import ConfigError
 from convergent.models.llama import LlamaConfig, LlamaForCausalLM, load_pretrained
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
 
 
 def test_keep_all_is_the_identity_and_pruned_shapes_are_a_smaller_llama(tmp_path):
@@ -50,7 +47,7 @@ def test_keep_all_is_the_identity_and_pruned_shapes_are_a_smaller_llama(tmp_path
 
 
 def test_pruned_text_lm_recovers_through_the_trainer(tmp_path):
-    from trainhelpers import run_training
+    from tests.train.trainhelpers import run_training
 
     base = [
         "text.source=stdlib", "text.max_files=24", "text.vocab_size=300",

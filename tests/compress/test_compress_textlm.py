@@ -48,11 +48,9 @@ def _free_port() -> int:
 
 
 def test_text_lm_trains_with_ddp_and_serves_text_over_http(tmp_path):
-    sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
-    from trainhelpers import run_training, val_records
-
     from convergent.models.llama import load_pretrained
     from convergent.serve.tokenizer import HFTokenizer
+    from tests.train.trainhelpers import run_training, val_records
 
     overrides = [
         *TINY, f"text.cache_dir={tmp_path / 'cache'}", "train.device=cpu", "model.kind=llama",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from datarecords import molecular_records
+
+from tests.data.datarecords import molecular_records
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from datarecords import molecular_records
 
 from convergent.data.cache import ShardCache
 from convergent.data.manifest import read_manifest
@@ -13,6 +12,7 @@ from convergent.data.reader import open_dataset
 from convergent.data.stream import StreamingDataset, StreamingLoader
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
+from tests.data.datarecords import molecular_records
 
 
 @pytest.fixture

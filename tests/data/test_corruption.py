@@ -8,14 +8,14 @@ import subprocess
 
 import numpy as np
 import pytest
-from cli_exe import EXE  # tests/cli_exe.py
-from datarecords import bytes_records, molecular_records
 
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
+from tests.cli_exe import EXE
+from tests.data.datarecords import bytes_records, molecular_records
 
 
 def read_all(path) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from datarecords import bytes_records, molecular_records
 
 from convergent.data.export import export_dataset
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
+from tests.data.datarecords import bytes_records, molecular_records
 
 ROOT = Path(__file__).resolve().parents[2]
 _SHAPE = {0: "<u1", 1: "<u2", 2: "<u4", 3: "<u8"}

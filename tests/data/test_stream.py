@@ -7,7 +7,6 @@ import collections
 import numpy as np
 import pytest
 import torch
-from datarecords import molecular_records
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +14,7 @@ from convergent.data.reader import open_dataset
 from convergent.data.stream import MixedStreamingDataset, StreamingDataset, StreamingLoader
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
+from tests.data.datarecords import molecular_records
 
 
 @pytest.fixture(scope="module")

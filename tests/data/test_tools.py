@@ -9,12 +9,12 @@ import tarfile
 
 import numpy as np
 import pytest
-from cli_exe import EXE  # tests/cli_exe.py
-from datarecords import bytes_records
 
 from convergent.data.export import export_dataset
 from convergent.data.inspect import inspect_dataset
 from convergent.data.writer import DatasetWriter
+from tests.cli_exe import EXE
+from tests.data.datarecords import bytes_records
 
 
 def test_inspect_reports_counts_elements_and_energy(small_molecular):

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 
 
 def _member(tmp_path: Path, data: Path, name: str, seed: int, bootstrap: bool):
@@ -26,7 +23,7 @@ def _member(tmp_path: Path, data: Path, name: str, seed: int, bootstrap: bool):
 
 
 def test_bootstrap_members_fit_their_own_resample(tmp_path):
-    from moldataset import make_dataset
+    from tests.train.moldataset import make_dataset
 
     train, _ = make_dataset(tmp_path / "data", n_train=40, n_val=4)
     s_full, ref_full = _member(tmp_path, train, "full", 5, False)

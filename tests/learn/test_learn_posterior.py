@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
-
-from convergent.learn.config import SelectConfig  # noqa: E402
-from convergent.learn.select import select_batch  # noqa: E402
+from convergent.learn.config import SelectConfig
+from convergent.learn.select import select_batch
 
 
 def _pick(cands, scores, k, strategy="uncertainty", tol=0.05, seed=0, exclude=frozenset(),
@@ -28,8 +23,6 @@ def _pick(cands, scores, k, strategy="uncertainty", tol=0.05, seed=0, exclude=fr
 
 @pytest.mark.numerics
 def test_committee_features_are_the_energy_heads_last_layer_and_the_element_fractions(tmp_path):
-    from moldataset import make_dataset
-
     from convergent.config import ConvergentConfig
     from convergent.data.reader import open_dataset
     from convergent.learn.pool import Candidate
@@ -41,6 +34,7 @@ def test_committee_features_are_the_energy_heads_last_layer_and_the_element_frac
         train_member,
     )
     from convergent.train.config import TrainConfig
+    from tests.train.moldataset import make_dataset
 
     train, _ = make_dataset(tmp_path / "data", n_train=24, n_val=4)
     # no repulsive prior: the per-atom energies below are then the head's alone

@@ -5,14 +5,11 @@ previous round's weights."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import yaml
 from safetensors.numpy import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 
 
 def _member_cfg(data: Path, seed: int, steps: int = 6, init: str | None = None) -> dict:
@@ -31,10 +28,9 @@ def _weights(directory: Path) -> dict[str, np.ndarray]:
 
 
 def test_a_committee_member_is_a_convergent_train_run(tmp_path):
-    from moldataset import make_dataset
-
     from convergent.cli import main
     from convergent.learn.tasks import MemberJob, train_member
+    from tests.train.moldataset import make_dataset
 
     data, _ = make_dataset(tmp_path / "data", n_train=24, n_val=4)
     cfg = _member_cfg(data, seed=11)
@@ -59,9 +55,8 @@ def test_a_committee_member_is_a_convergent_train_run(tmp_path):
 
 
 def test_a_warm_started_member_starts_from_the_previous_weights(tmp_path):
-    from moldataset import make_dataset
-
     from convergent.learn.tasks import MemberJob, train_member
+    from tests.train.moldataset import make_dataset
 
     data, _ = make_dataset(tmp_path / "data", n_train=24, n_val=4)
     train_member(MemberJob(_member_cfg(data, seed=1), str(tmp_path / "r1")))

@@ -10,14 +10,14 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from cli_exe import EXE  # tests/cli_exe.py
+
+from tests.cli_exe import EXE
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRAPE_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -138,8 +138,7 @@ def _has_data(result: list) -> bool:
 
 
 def _train(tmp: Path, port: int) -> subprocess.CompletedProcess:
-    sys.path.insert(0, str(ROOT / "tests" / "train"))
-    from moldataset import make_dataset
+    from tests.train.moldataset import make_dataset
 
     train, val = make_dataset(tmp / "data", n_train=48, n_val=8)
     sets = [f"train.dataset={train}", f"train.val_dataset={val}", "model.hidden=32",

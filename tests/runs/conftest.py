@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from runshelpers import TINY, run_cli  # noqa: E402
+from tests.runs.runshelpers import TINY, run_cli
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from cli_exe import EXE  # tests/cli_exe.py
+from tests.cli_exe import EXE
 
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",
         "--set", "checkpoint.interval=3",

@@ -4,20 +4,15 @@ next attempt, and every reader (report, runs) keeps the last attempt's values.""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-
-from runshelpers import run_cli
 
 from convergent.runs import RunDir
 from convergent.runsdb.records import latest, read_records
 from convergent.trainrecords import TrainStep, read_train_records
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from tests.runs.runshelpers import run_cli
 
 
 def test_resume_after_a_kill_is_the_next_attempt(tmp_path):
-    from moldataset import make_dataset
+    from tests.train.moldataset import make_dataset
 
     train, val = make_dataset(tmp_path / "data", n_train=24, n_val=8)
     sets = [f"train.dataset={train}", f"train.val_dataset={val}", "model.hidden=32",

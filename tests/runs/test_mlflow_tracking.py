@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from runshelpers import TINY, run_cli
 
 from convergent.trainrecords import read_train_records
+from tests.runs.runshelpers import TINY, run_cli
 
 mlflow = pytest.importorskip("mlflow", reason="the tracking extra (pip install convergent[tracking])")
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 
-from runshelpers import run_cli
-
 from convergent.runs import RunDir
 from convergent.runsdb.cost import ACCOUNTING_FILE, run_cost
 from convergent.runsdb.records import CostRecord, MetricRecord, last_attempts, next_attempt
+from tests.runs.runshelpers import run_cli
 
 
 def test_last_attempt_wins_for_a_replayed_step(tmp_path):

@@ -15,9 +15,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-from servers import start_server, stop_server, wait_health  # noqa: E402
-
 from convergent.serve.dispatch import Dispatcher, Instance  # noqa: E402
+from tests.serve.servers import start_server, stop_server, wait_health  # noqa: E402
 
 
 def test_routing_policies():

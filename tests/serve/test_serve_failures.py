@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 
-from servers import stage_pids, start_server, stop_server, wait_health  # noqa: E402
+from tests.serve.servers import stage_pids, start_server, stop_server, wait_health  # noqa: E402
 
 COMMON = (
     "serve.scheduler=interleaved",

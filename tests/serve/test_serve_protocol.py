@@ -10,9 +10,8 @@ httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from servers import start_server, stop_server  # noqa: E402
-
 from convergent.serve.tokenizer import ByteTokenizer  # noqa: E402
+from tests.serve.servers import start_server, stop_server  # noqa: E402
 
 BT = ByteTokenizer(320)
 

@@ -11,9 +11,8 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 openai = pytest.importorskip("openai")
 
-from servers import start_server, stop_server  # noqa: E402
-
 from convergent.serve.tokenizer import HFTokenizer, load_tokenizer  # noqa: E402
+from tests.serve.servers import start_server, stop_server  # noqa: E402
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}"

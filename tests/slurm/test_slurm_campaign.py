@@ -7,12 +7,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from slurmhelpers import squeue_ids
-
 from convergent.clusterconfig import ClusterConfig, SlurmConfig
 from convergent.data.reader import open_dataset
 from convergent.sim.campaign import run_campaign
 from convergent.sim.config import SimulateConfig
+from tests.slurm.slurmhelpers import squeue_ids
 
 SMALL = dict(max_atoms=5, chunk_size=10, flush_every_s=0.0)
 BIGGER = dict(max_atoms=10, chunk_size=10, flush_every_s=0.0)  # a few seconds per task

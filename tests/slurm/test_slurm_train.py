@@ -161,7 +161,7 @@ def test_preemption_warning_signal_requeues_through_the_script(tmp_path, capsys,
 
 
 def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm):
-    from tests_slurm_reference import reference_losses
+    from tests.slurm.tests_slurm_reference import reference_losses
 
     steps = 200
     overrides = [*LM, f"train.steps={steps}", "parallel.strategy=ddp",

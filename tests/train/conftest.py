@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from moldataset import make_dataset  # noqa: E402
+from tests.train.moldataset import make_dataset
 
 
 @pytest.fixture(scope="session")

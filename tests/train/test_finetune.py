@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from moldataset import make_dataset
 from safetensors.numpy import load_file
 
 from convergent.config import ConvergentConfig
 from convergent.train.fit import fit
+from tests.train.moldataset import make_dataset
 
 
 def _cfg(data, **train):  # noqa: ANN001, ANN003

@@ -12,9 +12,9 @@ over these few steps, validation metrics too.
 from __future__ import annotations
 
 import pytest
-from trainhelpers import mol_overrides, run_training, val_records
 
 from convergent.errors import ConfigError
+from tests.train.trainhelpers import mol_overrides, run_training, val_records
 
 RTOL = 1e-5
 DIRECT = ["model.forces=direct", "train.force_weight=1.0"]

@@ -10,7 +10,8 @@ attributed). Also: every record names the peak FLOP/s used for MFU.
 from __future__ import annotations
 
 import pytest
-from trainhelpers import LM_BASE, mol_overrides, run_training
+
+from tests.train.trainhelpers import LM_BASE, mol_overrides, run_training
 
 
 def _check(recs):

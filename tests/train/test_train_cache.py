@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from trainhelpers import mol_overrides, run_training, val_records
 
 from convergent.data.manifest import read_manifest
+from tests.train.trainhelpers import mol_overrides, run_training, val_records
 
 SHORT = ["train.steps=4", "checkpoint.interval=2", "train.val_every=2"]
 

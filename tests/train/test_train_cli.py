@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainhelpers import LM_BASE
 
 from convergent.cli import main
 from convergent.trainrecords import parse_train_records
+from tests.train.trainhelpers import LM_BASE
 
 
 def _sets(items):
@@ -80,7 +80,7 @@ def test_a_shard_error_inside_training_is_one_line_and_the_fixed_retry_runs(
         moldata, tmp_path, capsys):
     import shutil
 
-    from trainhelpers import mol_overrides
+    from tests.train.trainhelpers import mol_overrides
 
     train = tmp_path / "train"
     shutil.copytree(moldata[0], train)

@@ -15,7 +15,8 @@ import math
 
 import pytest
 import torch
-from trainhelpers import LM_BASE, clean_and_killed, run_training
+
+from tests.train.trainhelpers import LM_BASE, clean_and_killed, run_training
 
 BASE = [*LM_BASE, "parallel.strategy=ddp", "train.steps=6"]
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 import torch
-from trainhelpers import LM_BASE, run_training
+
+from tests.train.trainhelpers import LM_BASE, run_training
 
 
 def test_trained_lm_export_loads_in_serve_and_transformers(tmp_path):

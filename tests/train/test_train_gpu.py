@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from trainhelpers import LM_BASE, run_training
+
+from tests.train.trainhelpers import LM_BASE, run_training
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,10 +14,10 @@ import math
 import shutil
 
 import pytest
-from trainhelpers import clean_and_killed, mol_overrides, run_training
 
 from convergent.train.checkpoint import complete_checkpoints
 from convergent.trainrecords import read_train_records
+from tests.train.trainhelpers import clean_and_killed, mol_overrides, run_training
 
 
 def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):

@@ -15,7 +15,8 @@ import math
 
 import pytest
 import torch
-from trainhelpers import LM_BASE, mol_overrides, run_training, val_records
+
+from tests.train.trainhelpers import LM_BASE, mol_overrides, run_training, val_records
 
 RTOL = 100 * torch.finfo(torch.float32).eps
 BF16_RTOL = 3 * torch.finfo(torch.bfloat16).eps
