@@ -23,6 +23,10 @@ from convergent.trainrecords import read_train_records
 sys.path.insert(0, str(Path(__file__).parent))  # beside it, however pytest imports tests
 from moldataset import make_dataset  # noqa: E402
 
+# e3nn pickles its generated kernels with torch.jit.save/load when a model is deep-copied
+# (the trainer's FLOP count copies it); torch 2.13 calls those deprecated
+pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.(save|load)` is deprecated:DeprecationWarning")
+
 needs_mace = pytest.mark.skipif(not mace_installed(),
                                 reason="mace-torch not installed (pip install 'convergent[mace]')")
 
