@@ -82,8 +82,13 @@ def test_campaign_labels_with_provenance_and_retries_a_crashed_member(uninterrup
     assert sorted(int(k) for k in state["curve"]) == [1, 2, 3]
     assert [state["curve"][k]["labels"] for k in ("1", "2", "3")] == [4, 7, 10]
     # every kind of task ran on the pool and was recorded per worker
-    spans = [json.loads(line) for line in (run / "learn" / "timeline.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "learn" / "timeline.jsonl").read_text().splitlines()]
+    spans = [r for r in rows if "start" in r]  # the attempts that ran
     assert {s["kind"] for s in spans} >= {"label", "train", "explore", "score", "eval"}
+    # the crashed member's attempt is in the timeline too: kind, attempt 0, the failure
+    crashed = [r for r in rows if r["failure"] is not None]
+    assert crashed and {(r["kind"], r["attempt"]) for r in crashed} == {("train", 0)}, crashed
+    assert all("KilledWorker" in r["failure"] for r in crashed)
     assert len({s["worker"] for s in spans}) >= 2 and all(s["end"] >= s["start"] for s in spans)
     sel = json.loads((run / "learn" / "selection-r002.json").read_text())
     assert sel["from_md"] > 0  # round 2 scored frames of the surrogate-driven MD

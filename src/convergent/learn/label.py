@@ -29,6 +29,7 @@ from convergent.learn.pool import Candidate
 from convergent.learn.tasks import label_items
 from convergent.sim.quarantine import QUARANTINE_NAME, QuarantineLog, quarantine_entry
 from convergent.sim.resume import existing_keys
+from convergent.sim.taskfarm import Job
 
 LABEL_LOG = "labels.jsonl"
 
@@ -99,14 +100,14 @@ def _first_todo(queue: Sequence[Candidate], committed: set[str], done: set[str],
 
 @dataclass
 class _Labelling:
-    """The state of one batch in flight: submitted chunks, the refill cursor, the outcome."""
+    """One batch in flight on the task farm: the refill cursor, the writer, the outcome.
+    Its label jobs carry their candidates in ``Job.tag``; the farm retries a failed job
+    (``learn.label.retries``) and hands back the ones out of retries (:meth:`failed`)."""
 
-    pool: Pool
     calc: dict[str, Any]
     rnd: int
     strategy: str
     scores: dict[str, float] | None
-    retries: int
     min_distance: float
     max_force: float
     log: Path | None
@@ -116,8 +117,8 @@ class _Labelling:
     nxt: int
     out: LabelOutcome
     rank: dict[str, int] = field(default_factory=dict)
-    pending: dict[Any, tuple[list[Candidate], int]] = field(default_factory=dict)
-    ac: Any = None
+    writer: DatasetWriter | None = None
+    on_chunk: Callable[[int], None] | None = None
 
     def prov(self, c: Candidate) -> dict[str, Any]:
         """The provenance a candidate's record carries in its meta."""
@@ -125,32 +126,39 @@ class _Labelling:
         return {"round": self.rnd, "strategy": self.strategy, "rank": self.rank[c.key],
                 "score": float(s) if s is not None else None}
 
-    def submit(self, cands: list[Candidate], attempt: int) -> None:
-        """Submit one chunk as a label task and track its future."""
+    def job(self, cands: list[Candidate]) -> Job:
+        """The label task of one chunk."""
         items = [_item(c, {kk: v for kk, v in self.prov(c).items() if v is not None}) for c in cands]
-        f = self.pool.submit("label", f"{cands[0].key[:10]}", self.rnd, label_items, items,
-                             self.calc, self.min_distance)
-        self.pending[f.key] = (cands, attempt)
-        self.ac.add(f)
+        return Job("label", cands[0].key[:10], label_items, (items, self.calc, self.min_distance),
+                   round=self.rnd, tag=cands)
 
-    def failed_chunk(self, cands: list[Candidate], attempt: int, exc: Exception) -> list[str] | None:
-        """Retry a chunk whose task failed (``None``), or quarantine it once out of retries
-        (its keys)."""
-        if attempt < self.retries:
-            self.submit(cands, attempt + 1)
-            return None
-        reason = f"label task failed {attempt + 1} times: {type(exc).__name__}: {exc}"
-        self.qlog.append([quarantine_entry(c.key, c.molecule_id, reason, round=self.rnd) for c in cands])
-        return [c.key for c in cands]
+    def finished(self, job: Job, res: Any) -> list[Job]:
+        """A chunk labelled: commit what is trusted, refill for what is not."""
+        return self.then(self.commit(res))
 
-    def commit(self, res: Any, writer: DatasetWriter) -> list[str]:
+    def failed(self, job: Job, exc: BaseException) -> list[Job]:
+        """A chunk out of retries: quarantine it and refill."""
+        reason = f"label task failed {job.attempt + 1} times: {type(exc).__name__}: {exc}"
+        self.qlog.append([quarantine_entry(c.key, c.molecule_id, reason, round=self.rnd)
+                          for c in job.tag])
+        return self.then([c.key for c in job.tag])
+
+    def then(self, failed: list[str]) -> list[Job]:
+        """After a chunk ended: count its failures, report progress, the refill's job."""
+        self.out.quarantined += failed
+        refill = self.refill(failed)
+        if self.on_chunk is not None:
+            self.on_chunk(len(self.out.labelled))
+        return [self.job(refill)] if refill else []
+
+    def commit(self, res: Any) -> list[str]:
         """Append a finished chunk's trusted records (and log them); quarantine the rest and
         return their keys."""
         records, untrusted = _trusted(res.records, self.max_force, self.rnd)
         rejected = [*res.quarantined, *untrusted]
         for rec in records:
-            writer.write(rec)
-        writer.flush()
+            self.writer.write(rec)
+        self.writer.flush()
         if self.log is not None:
             with self.log.open("a", encoding="utf-8") as fh:
                 for rec in records:
@@ -161,8 +169,8 @@ class _Labelling:
             self.qlog.append([{**q, "round": self.rnd} for q in rejected])
         return [q["key"] for q in rejected]
 
-    def refill(self, failed: list[str]) -> None:
-        """Submit the next candidates of the ranking in place of the failed ones."""
+    def refill(self, failed: list[str]) -> list[Candidate]:
+        """The next candidates of the ranking, one for each failed one."""
         refill = []
         for _ in failed:
             while self.nxt < len(self.queue) and self.queue[self.nxt].key in self.done:
@@ -170,26 +178,8 @@ class _Labelling:
             if self.nxt < len(self.queue):
                 refill.append(self.queue[self.nxt])
                 self.nxt += 1
-        if refill:
-            self.out.refills += len(refill)
-            self.submit(refill, 0)
-
-    def drain(self, writer: DatasetWriter, on_chunk: Callable[[int], None] | None) -> None:
-        """Handle finished chunks as they complete until none is pending."""
-        for fut in self.ac:
-            cands, attempt = self.pending.pop(fut.key)
-            try:
-                res = self.pool.result(fut)
-            except Exception as exc:  # a crashed worker or an unexpected error: retry the chunk
-                failed = self.failed_chunk(cands, attempt, exc)
-                if failed is None:
-                    continue
-            else:
-                failed = self.commit(res, writer)
-            self.out.quarantined += failed
-            self.refill(failed)
-            if on_chunk is not None:
-                on_chunk(len(self.out.labelled))
+        self.out.refills += len(refill)
+        return refill
 
 
 def label_batch(
@@ -211,8 +201,6 @@ def label_batch(
 ) -> LabelOutcome:
     """Label the first ``k`` usable candidates of ``ranked`` (refilling after failures;
     ``max_force`` eV/Å > 0 quarantines labels with a larger force component)."""
-    from distributed import as_completed
-
     t0 = time.perf_counter()
     out = LabelOutcome()
     qlog = QuarantineLog(dataset / QUARANTINE_NAME)
@@ -221,13 +209,12 @@ def label_batch(
     queue = list(ranked)
     out.skipped = sum(1 for c in queue if c.key in done)
     todo, nxt = _first_todo(queue, committed, done, k)
-    job = _Labelling(pool, calc, rnd, strategy, scores, retries, min_distance, max_force, log,
-                     qlog, queue, done, nxt, out, rank={c.key: i for i, c in enumerate(ranked)},
-                     ac=as_completed(loop=pool.client.loop))
-    for i in range(0, len(todo), chunk):
-        job.submit(todo[i:i + chunk], 0)
-    if job.pending:
+    job = _Labelling(calc, rnd, strategy, scores, min_distance, max_force, log, qlog, queue, done,
+                     nxt, out, rank={c.key: i for i, c in enumerate(ranked)}, on_chunk=on_chunk)
+    jobs = [job.job(todo[i:i + chunk]) for i in range(0, len(todo), chunk)]
+    if jobs:
         with DatasetWriter(dataset, schema="molecular", append=True) as writer:
-            job.drain(writer, on_chunk)
+            job.writer = writer
+            pool.run(jobs, retries=retries, on_done=job.finished, on_failed=job.failed)
     out.seconds = time.perf_counter() - t0
     return out

@@ -57,6 +57,7 @@ from convergent.runs import RunDir
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.molecules import stable_int
 from convergent.sim.sources import check_source
+from convergent.sim.taskfarm import Job
 
 console = Console(stderr=True)
 
@@ -191,29 +192,29 @@ class Campaign:
         if (marker := _fault_marker()) is not None:
             fault = str(self.p.root / marker)
 
-        def submit(k: int):
+        def job(k: int) -> Job:
             init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.members.init_model
-            job = tasks.MemberJob(self.member_config(rnd, k, steps, init, extra),
-                                  str(self.p.member(rnd, k)), fault)
-            return self.pool.submit("train", f"m{k}", rnd, tasks.train_member, job)
+            member = tasks.MemberJob(self.member_config(rnd, k, steps, init, extra),
+                                     str(self.p.member(rnd, k)), fault)
+            return Job("train", f"m{k}", tasks.train_member, (member,), round=rnd, tag=k)
 
-        futs = {k: (submit(k), 0) for k in range(L.committee) if k not in done}
-        summaries, retried = [], 0
-        while futs:
-            k = next(iter(futs))
-            fut, attempt = futs.pop(k)
-            try:
-                summaries.append(self.pool.result(fut))
-            except Exception as exc:
-                if attempt >= L.members.retries:
-                    raise RuntimeError(f"round {rnd}: committee member {k} failed "
-                                       f"{attempt + 1} times: {type(exc).__name__}: {exc}") from None
-                self.say(f"[yellow]round {rnd}: member {k} failed ({type(exc).__name__}); retrying")
-                retried += 1
-                futs[k] = (submit(k), attempt + 1)
-                continue
-            self.state["members"].setdefault(str(rnd), []).append(k)
+        summaries: list[dict[str, Any]] = []
+        retried = 0
+
+        def finished(j: Job, summary: dict[str, Any]) -> list[Job]:
+            nonlocal retried
+            retried += j.attempt
+            summaries.append(summary)
+            self.state["members"].setdefault(str(rnd), []).append(j.tag)
             self.save()
+            return []
+
+        def failed(j: Job, exc: BaseException) -> list[Job]:
+            raise RuntimeError(f"round {rnd}: committee member {j.tag} failed {j.attempt + 1} "
+                               f"times: {type(exc).__name__}: {exc}") from None
+
+        self.pool.run([job(k) for k in range(L.committee) if k not in done],
+                      retries=L.members.retries, on_done=finished, on_failed=failed)
         return {"members_trained": len(summaries), "train_retries": retried, "train_steps": steps,
                 "train_s": sum(s["seconds"] for s in summaries)}
 

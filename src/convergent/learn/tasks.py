@@ -11,50 +11,19 @@
   records, and quarantine entries for structures that fail.
 * ``eval``   — held-out energy/force errors of a committee.
 
-Every task returns :class:`Timed`: its value and a :class:`Span` (kind, start/end wall
-time, worker, pid, device), from which the driver writes the timeline.
+The driver runs them on :class:`convergent.learn.engine.Pool` (the task farm of
+:mod:`convergent.sim.taskfarm`), which times each one and writes the timeline.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-
-@dataclass
-class Span:
-    """When and where one task ran (wall-clock seconds since the epoch)."""
-
-    kind: str
-    name: str
-    start: float
-    end: float
-    worker: str
-    pid: int
-    device: str = "cpu"
-    round: int = 0
-    ok: bool = True
-
-
-@dataclass
-class Timed:
-    value: Any
-    span: Span
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _worker_address() -> str:
-    try:
-        from distributed import get_worker
-
-        return get_worker().address
-    except (ImportError, ValueError):
-        return f"local-{os.getpid()}"
 
 
 def _torch_setup(device: str):
@@ -64,13 +33,6 @@ def _torch_setup(device: str):
     if device == "cuda" and not torch.cuda.is_available():
         device = "cpu"
     return torch, device
-
-
-def timed(kind: str, name: str, rnd: int, device: str, fn, *args: Any) -> Timed:
-    """Run ``fn(*args)`` and wrap its value with its :class:`Span`."""
-    t0 = time.time()
-    value = fn(*args)
-    return Timed(value, Span(kind, name, t0, time.time(), _worker_address(), os.getpid(), device, rnd))
 
 
 # ------------------------------------------------------------------------------- train

@@ -22,8 +22,14 @@ from convergent.errors import DataError
 from convergent.sim.guards import Backstop, failure_reason
 from convergent.sim.quarantine import QuarantineLog, quarantine_entry
 from convergent.sim.summary import CampaignSummary
+from convergent.sim.taskfarm import Job, next_attempt
 from convergent.sim.tasks import FramesTask, Task, TaskResult
 from convergent.sim.worker import execute_task_packed
+
+
+def _job(task: Task, attempt: int = 0) -> Job:
+    """A campaign task as the task farm's job (executed packed, in batches: see Farm)."""
+    return Job("label", task.task_id, execute_task_packed, (task,), tag=task, attempt=attempt)
 
 
 def run_nonce() -> str:
@@ -77,7 +83,7 @@ class Farm:
     def run(self, tasks: list[Task]) -> None:
         from distributed import as_completed
 
-        self.queue: deque[tuple[Task, int]] = deque((t, 0) for t in tasks)
+        self.queue: deque[Job] = deque(_job(t) for t in tasks)
         self.inflight = {}  # future -> (task, attempt, key)
         self.ac = as_completed(with_results=True, raise_errors=False, loop=self.client.loop)
         self.limit = self._limit()
@@ -102,7 +108,8 @@ class Farm:
         """
         batch: list[tuple[Task, int, str]] = []
         while self.queue and len(self.inflight) + len(batch) < self.limit:
-            task, attempt = self.queue.popleft()
+            job = self.queue.popleft()
+            task, attempt = job.tag, job.attempt
             batch.append((task, attempt, f"{self.tag}-{task.task_id}-a{attempt}"))
         if not batch:
             return
@@ -179,16 +186,19 @@ class Farm:
 
     def _failed(self, task: Task, attempt: int, key: str, exc: BaseException,
                 queue: deque) -> None:
-        if attempt < self.retries:
+        """The task farm's retry rule (:func:`~convergent.sim.taskfarm.next_attempt`), then
+        a split into single frames (each with its last chance), then quarantine."""
+        again = next_attempt(_job(task, attempt), self.retries)
+        if again is not None:
             self.s.retried += 1
-            queue.appendleft((task, attempt + 1))
+            queue.appendleft(again)
             self.progress.update(self.bar, status=self._status())
             return
         if task.splittable and isinstance(task, FramesTask) and len(task.items) > 1:
             self.s.split += 1
             self.s.retried += 1
             for sub in reversed(task.split()):
-                queue.appendleft((sub, self.retries))  # last chance each
+                queue.appendleft(_job(sub, self.retries))  # last chance each
             return
         reason = failure_reason(self.client, exc, key, self.backstop)
         entries = [
