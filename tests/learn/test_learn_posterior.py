@@ -6,19 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from convergent.learn.config import SelectConfig
-from convergent.learn.select import select_batch
-
-
-def _pick(cands, scores, k, strategy="uncertainty", tol=0.05, seed=0, exclude=frozenset(),
-          max_per_molecule=0, labelled=(), labelled_tol=0.0, acquisition="top", beta=1.0,
-          features=None, alpha=1.0, ridge=1.0, gain="variance"):
-    """select_batch with the rules of a ``learn.select`` section built from these values."""
-    sel = SelectConfig(strategy=strategy, diversity_tol=tol, max_per_molecule=max_per_molecule,
-                       labelled_tol=labelled_tol, acquisition=acquisition, power_beta=beta,
-                       posterior_alpha=alpha, posterior_ridge=ridge, posterior_gain=gain)
-    return select_batch(cands, scores, k, sel, seed=seed, exclude=exclude, labelled=labelled,
-                        features=features)
+from tests.learn.picking import pick
 
 
 @pytest.mark.numerics
@@ -76,7 +64,7 @@ def test_committee_features_are_the_energy_heads_last_layer_and_the_element_frac
                                    atol=1e-5)
     # and a posterior batch runs on them, under the rules
     cands = [Candidate.make(r["molecule_id"], r["numbers"], r["positions"]) for r in recs]
-    picked = _pick(cands[8:], np.asarray(a["energy_std"])[8:], 4, tol=0.0, max_per_molecule=1,
+    picked = pick(cands[8:], np.asarray(a["energy_std"])[8:], 4, tol=0.0, max_per_molecule=1,
                           acquisition="posterior", features=(fa[8:], fa[:8]), alpha=0.0, gain="pool")
     assert len(picked) == len({cands[8 + i].molecule_id for i in picked}) == min(
         4, len({c.molecule_id for c in cands[8:]}))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convergent.learn.config import SelectConfig
 from convergent.learn.pool import (
     Candidate,
     content_key,
@@ -13,20 +12,11 @@ from convergent.learn.pool import (
     load_candidates,
     save_candidates,
 )
-from convergent.learn.select import combined_score, fingerprint, near_duplicate, select_batch
+from convergent.learn.select import combined_score, fingerprint, near_duplicate
+from tests.learn.picking import pick
 
 WATER = (np.array([8, 1, 1]), np.array([[0.0, 0.0, 0.0], [0.96, 0.0, 0.0], [-0.24, 0.93, 0.0]]))
 
-
-def _pick(cands, scores, k, strategy="uncertainty", tol=0.05, seed=0, exclude=frozenset(),
-          max_per_molecule=0, labelled=(), labelled_tol=0.0, acquisition="top", beta=1.0,
-          features=None, alpha=1.0, ridge=1.0, gain="variance"):
-    """select_batch with the rules of a ``learn.select`` section built from these values."""
-    sel = SelectConfig(strategy=strategy, diversity_tol=tol, max_per_molecule=max_per_molecule,
-                       labelled_tol=labelled_tol, acquisition=acquisition, power_beta=beta,
-                       posterior_alpha=alpha, posterior_ridge=ridge, posterior_gain=gain)
-    return select_batch(cands, scores, k, sel, seed=seed, exclude=exclude, labelled=labelled,
-                        features=features)
 
 
 
@@ -69,22 +59,22 @@ def _cands():
 def test_uncertainty_takes_highest_scores_but_no_near_duplicates():
     cands = _cands()
     scores = np.array([9.0, 8.0, 1.0, 2.0, 3.0, np.nan])
-    picked = _pick(cands, scores, 3, "uncertainty", tol=0.05)
+    picked = pick(cands, scores, 3, "uncertainty", tol=0.05)
     assert picked == [0, 4, 3]  # 1 is a rotated copy of 0; NaN is never picked
-    assert _pick(cands, scores, 3, "uncertainty", tol=0.0) == [0, 1, 4]  # rule off
-    assert _pick(cands, scores, 2, "uncertainty", exclude={cands[0].key}) == [1, 4]
-    assert _pick(cands, scores, 9, "uncertainty", tol=0.0, max_per_molecule=1) == [0, 4, 3, 2]
+    assert pick(cands, scores, 3, "uncertainty", tol=0.0) == [0, 1, 4]  # rule off
+    assert pick(cands, scores, 2, "uncertainty", exclude={cands[0].key}) == [1, 4]
+    assert pick(cands, scores, 9, "uncertainty", tol=0.0, max_per_molecule=1) == [0, 4, 3, 2]
 
 
 def test_random_is_seeded_and_ignores_scores():
     cands = _cands()
-    a = _pick(cands, np.zeros(6), 3, "random", seed=5)
-    assert a == _pick(cands, np.ones(6), 3, "random", seed=5)
+    a = pick(cands, np.zeros(6), 3, "random", seed=5)
+    assert a == pick(cands, np.ones(6), 3, "random", seed=5)
     assert len(set(a)) == 3
-    draws = {tuple(_pick(cands, np.zeros(6), 3, "random", seed=s)) for s in range(8)}
+    draws = {tuple(pick(cands, np.zeros(6), 3, "random", seed=s)) for s in range(8)}
     assert len(draws) > 1
     with pytest.raises(ValueError, match="strategy"):
-        _pick(cands, np.zeros(6), 3, "greedy")
+        pick(cands, np.zeros(6), 3, "greedy")
 
 
 def test_score_combines_energy_per_atom_and_force_spread():
@@ -112,11 +102,11 @@ def test_uncertainty_skips_near_copies_of_labelled_structures():
              Candidate.make("w3", z, other + np.array([[0.0, 0.0, 0.0], [0.3, 0.0, 0.0], [0.0, 0.0, 0.0]]))]
     scores = np.array([0.9, 0.5, 0.1])
     labelled = [(z, pos)]
-    assert _pick(cands, scores, 2, tol=0.0) == [0, 1]  # the rule off: the copy first
-    assert _pick(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.1) == [1, 2]
-    assert _pick(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.0) == [0, 1]
+    assert pick(cands, scores, 2, tol=0.0) == [0, 1]  # the rule off: the copy first
+    assert pick(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.1) == [1, 2]
+    assert pick(cands, scores, 2, tol=0.0, labelled=labelled, labelled_tol=0.0) == [0, 1]
     # random ignores the rule (it is the baseline)
-    assert len(_pick(cands, scores, 3, "random", labelled=labelled, labelled_tol=0.1)) == 3
+    assert len(pick(cands, scores, 3, "random", labelled=labelled, labelled_tol=0.1)) == 3
 
 
 def test_power_acquisition_is_seeded_prefers_high_scores_and_keeps_the_rules():
@@ -124,19 +114,19 @@ def test_power_acquisition_is_seeded_prefers_high_scores_and_keeps_the_rules():
     cands = [Candidate.make(f"m{i}", z, pos + np.array([[0.0, 0.0, 0.0], [0.3 * i, 0.0, 0.0], [0.0, 0.0, 0.0]]))
              for i in range(6)]
     scores = np.array([1e-6, 1e-6, 1e-6, 1e-6, 1.0, 0.0])
-    a = _pick(cands, scores, 3, tol=0.0, seed=4, acquisition="power")
-    assert a == _pick(cands, scores, 3, tol=0.0, seed=4, acquisition="power")  # seeded
+    a = pick(cands, scores, 3, tol=0.0, seed=4, acquisition="power")
+    assert a == pick(cands, scores, 3, tol=0.0, seed=4, acquisition="power")  # seeded
     assert a[0] == 4 and 5 not in a  # a million times likelier first; a zero score last
-    draws = {tuple(_pick(cands, scores, 3, tol=0.0, seed=s, acquisition="power")) for s in range(8)}
+    draws = {tuple(pick(cands, scores, 3, tol=0.0, seed=s, acquisition="power")) for s in range(8)}
     assert len(draws) > 1  # not top-k in disguise
     flat = np.ones(6)
-    assert set(_pick(cands, flat, 6, tol=0.0, seed=1, acquisition="power")) == set(range(6))
+    assert set(pick(cands, flat, 6, tol=0.0, seed=1, acquisition="power")) == set(range(6))
     # the rules still hold: candidate 4's copy is a near-duplicate and never joins it
     dup = [*cands, Candidate.make("m4-copy", z, cands[4].positions + 1e-3)]
-    picked = _pick(dup, np.append(scores, 1.0), 7, tol=0.05, seed=2, acquisition="power")
+    picked = pick(dup, np.append(scores, 1.0), 7, tol=0.05, seed=2, acquisition="power")
     assert not ({4, 6} <= set(picked))
     with pytest.raises(ValueError, match="acquisition"):
-        _pick(cands, scores, 3, acquisition="greedy")
+        pick(cands, scores, 3, acquisition="greedy")
 
 
 def test_posterior_variance_is_what_the_labels_leave_unexplained():
@@ -162,20 +152,20 @@ def test_posterior_acquisition_spreads_a_batch_over_feature_space_and_keeps_the_
     feats = np.array([[1.0, 0.0], [1.0, 0.01], [1.01, 0.0], [0.0, 1.0], [0.0, 1.01], [0.01, 1.0]])
     labelled = np.zeros((0, 2))
     scores = np.array([1.0, 0.99, 0.98, 0.5, 0.5, 0.5])
-    top = _pick(cands, scores, 2, tol=0.0)
-    post = _pick(cands, scores, 2, tol=0.0, acquisition="posterior", features=(feats, labelled))
+    top = pick(cands, scores, 2, tol=0.0)
+    post = pick(cands, scores, 2, tol=0.0, acquisition="posterior", features=(feats, labelled))
     assert top == [0, 1]  # top-k spends both labels on one region
     assert post[0] == 0 and post[1] in (3, 4, 5)  # the posterior knows 1 is explained by 0
     # alpha = 0: the scores do not matter, only what the labels leave unexplained
     labelled = np.array([[1.0, 0.0], [1.0, 0.005]] * 5)
-    pure = _pick(cands, scores, 1, tol=0.0, acquisition="posterior", features=(feats, labelled), alpha=0.0)
+    pure = pick(cands, scores, 1, tol=0.0, acquisition="posterior", features=(feats, labelled), alpha=0.0)
     assert pure[0] in (3, 4, 5)
     # the rules hold: one structure per molecule
     same = [Candidate.make("one", c.numbers, c.positions) for c in cands]
-    assert len(_pick(same, scores, 3, tol=0.0, max_per_molecule=1, acquisition="posterior",
+    assert len(pick(same, scores, 3, tol=0.0, max_per_molecule=1, acquisition="posterior",
                             features=(feats, np.zeros((0, 2))))) == 1
     with pytest.raises(ValueError, match="features"):
-        _pick(cands, scores, 2, acquisition="posterior")
+        pick(cands, scores, 2, acquisition="posterior")
 
 
 def test_pool_gain_prefers_what_informs_many_candidates_over_a_lone_outlier():
@@ -187,10 +177,10 @@ def test_pool_gain_prefers_what_informs_many_candidates_over_a_lone_outlier():
     feats = np.concatenate([np.array([0.0, 1.0, 0.0]) + 0.3 * rng.normal(size=(12, 3)), [[2.0, 0.0, 0.0]]])
     lab = np.array([[0.0, 0.0, 0.0], [0.1, 0.0, 0.0]])
     flat = np.ones(13)
-    var = _pick(cands, flat, 1, tol=0.0, acquisition="posterior", features=(feats, lab), alpha=0.0)
-    pool = _pick(cands, flat, 1, tol=0.0, acquisition="posterior", features=(feats, lab), alpha=0.0,
+    var = pick(cands, flat, 1, tol=0.0, acquisition="posterior", features=(feats, lab), alpha=0.0)
+    pool = pick(cands, flat, 1, tol=0.0, acquisition="posterior", features=(feats, lab), alpha=0.0,
                         gain="pool")
     assert var == [12]  # the outlier has the largest variance of its own
     assert pool[0] < 12  # one of the cluster lowers the variance of twelve candidates
     with pytest.raises(ValueError, match="gain"):
-        _pick(cands, flat, 1, acquisition="posterior", features=(feats, lab), gain="other")
+        pick(cands, flat, 1, acquisition="posterior", features=(feats, lab), gain="other")
