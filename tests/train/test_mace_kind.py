@@ -19,9 +19,7 @@ from convergent.config import load_config
 from convergent.errors import ConfigError
 from convergent.models.mace import mace_installed
 from convergent.trainrecords import read_train_records
-
-sys.path.insert(0, str(Path(__file__).parent))  # beside it, however pytest imports tests
-from moldataset import make_dataset  # noqa: E402
+from tests.train.moldataset import make_dataset
 
 # e3nn pickles its generated kernels with torch.jit.save/load when a model is deep-copied
 # (the trainer's FLOP count copies it); torch 2.13 calls those deprecated
