@@ -42,12 +42,18 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-from _harness import Side, add_args, check_clean, interleave, spread, stamp_png, write_result  # noqa: E402
+from bench.lib.harness import (
+    Side,
+    add_args,
+    check_clean,
+    interleave,
+    spread,
+    stamp_png,
+    write_result,
+)
+from bench.lib.paths import DATA, RESULTS
 
-WORK = ROOT / "data" / "active_learning"
-RESULTS = ROOT / "results"
+WORK = DATA / "active_learning"
 
 # One campaign: ~4 min on 2 shared cores. Every strategy gets exactly these settings.
 # The pool is every small NCI compound of C/H/N/O (6-16 atoms) but the held-out ones, 8

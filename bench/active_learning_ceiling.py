@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-import active_learning as al  # noqa: E402
-from _harness import Side, add_args, check_clean, interleave, spread, write_result  # noqa: E402
+from bench import active_learning as al
+from bench.lib.harness import Side, add_args, check_clean, interleave, spread, write_result
+from bench.lib.paths import RESULTS
 
-RESULTS = ROOT / "results"
 # the oracle ranks by its score (top-k under ours' rules): a perfect uncertainty, no posterior
 ORACLE = {"learn.select.acquisition": "top"}
 

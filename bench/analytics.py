@@ -42,20 +42,19 @@ import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-import analytics_naive  # noqa: E402
-import cloudpickle  # noqa: E402
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
-from analytics_naive import run_naive  # noqa: E402
+from bench import analytics_naive
+from bench.analytics_naive import run_naive
+from bench.lib import paths
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
 
-# the naive side's functions travel to the workers by value (bench/ is not a package)
+# the naive side's functions travel to the workers by value (they need not import bench)
 cloudpickle.register_pickle_by_value(analytics_naive)
 
-DATA = ROOT / "data"
-RESULTS = ROOT / "results" / "analytics.json"
+DATA = paths.DATA
+RESULTS = paths.RESULTS / "analytics.json"
 COMMANDS = ("stats", "dedup", "split")
 SIDES = ("dask", "single", "naive", "ideal")
 PAIRED = ("dask", "single", "ideal")  # interleaved in the main rounds; naive in rounds of its own
@@ -262,12 +261,12 @@ def _ideal(cmd: str, src: Path, args) -> dict:
 
 
 def _spawn(side: str, cmd: str, src: Path, out: Path, args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, "--one", side, cmd, "--src", str(src),
+    return subprocess.Popen([*paths.module_argv(__spec__.name), "--one", side, cmd, "--src", str(src),
                              "--child-out", str(out), "--workers", str(args.workers),
                              "--tolerance", str(args.tolerance),
                              "--naive-partitions", str(args.naive_partitions)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
+                            env=paths.child_env())
 
 
 def _result(outs: tuple[str, str], rc: int) -> dict:

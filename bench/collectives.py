@@ -57,14 +57,19 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _harness import add_args, check_clean, provenance, spread, stamp, stamp_png, write_result  # noqa: E402
-from collectives_projection import IB, NVLINK, PUBLISHED, project  # noqa: E402
-from netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
-
-from convergent.train import commcost as cc  # noqa: E402
+from bench.collectives_projection import IB, NVLINK, PUBLISHED, project
+from bench.lib.harness import (
+    add_args,
+    check_clean,
+    provenance,
+    spread,
+    stamp,
+    stamp_png,
+    write_result,
+)
+from bench.lib.paths import RESULTS, child_env, module_argv
+from bench.netemu import EmulatedNetwork, unavailable, wait_all
+from convergent.train import commcost as cc
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
 CALIB = [65536, 262144, 1048576, 4194304]
@@ -91,14 +96,15 @@ RATIO = 0.03
 def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out: Path,
            steps: int, warmup: int, calib: list[str] | None, port: int,
            eval_at: str = "") -> dict:
-    argv = [sys.executable, str(HERE / "collectives_worker.py"), "--variants",
+    argv = [*module_argv("bench.collectives_worker"), "--variants",
             ",".join(variants), "--steps", str(steps), "--warmup", str(warmup),
             "--topk-ratio", str(RATIO), "--out", str(out)]
     if calib is not None:
         argv += ["--calib", ",".join(map(str, CALIB)), "--calib-phases", ",".join(calib)]
     if eval_at:
         argv += ["--eval-at", eval_at]
-    procs = net.spawn(argv, placement, port=port, log_dir=out.parent, node_cpus=NODE_CPUS)
+    procs = net.spawn(argv, placement, port=port, env=child_env(), log_dir=out.parent,
+                      node_cpus=NODE_CPUS)
     codes = wait_all(procs, timeout=600)
     if codes != [0] * len(procs):
         logs = (out.parent / "rank0.log").read_text()[-3000:]
@@ -286,7 +292,7 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=200)
     ap.add_argument("--reanalyse", default="",
                     help="raw.json of an earlier run: fit and report again, measure nothing")
-    add_args(ap, str(HERE / "results" / "collectives.json"), rounds=3)
+    add_args(ap, str(RESULTS / "collectives.json"), rounds=3)
     args = ap.parse_args()
     why = unavailable()
     if why:

@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import RESULTS
 
 METHODS = {
     "none": ["parallel.compression=none"],
@@ -74,11 +71,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--molecules", type=int, default=300)
-    add_args(ap, str(HERE / "results" / "compression.json"), rounds=3)
+    add_args(ap, str(RESULTS / "compression.json"), rounds=3)
     args = ap.parse_args()
     check_clean(args)
-    from train_throughput import make_dataset
-
+    from bench.train_throughput import make_dataset
     from convergent.config import load_config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_comp_"))

@@ -46,15 +46,14 @@ from typing import Any
 # threads); the xTB labels of the surrogate set are computed one thread per process
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
-from compression_surrogate import STUDENT, SURROGATE, surrogates  # noqa: E402
+from bench.compression_surrogate import STUDENT, SURROGATE, surrogates
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import DATA
 
-ROOT = Path(__file__).resolve().parent
-WORK = ROOT / "data" / "compression_inference"
+WORK = DATA / "compression_inference"
 
 LLAMA = ["model.kind=llama", "text.source=stdlib", "text.vocab_size=4096", "model.hidden=128",
          "model.layers=4", "model.heads=4", "model.mlp_ratio=4", "train.seq_len=64",
@@ -230,7 +229,7 @@ def main() -> None:
     ap.add_argument("--skip-surrogate", action="store_true")
     args = ap.parse_args()
     check_clean(args)
-    from _harness import provenance
+    from bench.lib.harness import provenance
 
     t0 = time.time()
     out: dict[str, Any] = {"benchmark": "compression_inference"}

@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from _harness import Side, interleave
+
+from bench.lib.harness import Side, interleave
 
 # force_weight 0.05 (not the trainer's 10): at 10 the force term outweighs the per-atom
 # energy term ~250x and 400 steps learn forces but barely beat the linear baseline on energy
@@ -45,8 +46,7 @@ KEYS = ("key", "molecule_id", "numbers", "positions", "energy", "forces")
 
 def xtb_sets(work: Path) -> tuple[Path, Path]:
     """The train / held-out dataset stores (written once from molbench's cached set)."""
-    from molbench import molecule_split, xtb_nci_dataset
-
+    from bench.molbench import molecule_split, xtb_nci_dataset
     from convergent.data.writer import write_records
 
     out = work / "xtb-nci"

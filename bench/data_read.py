@@ -65,17 +65,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
-from data_read_os import (  # noqa: E402
+from bench.data_read_os import (
     TRACED,
     count_syscalls,
     evict,
     resident_fraction,
     system_files,
 )
-from data_read_systems import (  # noqa: E402
+from bench.data_read_systems import (
     MEDIAN_BYTES,
     PEERS,
     SHARD_BYTES,
@@ -86,6 +83,8 @@ from data_read_systems import (  # noqa: E402
     read_once,
     write_loose_order,
 )
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import DATA, RESULTS, child_env, module_argv
 
 # ---------------------------------------------------------------------------- driver
 
@@ -163,13 +162,13 @@ def child_main(args: argparse.Namespace) -> None:
 
 
 def run_child(py: str, system: str, args: argparse.Namespace, strace: bool = False) -> dict:
-    cmd = [py, str(Path(__file__).resolve()), "--child", "--system", system, "--data-dir", str(args.data_dir),
+    cmd = [*module_argv(__spec__.name, py), "--child", "--system", system, "--data-dir", str(args.data_dir),
            "--records", str(args.records), "--batch-size", str(args.batch_size),
            "--workers", str(args.workers), "--seed", str(args.seed),
            "--loose-order", args.loose_order]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT.parent / "src"))
+    env = child_env()
     if strace:
         with tempfile.TemporaryDirectory() as td:
             trace = Path(td) / "trace"
@@ -292,7 +291,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers (same for all)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-dir", type=Path, default=ROOT / "data" / "data_read")
+    ap.add_argument("--data-dir", type=Path, default=DATA / "data_read")
     ap.add_argument("--peer-python", default=None, help="interpreter with the peer packages")
     ap.add_argument("--no-strace", action="store_true", help="skip the syscall-count runs")
     ap.add_argument("--setup-peers", action="store_true",
@@ -312,7 +311,7 @@ def main() -> None:
     ap.add_argument("--system", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--build", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-memory", action="store_true", help=argparse.SUPPRESS)
-    add_args(ap, str(ROOT / "results" / "data_read.json"), rounds=3)
+    add_args(ap, str(RESULTS / "data_read.json"), rounds=3)
     ap.add_argument("--repeats", dest="rounds", type=int, default=argparse.SUPPRESS,
                     help="the same as --rounds")
     args = ap.parse_args()
@@ -320,13 +319,12 @@ def main() -> None:
         child_main(args)
         return
     check_clean(args)
-    sys.path.insert(0, str(ROOT.parent / "src"))
     systems = [s for s in args.systems.split(",") if s]
     peer_py = args.peer_python
     if args.setup_peers:
-        peer_py = setup_peers(ROOT / "data" / "peers-venv")
+        peer_py = setup_peers(DATA / "peers-venv")
     if peer_py is None:
-        cand = ROOT / "data" / "peers-venv" / "bin" / "python"
+        cand = DATA / "peers-venv" / "bin" / "python"
         peer_py = str(cand) if cand.exists() else sys.executable
     args.data_dir.mkdir(parents=True, exist_ok=True)
     print(f"generating {args.records} loose files in {args.data_dir} ...", flush=True)
@@ -336,10 +334,10 @@ def main() -> None:
         if s != "litdata":  # ours, and the exports of webdataset and mds, run here
             builds[s] = build(s, args.data_dir, args.records, args.workers)
         else:
-            cmd = [peer_py, str(Path(__file__).resolve()), "--child", "--build", s, "--data-dir",
+            cmd = [*module_argv(__spec__.name, peer_py), "--child", "--build", s, "--data-dir",
                    str(args.data_dir), "--records", str(args.records), "--workers", str(args.workers)]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT.parent / "src")))
+                                 env=child_env())
             if out.returncode != 0:
                 print(f"build {s} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                 builds[s] = None

@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data_read_os import RssSampler  # noqa: E402
+from bench.data_read_os import RssSampler
 
-ROOT = Path(__file__).resolve().parent
 SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata", "ideal")
 PEERS = ("webdataset", "mds", "litdata")
 SHARD_BYTES = 128 * 2**20

@@ -55,10 +55,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _harness import Side, check_clean, interleave, provenance, write_result  # noqa: E402
+from bench.lib.harness import Side, check_clean, interleave, provenance, write_result
+from bench.lib.paths import RESULTS
 
 NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
          "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
@@ -432,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of the serving part (default: --rounds)")
     ap.add_argument("--mol-atoms", type=int, default=16384, help="atoms per batch (<= 32768)")
     ap.add_argument("--only", default="molecular,lm,serve")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "gpu.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     ap.add_argument("--allow-dirty", action="store_true",
                     help="write a result from a tree with uncommitted changes (it says dirty: true)")
     args = ap.parse_args(argv)

@@ -24,10 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _harness import provenance  # noqa: E402
+from bench.lib.harness import provenance
 
 ROWS = 20
 
@@ -52,9 +49,9 @@ def _summary(prof: Any, wall_s: float) -> dict[str, Any]:
 
 def profile_molecular(tmp: Path, atoms: int, steps: int = 3) -> dict[str, Any]:
     import torch
-    from gpu import LR, make_molecules
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.gpu import LR, make_molecules
     from convergent.config import load_config
     from convergent.train.tasks import make_task
 
@@ -97,9 +94,9 @@ def profile_serve(tmp: Path, requests: int, max_output: int) -> dict[str, Any]:
     import dataclasses
 
     import torch
-    from gpu import HF_BATCH, _serve_model
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.gpu import HF_BATCH, _serve_model
     from convergent.serve.config import ServeConfig
     from convergent.serve.offline import run_trace
     from convergent.serve.workload import make_trace, scale_trace

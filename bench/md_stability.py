@@ -36,13 +36,13 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # tblite's OpenMP threads spin on a busy CPU
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _harness import Side, add_args, check_clean, interleave, stamp_png, write_result  # noqa: E402
-from molbench import evaluate  # noqa: E402
-from molbench_md import (  # noqa: E402
+import numpy as np
+import torch
+
+from bench.lib.harness import Side, add_args, check_clean, interleave, stamp_png, write_result
+from bench.molbench import evaluate
+from bench.molbench_md import (
     Criteria,
     PotentialCalculator,
     Trajectory,
@@ -53,7 +53,7 @@ from molbench_md import (  # noqa: E402
     rdf_edges,
     run_md,
 )
-from molbench_sides import (  # noqa: E402
+from bench.molbench_sides import (
     PEERS,
     Folds,
     add_training_args,

@@ -41,13 +41,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
-from molbench import DATA, evaluate  # noqa: E402
-from molbench_sides import (  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.molbench import DATA, evaluate
+from bench.molbench_sides import (
     PEERS,
     Folds,
     add_training_args,

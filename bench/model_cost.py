@@ -23,16 +23,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
-from molbench import DATA, dft_label, xtb_label  # noqa: E402
+import numpy as np
+import torch
+
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.molbench import DATA, dft_label, xtb_label
 
 # C6H6 (in earlier runs) is left out: its DFT alone took ~20 CPU s per round, more than this
 # shared 2-core machine can give three rounds of in the time allowed

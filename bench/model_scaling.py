@@ -33,12 +33,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import child_env, module_argv
 
 # glibc returns every allocation above 32 MB to the OS (mmap) and page-faults it back
 # on the next use, which makes large-N runs superlinear for reasons unrelated to the
@@ -132,13 +130,13 @@ def run_point(args: argparse.Namespace, mode: str, n: int) -> dict:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     repeats = args.repeats  # the same for every mode
-    cmd = [sys.executable, __file__, "--child", mode, str(n), "--hidden", str(args.hidden),
+    cmd = [*module_argv(__spec__.name), "--child", mode, str(n), "--hidden", str(args.hidden),
            "--layers", str(args.layers), "--cutoff", str(args.cutoff), "--topk", str(args.topk),
            "--repeats", str(repeats), "--max-warm-up", str(args.max_warm_up),
            "--min-sample-seconds", str(args.min_sample_seconds)]
     t = time.perf_counter()
     try:
-        env = {**os.environ, **(ALLOC_ENV if args.alloc_env else {})}
+        env = child_env(**(ALLOC_ENV if args.alloc_env else {}))
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.time_limit,
                            preexec_fn=preexec, env=env)
     except subprocess.TimeoutExpired:

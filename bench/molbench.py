@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent
-DATA = ROOT / "data"
+from bench.lib.paths import DATA, child_env, module_argv
 
 
 def closed_shell_g2(max_atoms: int = 12, min_atoms: int = 3) -> list[str]:
@@ -271,7 +270,8 @@ def dft_dataset(max_atoms: int = 7, n_conf: int = 3, seed: int = 1, workers: int
         todo = DATA / f"{tag}.todo.extxyz"
         write_extxyz(todo, frames)
         parts = [DATA / f"{tag}.part{w}.extxyz" for w in range(workers)]
-        procs = [subprocess.Popen([sys.executable, __file__, "label-dft", str(todo), str(w), str(workers), str(parts[w])])
+        procs = [subprocess.Popen([*module_argv(__spec__.name), "label-dft", str(todo), str(w), str(workers), str(parts[w])],
+                                  env=child_env())
                  for w in range(workers) if not parts[w].exists()]
         for p in procs:
             if p.wait() != 0:

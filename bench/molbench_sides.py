@@ -18,7 +18,8 @@ import sys
 from typing import Any
 
 import torch
-from molbench import (
+
+from bench.molbench import (
     OurPotential,
     SpkPotential,
     molecule_folds,
@@ -26,9 +27,9 @@ from molbench import (
     xtb_dataset,
     xtb_nci_dataset,
 )
-from molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
-from nci2k import Nci2kSettings, group_folds, scaffold_group, split_report
-from nci2k import load as nci2k_load
+from bench.molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
+from bench.nci2k import Nci2kSettings, group_folds, scaffold_group, split_report
+from bench.nci2k import load as nci2k_load
 
 PEERS = ("schnet", "painn", "mace")
 SPK_PEERS = ("schnet", "painn")

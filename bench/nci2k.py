@@ -34,10 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-from molbench import DATA, nci_small, write_extxyz  # noqa: E402
+from bench.molbench import DATA, nci_small, write_extxyz
 
 ELEMENTS = ("H", "C", "N", "O", "F", "S", "Cl")
 

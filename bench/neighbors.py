@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
-
-from convergent.models.atoms import neighbor_list, vesin_available  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from convergent.models.atoms import neighbor_list, vesin_available
 
 CUTOFF = 5.0
 REPS = (2, 4, 8, 12)  # n x n x n cubic cells of 4 atoms: 32 ... 6912 atoms

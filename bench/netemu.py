@@ -17,8 +17,9 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "netemu.sh"
+from bench.lib.paths import REPO
+
+SCRIPT = REPO / "scripts" / "netemu.sh"
 ADDR = {0: "10.231.0.1", 1: "10.231.0.2"}
 
 

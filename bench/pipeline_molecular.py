@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import RESULTS
 
 STRATEGIES = {
     "single": (1, ["parallel.strategy=single", "train.threads=2"]),
@@ -69,11 +66,10 @@ def main() -> None:
     ap.add_argument("--molecules", type=int, default=300)
     ap.add_argument("--global-atoms", type=int, default=512)
     ap.add_argument("--microbatches", type=int, default=4)
-    add_args(ap, str(HERE / "results" / "pipeline_molecular.json"), rounds=3)
+    add_args(ap, str(RESULTS / "pipeline_molecular.json"), rounds=3)
     args = ap.parse_args()
     check_clean(args)
-    from train_throughput import make_dataset
-
+    from bench.train_throughput import make_dataset
     from convergent.config import load_config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_pp_mol_"))

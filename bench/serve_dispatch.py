@@ -27,20 +27,16 @@ import json
 import os
 import random
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests" / "serve"))  # servers.py: start/stop a real server
-
-from _harness import Side, add_args, check_clean, interleave, summarise, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, summarise, write_result
+from bench.lib.paths import RESULTS
 
 
 def _start(model, run_root, instances, policy, extra=()):
-    from servers import start_server
+    from tests.serve.servers import start_server
 
     sets = [
         "serve.scheduler=sequential",
@@ -141,7 +137,8 @@ SETTINGS = {
 def _served(model, run_root, instances, policy, trace, warmup=4, extra=(), kill_after=None):
     """Start a server, (warm it up,) fire ``trace`` at it, stop it; the client's numbers."""
     import httpx
-    from servers import stop_server
+
+    from tests.serve.servers import stop_server
 
     proc, base = _start(model, run_root, instances, policy, extra)
     try:
@@ -162,7 +159,8 @@ def _served(model, run_root, instances, policy, trace, warmup=4, extra=(), kill_
 def _overhead(model, run_root, n: int) -> dict:
     """1-token requests via the dispatcher and straight to its instance, interleaved."""
     import httpx
-    from servers import stop_server
+
+    from tests.serve.servers import stop_server
 
     proc, base = _start(model, run_root, 1, "load")
     try:
@@ -198,7 +196,7 @@ def _section(res) -> dict:
 def run(model, rounds: int = 3, n: int = 128, quick: bool = False, n_skew: int = 96,
         skew_rate: float = 7.0) -> dict:
     """All four comparisons; returns the result dict (commit, provenance, sections)."""
-    from _harness import provenance
+    from bench.lib.harness import provenance
 
     run_root = Path(os.environ.get("TMPDIR", "/tmp")) / f"serve-dispatch-{os.getpid()}"
     run_root.mkdir(parents=True, exist_ok=True)
@@ -287,7 +285,7 @@ def run(model, rounds: int = 3, n: int = 128, quick: bool = False, n_skew: int =
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_args(ap, default_out=str(ROOT / "bench" / "results" / "serve_dispatch.json"), rounds=3)
+    add_args(ap, default_out=str(RESULTS / "serve_dispatch.json"), rounds=3)
     ap.add_argument("--requests", type=int, default=128, help="throughput trace")
     ap.add_argument("--skew-requests", type=int, default=96, help="routing trace")
     ap.add_argument("--skew-rate", type=float, default=7.0, help="routing arrivals/s")
@@ -295,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None)
     args = ap.parse_args(argv)
     check_clean(args)
-    sys.path.insert(0, str(ROOT / "src"))
     from convergent.serve.offline import ensure_random_model
 
     mdir = args.model_dir or Path(tempfile.gettempdir()) / "convergent-serve-30m"

@@ -28,18 +28,14 @@ Writes bench/results/serve_throughput.json and bench/results/serve_kv_usage.png.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "src"))
-
-from _harness import Side, add_args, check_clean, interleave, stamp_png, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, stamp_png, write_result
+from bench.lib.paths import RESULTS
 
 OURS = ("sequential", "interleaved", "interleaved_chunked", "tdpipe_oracle", "tdpipe_learned",
         "tdpipe_constant")
@@ -155,7 +151,7 @@ def predictor_report(learned, const, train, traces: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_args(ap, default_out=str(ROOT / "bench" / "results" / "serve_throughput.json"),
+    add_args(ap, default_out=str(RESULTS / "serve_throughput.json"),
              rounds=3)
     ap.add_argument("--requests", type=int, default=20, help="requests of the served trace "
                     "(every side, the transformers peer included, gets all of them)")
@@ -178,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: the dispatcher benchmark (bench/serve_dispatch.py)")
     args, rest = ap.parse_known_args(argv)
     if args.dispatch:
-        import serve_dispatch
+        from bench import serve_dispatch
 
         return serve_dispatch.main(rest)
     if rest:

@@ -47,8 +47,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import RESULTS
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-sizes", default="200,100,50,10",
                     help="campaign chunk sizes to run (frames per task)")
     ap.add_argument("--workers", type=int, default=2)
-    add_args(ap, str(Path(__file__).parent / "results" / "sim_throughput.json"), rounds=3)
+    add_args(ap, str(RESULTS / "sim_throughput.json"), rounds=3)
     args = ap.parse_args(argv)
     check_clean(args)
     for var in THREAD_VARS:

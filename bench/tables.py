@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-PAGE = ROOT / "docs" / "benchmarks.md"
+from bench.lib.paths import REPO, RESULTS
+
+PAGE = REPO / "docs" / "benchmarks.md"
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 
 

@@ -44,10 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _harness import Side, add_args, check_clean, interleave, write_result  # noqa: E402
+from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
+from bench.lib.paths import RESULTS, child_env
 
 NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
          "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
@@ -197,9 +195,9 @@ def peer_worker(kind: str, data: str, steps: int, dtype: str, out: str) -> None:
 def run_peer(kind: str, data: Path, steps: int, dtype: str, tmp: Path) -> dict:
     out = tmp / f"{kind}_{dtype}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           "--nproc-per-node=2", str(Path(__file__).resolve()), "--worker", kind,
+           "--nproc-per-node=2", "-m", __spec__.name, "--worker", kind,
            "--data", str(data), "--steps", str(steps), "--dtype", dtype, "--worker-out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [x.split("]:", 1)[-1].strip() for x in proc.stderr.splitlines()
@@ -323,7 +321,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings of the "
                     "configuration names to run (default: all), e.g. 'ddp_2x1_fp32'")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
-    add_args(ap, str(HERE / "results" / "train_throughput.json"), rounds=3)
+    add_args(ap, str(RESULTS / "train_throughput.json"), rounds=3)
     args = ap.parse_args()
     if args.worker:
         peer_worker(args.worker, args.data, args.steps, args.dtype, args.worker_out)

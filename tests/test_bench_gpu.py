@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+from bench.lib.paths import child_env, module_argv
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_gpu_bench_needs_cuda_and_exits_2(tmp_path):
     out = tmp_path / "gpu.json"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    p = subprocess.run([sys.executable, str(BENCH), "--out", str(out)], capture_output=True,
+    env = child_env(CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([*module_argv("bench.gpu"), "--out", str(out)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [

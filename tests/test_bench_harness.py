@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import _harness as h  # noqa: E402
+from bench.lib import harness as h
 
 
 def test_summarise_is_median_with_spread_not_best():
@@ -145,7 +144,7 @@ def _wait(path):
 
 
 def test_guard_counts_cpu_outside_the_process_tree_not_its_own_children(tmp_path):
-    from _load import LoadGuard
+    from bench.lib.load import LoadGuard
 
     outside_pid, outside_done = _outside_busy(tmp_path, 1.5)
     guard = LoadGuard(interval=0.1).start()
@@ -165,7 +164,7 @@ def test_guard_counts_cpu_outside_the_process_tree_not_its_own_children(tmp_path
 
 
 def _busy_result(tmp_path, monkeypatch, load_start):
-    from _load import LoadGuard
+    from bench.lib.load import LoadGuard
 
     monkeypatch.setattr(h, "RESULTS", tmp_path / "results")
     guard = LoadGuard()

@@ -2,14 +2,11 @@
 loop on a tiny real GFN2-xTB set (tblite) learns, and its forces are -dE/dx."""
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from molbench_mace import mace_available  # noqa: E402
+from bench.molbench_mace import mace_available
 
 KEY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # `import mace` sets it for the whole process
 ENV_BEFORE = os.environ.get(KEY)
@@ -24,7 +21,7 @@ pytest.importorskip("tblite")
 def xtb_records():
     """3 G2 molecules x 4 rattled copies, labelled by GFN2-xTB (one OpenMP thread)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from molbench import conformers, label_frames
+    from bench.molbench import conformers, label_frames
 
     frames = []
     for i, name in enumerate(("H2O", "CH4", "NH3")):
@@ -46,9 +43,8 @@ def _loss(pot, records):
 
 
 def test_mace_trained_by_our_loop_learns(xtb_records):
-    from molbench import train_for
-    from molbench_mace import MacePotential
-
+    from bench.molbench import train_for
+    from bench.molbench_mace import MacePotential
     from convergent.models.molecular import fit_reference_energies
 
     torch.manual_seed(0)
@@ -64,8 +60,7 @@ def test_mace_trained_by_our_loop_learns(xtb_records):
 
 
 def test_mace_forces_are_minus_energy_gradient(xtb_records):
-    from molbench_mace import MacePotential
-
+    from bench.molbench_mace import MacePotential
     from convergent.models.batching import collate_records
     from convergent.models.molecular import fit_reference_energies
 
@@ -87,8 +82,7 @@ def test_mace_forces_are_minus_energy_gradient(xtb_records):
 
 
 def test_mace_rejects_an_element_outside_its_training_set(xtb_records):
-    from molbench_mace import MacePotential
-
+    from bench.molbench_mace import MacePotential
     from convergent.models.batching import collate_records
     from convergent.models.molecular import fit_reference_energies
 

@@ -4,15 +4,11 @@ ours (trained on real GFN2-xTB labels) through the bench's own side runner and t
 against tblite's xTB MD from the same start."""
 
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from molbench_md import (  # noqa: E402
+from bench.molbench_md import (
     Criteria,
     covalent_bonds,
     drift_per_atom_ps,
@@ -106,7 +102,7 @@ def xtb_records():
     """3 G2 molecules x 4 rattled copies, labelled by GFN2-xTB (one OpenMP thread)."""
     pytest.importorskip("tblite")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from molbench import conformers, label_frames
+    from bench.molbench import conformers, label_frames
 
     frames = []
     for i, name in enumerate(("H2O", "CH4", "NH3", "HCN")):
@@ -130,8 +126,8 @@ class _OneFold:
 
 
 def test_tiny_real_md_run_through_the_bench(xtb_records):
-    import md_stability as ms
-    from _harness import Side, interleave
+    from bench import md_stability as ms
+    from bench.lib.harness import Side, interleave
 
     train = [r for r in xtb_records if r["molecule_id"] != "NH3"]
     test = [r for r in xtb_records if r["molecule_id"] == "NH3"]

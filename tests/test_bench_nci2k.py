@@ -5,16 +5,13 @@ is finished without recomputing a record, and scaffold folds never share a scaff
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 pytest.importorskip("tblite")
 pytest.importorskip("rdkit")
-from nci2k import (  # noqa: E402
+from bench.nci2k import (
     Nci2kSettings,
     build,
     compounds,
@@ -129,7 +126,7 @@ def test_the_benches_folds_of_nci2k_are_scaffold_grouped(built, monkeypatch):
     in describe() (the JSON's extra.data)."""
     import argparse
 
-    import molbench_sides
+    from bench import molbench_sides
 
     root, *_ = built
     # the tiny build stands in for the default cache (bench/data/nci2k_v1)
@@ -158,10 +155,11 @@ def test_the_benches_folds_of_nci2k_are_scaffold_grouped(built, monkeypatch):
 def test_bad_data_chunks_exit_2_with_one_line(flags, tmp_path):
     import subprocess
 
-    bench = Path(__file__).resolve().parent.parent / "bench"
-    for script in ("model_accuracy.py", "md_stability.py"):
-        p = subprocess.run([sys.executable, str(bench / script), *flags, "--out",
-                            str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300)
+    from bench.lib.paths import child_env, module_argv
+
+    for script in ("bench.model_accuracy", "bench.md_stability"):
+        p = subprocess.run([*module_argv(script), *flags, "--out", str(tmp_path / "x.json")],
+                           capture_output=True, text=True, timeout=300, env=child_env())
         assert p.returncode == 2, (script, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and "--data-chunks" in lines[0], (script, p.stderr)

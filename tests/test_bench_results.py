@@ -127,8 +127,9 @@ def test_a_result_from_a_busy_machine_says_so_and_is_not_quoted(path):
 
 def test_the_results_table_of_the_docs_is_generated_from_the_files():
     import subprocess
-    import sys
 
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "tables.py"), "--check"],
-                          capture_output=True, text=True)
+    from bench.lib.paths import child_env, module_argv
+
+    done = subprocess.run([*module_argv("bench.tables"), "--check"], capture_output=True,
+                          text=True, env=child_env())
     assert done.returncode == 0, done.stderr

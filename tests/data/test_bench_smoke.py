@@ -5,21 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "data_read.py"
+from bench.lib.paths import child_env, module_argv
 
 
 @pytest.mark.slow
 def test_data_read_bench_tiny(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--records", "2000", "--systems", "loose,convergent",
+        [*module_argv("bench.data_read"), "--records", "2000", "--systems", "loose,convergent",
          "--data-dir", str(tmp_path / "d"), "--out", str(out), "--no-strace", "--workers", "1", "--repeats", "1",
          "--peer-python", sys.executable, "--allow-dirty"],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())

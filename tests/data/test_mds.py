@@ -9,13 +9,13 @@ import json
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xxhash
 
+from bench.lib.paths import child_env
 from convergent.data.export import export_dataset
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
@@ -109,9 +109,7 @@ def test_mds_rejects_empty_molecule(tmp_path):
 
 
 _REAL_READER = """
-import sys
-sys.path.insert(0, {bench!r})
-import data_read
+from bench import data_read
 data_read.install_torchvision_stub()
 import json, streaming
 ds = streaming.LocalDataset({mds!r})
@@ -129,8 +127,7 @@ def peers_python(tmp_path_factory) -> str:
     have = ROOT / "bench" / "data" / "peers-venv" / "bin" / "python"
     if have.exists():
         return str(have)
-    sys.path.insert(0, str(ROOT / "bench"))
-    import data_read
+    from bench import data_read
 
     return data_read.setup_peers(tmp_path_factory.mktemp("peers") / "venv")
 
@@ -141,9 +138,9 @@ def test_mds_read_by_real_streaming(tmp_path, peers_python):
     with DatasetWriter(tmp_path / "b", schema="bytes") as w:
         w.write_many(recs)
     export_dataset(tmp_path / "b", tmp_path / "mds", "mds", shard_bytes=40_000)
-    code = _REAL_READER.format(bench=str(ROOT / "bench"), mds=str(tmp_path / "mds"))
+    code = _REAL_READER.format(mds=str(tmp_path / "mds"))
     out = subprocess.run([peers_python, "-c", code], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+                         env=child_env())  # imports bench and convergent
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["version"] == "0.13.0"

@@ -16,10 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
 
-from netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
-
+from bench.netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
 from convergent.trainrecords import parse_train_records  # noqa: E402
 
 REASON = unavailable()

@@ -1,4 +1,4 @@
-"""A benchmark runs alone: the load guard of :mod:`_harness`.
+"""A benchmark runs alone: the load guard of :mod:`bench.lib.harness`.
 
 Two measurements decide whether a run was alone on the machine:
 

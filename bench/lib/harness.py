@@ -22,7 +22,7 @@ This module gives it:
 
 Use::
 
-    from _harness import Side, add_args, interleave, write_result
+    from bench.lib.harness import Side, add_args, interleave, write_result
     ap = argparse.ArgumentParser(); add_args(ap, default_out="bench/results/x.json")
     args = ap.parse_args()
     check_clean(args)                      # fail fast, before minutes of work
@@ -53,10 +53,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from _load import LoadGuard
+from bench.lib.load import LoadGuard
+from bench.lib.paths import REPO as ROOT
+from bench.lib.paths import RESULTS
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 _GUARD: LoadGuard | None = None  # started by check_clean, read by write_result
 _START_LOAD: list[float] | None = None  # the load average when check_clean let the run start
 PACKAGES = ("convergent", "torch", "numpy", "dask", "distributed", "tblite", "pyscf", "ase",
