@@ -19,7 +19,7 @@ Measured in the same run:
   round 2's labelling and resumed with --resume, ends with the same dataset keys as the
   uninterrupted run, and no structure is labelled twice.
 
-The seeds are the rounds of bench/_harness.py: per seed ours then random (interleaved);
+The seeds are the rounds of bench/lib/harness.py: per seed ours then random (interleaved);
 every number over seeds is a median with its spread. Writes
 bench/results/active_learning.json (+ active_learning.png, the curves, and
 active_learning_timeline.png beside it). Usage:

@@ -11,7 +11,7 @@ code (GFN2-xTB on the same Dask pool, same force trust limit); those labels are 
 read by the score, never counted. Exploration MD frames have no label beforehand, so
 the oracle cannot pick them (score NaN); ours rarely does under these settings.
 
-Per seed (the rounds of bench/_harness.py, interleaved): oracle, then random. The
+Per seed (the rounds of bench/lib/harness.py, interleaved): oracle, then random. The
 headline ``oracle_labels_ratio_vs_random`` is the median over seeds of the labels the
 oracle needs to reach random's final energy MAE / random's labels (the statistic of
 bench/active_learning.py). It bounds from below what greedy uncertainty selection can

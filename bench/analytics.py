@@ -15,7 +15,7 @@ Three sides run the same work on the same dataset:
              do less than the whole (no pairs across halves): a bound, not the same work.
 
 Each measurement runs in a fresh subprocess (fresh cluster) so its peak RSS is its own;
-``dask``, ``single`` and ``ideal`` are interleaved within each round (bench/_harness.py,
+``dask``, ``single`` and ``ideal`` are interleaved within each round (bench/lib/harness.py,
 ``--rounds``); ``naive``, several times slower, runs ``--naive-rounds`` interleaved rounds
 of its own after them (its ratio is a floor of 1.5, not a close call). Medians over rounds
 are reported with their spread (min/max/IQR). Files and bytes written per stage are

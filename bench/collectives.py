@@ -36,7 +36,7 @@ NVLink / InfiniBand figures (there the link-level terms are the stated datasheet
 assumptions).
 
 The variants of one round run inside one launch (their order rotates per round), so the
-rounds are driven here rather than by bench/_harness.py's ``interleave``; the harness
+rounds are driven here rather than by bench/lib/harness.py's ``interleave``; the harness
 gives the provenance (commit, versions, machine, load before/after), the dirty-tree
 refusal and the median/min/max/IQR of every measured number.
 

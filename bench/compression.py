@@ -4,7 +4,7 @@ Same machine, same model/data/seed, DDP with 2 processes x 1 thread (gloo):
 ``none`` (fp32 all-reduce) vs ``fp16`` vs ``powersgd`` (rank 2, error feedback, plain
 all-reduce for the first 10 steps) vs ``topk`` (ours: 1% of entries + error feedback).
 The runs are interleaved (every model/method once per round, for ``--rounds`` rounds,
-bench/_harness.py) and each metric is the median over rounds with its spread.
+bench/lib/harness.py) and each metric is the median over rounds with its spread.
 
 Two models: the Llama-style LM (synthetic Markov-chain tokens; loss = cross-entropy)
 and the molecular surrogate (generated EMT data; loss = energy + forces).

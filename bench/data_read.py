@@ -28,7 +28,7 @@ pages the cold read brought in. The resident fraction of the system's files (``m
 on a sample of 2000 files) is recorded before every read.
 
 Each system is read once per round (cold then warm) for ``--rounds`` rounds, interleaved
-over the systems by bench/_harness.py so load bursts on a shared machine hit all alike;
+over the systems by bench/lib/harness.py so load bursts on a shared machine hit all alike;
 per mode every metric is the median over rounds with its spread (never the best run),
 beside every run's numbers and the load average. ``--limit`` stops each read
 after that many samples of the shuffled epoch (a full cold pass over 1M loose files takes

@@ -4,7 +4,7 @@ Needs one CUDA GPU (and the project installed: ``pip install -e '.[dev]'`` for
 transformers). On a machine without CUDA it prints one line and exits with code 2.
 Runs in under 10 minutes on one H100; writes ``bench/results/gpu.json``.
 
-Measured side by side with bench/_harness.py: every side once per round, rounds
+Measured side by side with bench/lib/harness.py: every side once per round, rounds
 interleaved (``--rounds``, default 3); each number is the median over rounds of the
 per-round median over the timed steps, with the spread (min, max, IQR) over rounds; the
 JSON carries the commit (a dirty tree is refused unless ``--allow-dirty``), versions, the
@@ -341,7 +341,7 @@ def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
 
 def _rounds(name: str, sides: dict[str, Callable[[], dict]], settings: dict[str, dict],
             rounds: int, differences: list[str]) -> dict[str, Any]:
-    """Run every side once per round (interleaved, bench/_harness.py); medians with spread.
+    """Run every side once per round (interleaved, bench/lib/harness.py); medians with spread.
 
     A side that raises is recorded with its error and skipped in later rounds (one failing
     side must not end the run)."""

@@ -3,7 +3,7 @@
 One run, same machine, same model (``model.forces: direct``), data, seed and global
 batch: ``single`` (1 process x 2 threads) vs ``ddp`` (2 processes x 1 thread) vs
 ``pipeline`` GPipe and 1F1B (2 processes = 2 stages x 1 thread, 4 padded micro-batches).
-Runs are interleaved (A, B, C, D, A, B, ...) for ``--rounds`` rounds by bench/_harness.py
+Runs are interleaved (A, B, C, D, A, B, ...) for ``--rounds`` rounds by bench/lib/harness.py
 so machine load hits all alike; every metric is the median over rounds with its spread,
 and the JSON keeps every run with the load average after it.
 

@@ -12,7 +12,7 @@ Real ``convergent serve --instances N`` processes on 127.0.0.1, single-stage ins
   for those running on the dead instance); none is lost or hangs.
 
 Every comparison runs its sides interleaved (A B A B …) over ``--rounds`` rounds through
-the shared harness (``bench/_harness.py``): medians with min/max/IQR, never best-of; the
+the shared harness (``bench/lib/harness.py``): medians with min/max/IQR, never best-of; the
 git commit (+dirty: refused unless ``--allow-dirty``), versions, machine, load average
 before/after, each side's settings and the differences that remain between sides.
 

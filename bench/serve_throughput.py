@@ -14,7 +14,7 @@ generator family with other parameters), next to a constant predictor and the be
 kind-only predictor.
 
 Sides run interleaved (A B C … A B C …) for ``--rounds`` rounds through the shared
-harness (``bench/_harness.py``); the JSON has medians with min/max/IQR (never best-of),
+harness (``bench/lib/harness.py``); the JSON has medians with min/max/IQR (never best-of),
 the git commit (a dirty tree is refused unless ``--allow-dirty``), versions, machine,
 load before/after, each side's settings and the differences that remain.
 

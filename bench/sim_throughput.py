@@ -16,7 +16,7 @@ Same frames on both sides (rattled C/H/N/O molecules of ASE's G2 collection, see
   after each run the dataset is verified (every shard's xxh3, every record) untimed.
 
 The sides are interleaved (serial, plain, each chunk size; for ``--rounds`` rounds, by
-bench/_harness.py) so load from other work on a shared machine hits all alike;
+bench/lib/harness.py) so load from other work on a shared machine hits all alike;
 ``os.getloadavg()`` is recorded around each run, and every number is the median over
 rounds with its spread (never the best round).
 

@@ -21,7 +21,7 @@ atom) x atoms/s / (measured single-thread GEMM peak for the dtype x processes; f
 the load average before/after is in the JSON.
 
 Every configuration runs once per round, interleaved (A B C ... A B C ...) for
-``--rounds`` rounds (bench/_harness.py); each number is the median over rounds with its
+``--rounds`` rounds (bench/lib/harness.py); each number is the median over rounds with its
 spread (never the best round). All sides get the same DDP options (bucket 25 MB,
 ``broadcast_buffers=False``: the model's buffers are fixed at build time), the same
 constant learning rate (no warm-up or schedule), 1 torch thread per process and the same
