@@ -3,7 +3,7 @@ INT8, and the committee distilled into one student.
 
 Data: GFN2-xTB (tblite) energies/forces of the NCI compounds shipped with RDKit (neutral,
 H/C/N/O/F, <= 20 atoms, 8 conformers each: ETKDGv3 + MMFF94, rattled), the cached set of
-bench/molbench.py (``xtb_nci_dataset``, built once, resumable), split by compound (20 %
+bench/models/molbench.py (``xtb_nci_dataset``, built once, resumable), split by compound (20 %
 held out, seed 0) into two dataset stores under bench/data/compression_inference/xtb-nci.
 
 Reported on the held-out compounds: the per-element linear baseline (``E = sum_atoms
@@ -46,7 +46,7 @@ KEYS = ("key", "molecule_id", "numbers", "positions", "energy", "forces")
 
 def xtb_sets(work: Path) -> tuple[Path, Path]:
     """The train / held-out dataset stores (written once from molbench's cached set)."""
-    from bench.molbench import molecule_split, xtb_nci_dataset
+    from bench.models.molbench import molecule_split, xtb_nci_dataset
     from convergent.data.writer import write_records
 
     out = work / "xtb-nci"

@@ -1,4 +1,4 @@
-"""MACE as a bench peer (bench/molbench_mace.py): mace-torch's own model trained by our
+"""MACE as a bench peer (bench/models/molbench_mace.py): mace-torch's own model trained by our
 loop on a tiny real GFN2-xTB set (tblite) learns, and its forces are -dE/dx."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from bench.molbench_mace import mace_available
+from bench.models.molbench_mace import mace_available
 
 KEY = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # `import mace` sets it for the whole process
 ENV_BEFORE = os.environ.get(KEY)
@@ -21,7 +21,7 @@ pytest.importorskip("tblite")
 def xtb_records():
     """3 G2 molecules x 4 rattled copies, labelled by GFN2-xTB (one OpenMP thread)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from bench.molbench import conformers, label_frames
+    from bench.models.molbench import conformers, label_frames
 
     frames = []
     for i, name in enumerate(("H2O", "CH4", "NH3")):
@@ -43,8 +43,8 @@ def _loss(pot, records):
 
 
 def test_mace_trained_by_our_loop_learns(xtb_records):
-    from bench.molbench import train_for
-    from bench.molbench_mace import MacePotential
+    from bench.models.molbench import train_for
+    from bench.models.molbench_mace import MacePotential
     from convergent.models.molecular import fit_reference_energies
 
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def test_mace_trained_by_our_loop_learns(xtb_records):
 
 
 def test_mace_forces_are_minus_energy_gradient(xtb_records):
-    from bench.molbench_mace import MacePotential
+    from bench.models.molbench_mace import MacePotential
     from convergent.models.batching import collate_records
     from convergent.models.molecular import fit_reference_energies
 
@@ -82,7 +82,7 @@ def test_mace_forces_are_minus_energy_gradient(xtb_records):
 
 
 def test_mace_rejects_an_element_outside_its_training_set(xtb_records):
-    from bench.molbench_mace import MacePotential
+    from bench.models.molbench_mace import MacePotential
     from convergent.models.batching import collate_records
     from convergent.models.molecular import fit_reference_energies
 

@@ -1,4 +1,4 @@
-"""The MD-stability bench (bench/md_stability.py, bench/molbench_md.py): its criteria on
+"""The MD-stability bench (bench/models/md_stability.py, bench/models/molbench_md.py): its criteria on
 hand-made trajectories, the NVE drift fit, the RDF's normalisation, and one tiny real run of
 ours (trained on real GFN2-xTB labels) through the bench's own side runner and the harness,
 against tblite's xTB MD from the same start."""
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from bench.molbench_md import (
+from bench.models.molbench_md import (
     Criteria,
     covalent_bonds,
     drift_per_atom_ps,
@@ -102,7 +102,7 @@ def xtb_records():
     """3 G2 molecules x 4 rattled copies, labelled by GFN2-xTB (one OpenMP thread)."""
     pytest.importorskip("tblite")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from bench.molbench import conformers, label_frames
+    from bench.models.molbench import conformers, label_frames
 
     frames = []
     for i, name in enumerate(("H2O", "CH4", "NH3", "HCN")):
@@ -126,8 +126,8 @@ class _OneFold:
 
 
 def test_tiny_real_md_run_through_the_bench(xtb_records):
-    from bench import md_stability as ms
     from bench.lib.harness import Side, interleave
+    from bench.models import md_stability as ms
 
     train = [r for r in xtb_records if r["molecule_id"] != "NH3"]
     test = [r for r in xtb_records if r["molecule_id"] == "NH3"]

@@ -1,4 +1,4 @@
-"""The nci2k bench dataset (bench/nci2k.py): built by convergent's simulation campaign on a
+"""The nci2k bench dataset (bench/models/nci2k.py): built by convergent's simulation campaign on a
 real Dask cluster with real GFN2-xTB (tblite): 3 compounds give labelled conformer and
 xTB-MD structures, a rerun reuses the cache, a chunk interrupted after its campaigns ran
 is finished without recomputing a record, and scaffold folds never share a scaffold."""
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("tblite")
 pytest.importorskip("rdkit")
-from bench.nci2k import (
+from bench.models.nci2k import (
     Nci2kSettings,
     build,
     compounds,
@@ -126,7 +126,7 @@ def test_the_benches_folds_of_nci2k_are_scaffold_grouped(built, monkeypatch):
     in describe() (the JSON's extra.data)."""
     import argparse
 
-    from bench import molbench_sides
+    from bench.models import molbench_sides
 
     root, *_ = built
     # the tiny build stands in for the default cache (bench/data/nci2k_v1)
@@ -157,7 +157,7 @@ def test_bad_data_chunks_exit_2_with_one_line(flags, tmp_path):
 
     from bench.lib.paths import child_env, module_argv
 
-    for script in ("bench.model_accuracy", "bench.md_stability"):
+    for script in ("bench.models.accuracy", "bench.models.md_stability"):
         p = subprocess.run([*module_argv(script), *flags, "--out", str(tmp_path / "x.json")],
                            capture_output=True, text=True, timeout=300, env=child_env())
         assert p.returncode == 2, (script, p.stderr)

@@ -4,7 +4,7 @@ training from scratch on the same small set; MAE on a held-out DFT test set.
 DFT: PySCF B3LYP/6-31G* energies/forces of rattled small G2 molecules (<= 7 atoms, 3
 conformers each, no fluorine), split molecule-wise (60 % of the molecules for the small
 training set, 40 % held out, seed 1). Pretrained model: made by this run before the
-sides start (``--pretrain-steps`` optimizer steps of bench/model_accuracy.py's recipe on
+sides start (``--pretrain-steps`` optimizer steps of bench/models/accuracy.py's recipe on
 the GFN2-xTB labels of the training molecules of fold 0 of its 5-fold G2 split; cheap
 labels cover many molecules, including some whose DFT labels are held out here: that is
 the intended use of the cheap tier), so the result never depends on a model file left
@@ -23,7 +23,7 @@ interleaved. Every trained side gets the same number of optimizer steps, the sam
 cosine). Medians over seeds with min/max/IQR.
 
 Writes bench/results/transfer.json. Usage:
-    .venv/bin/python bench/transfer.py [--rounds 3] [--steps 650] [--pretrain-steps 1400]
+    .venv/bin/python -m bench.models.transfer [--rounds 3] [--steps 650] [--pretrain-steps 1400]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
-from bench.molbench import (
+from bench.models.molbench import (
     OurPotential,
     dft_dataset,
     evaluate,
@@ -211,7 +211,7 @@ def main() -> None:
                          "split": "molecule-wise, 40% of molecules held out, seed 1",
                          "dft_train_molecules": sorted({r["molecule_id"] for r in train}),
                          "dft_test_molecules": sorted({r["molecule_id"] for r in test})}
-    res.extra["command"] = " ".join(["python", "bench/transfer.py", *sys.argv[1:]])
+    res.extra["command"] = " ".join(["python", "-m", "bench.models.transfer", *sys.argv[1:]])
     res.headline["energy_mae_median_eV"] = {n: res.median(n, "energy_mae") for n in names}
     res.headline["force_mae_median_eV_per_A"] = {n: res.median(n, "force_mae") for n in names}
     fts = [n for n in names if n.startswith("finetune")]

@@ -1,11 +1,11 @@
 """The sides of the molecular benchmarks and how each is built and trained: one place.
 
-bench/model_accuracy.py (accuracy at equal budget) and bench/md_stability.py (MD with the
+bench/models/accuracy.py (accuracy at equal budget) and bench/models/md_stability.py (MD with the
 trained models) train every side the same way: the same datasets (:data:`DATASETS`), the
 same molecule-wise folds (:class:`Folds`), the same model settings and training protocol
 (:func:`add_training_args`, :func:`check_data_args`, :func:`build`, :func:`train_side`),
 the same side names and checks (:func:`resolve_sides`) and the same settings record in the
-JSON (:func:`common_settings`, :func:`side_settings`). ``nci2k`` (bench/nci2k.py) is split
+JSON (:func:`common_settings`, :func:`side_settings`). ``nci2k`` (bench/models/nci2k.py) is split
 by Bemis-Murcko scaffold instead, so no test scaffold is in training (asserted per fold).
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bench.molbench import (
+from bench.models.molbench import (
     OurPotential,
     SpkPotential,
     molecule_folds,
@@ -27,9 +27,9 @@ from bench.molbench import (
     xtb_dataset,
     xtb_nci_dataset,
 )
-from bench.molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
-from bench.nci2k import Nci2kSettings, group_folds, scaffold_group, split_report
-from bench.nci2k import load as nci2k_load
+from bench.models.molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
+from bench.models.nci2k import Nci2kSettings, group_folds, scaffold_group, split_report
+from bench.models.nci2k import load as nci2k_load
 
 PEERS = ("schnet", "painn", "mace")
 SPK_PEERS = ("schnet", "painn")
@@ -212,7 +212,7 @@ def common_settings(args: argparse.Namespace) -> dict[str, Any]:
             "torch_threads": 1, "hidden": args.hidden, "layers": args.layers,
             "cutoff_A": args.cutoff, "grad_clip_norm": 10.0,
             "references": "element reference energies + scale fitted on the fold's training set",
-            "trainer": "bench/molbench.py:train_for"}
+            "trainer": "bench/models/molbench.py:train_for"}
 
 
 def side_settings(args: argparse.Namespace, mace_version: str | None) -> dict[str, dict[str, Any]]:
@@ -225,7 +225,7 @@ def side_settings(args: argparse.Namespace, mace_version: str | None) -> dict[st
         "schnet": {"model": "schnetpack SchNet + Atomwise", "n_rbf": 20, "cutoff_fn": "cosine"},
         "painn": {"model": "schnetpack PaiNN + Atomwise", "n_rbf": 20, "cutoff_fn": "cosine"},
         "mace": {"model": f"mace-torch {mace_version or '(absent)'} ScaleShiftMACE, "
-                          "trained by bench/molbench.py:train_for (not mace_run_train)",
+                          "trained by bench/models/molbench.py:train_for (not mace_run_train)",
                  **MACE_DEFAULTS, "hidden_irreps": args.mace_hidden_irreps,
                  "r_max": args.cutoff, "dtype": args.mace_dtype,
                  "forces": "-dE/dx by autograd (MACE's own output)",

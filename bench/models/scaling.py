@@ -20,7 +20,7 @@ neighbour list + energy + forces (-dE/dpositions, one backward), what an MD step
 screening call costs.
 
 Writes bench/results/model_scaling.json. Usage:
-    .venv/bin/python bench/model_scaling.py [--rounds 3] [--max-n 4096] [--mem-gb 3]
+    .venv/bin/python -m bench.models.scaling [--rounds 3] [--max-n 4096] [--mem-gb 3]
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def main() -> None:
     ]
     res = interleave("model_scaling", sides, rounds=args.rounds, differences=differences)
     res.extra["failures"] = {m: runners[m].failure for m in modes}
-    res.extra["command"] = " ".join(["python", "bench/model_scaling.py", *sys.argv[1:]])
+    res.extra["command"] = " ".join(["python", "-m", "bench.models.scaling", *sys.argv[1:]])
     res.headline["largest_n_completed"] = {m: max(runners[m].completed or [0]) for m in modes}
     res.headline["scaling"] = {m: ratios(res, m, ns) for m in modes}
     nb = res.headline["scaling"].get("neighbor", {})

@@ -18,8 +18,8 @@ themselves; ``md``). A campaign resumes from the keys its dataset already holds,
 killed build continues where it stopped; a chunk is complete when its ``done.json`` exists.
 Everything lives under ``bench/data/nci2k_v1/`` (git-ignored). Energies eV, forces eV/Å.
 
-    nice -n 19 .venv/bin/python bench/nci2k.py build [--chunks N]   # resumable
-    nice -n 19 .venv/bin/python bench/nci2k.py status
+    nice -n 19 .venv/bin/python -m bench.models.nci2k build [--chunks N]   # resumable
+    nice -n 19 .venv/bin/python -m bench.models.nci2k status
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.molbench import DATA, nci_small, write_extxyz
+from bench.models.molbench import DATA, nci_small, write_extxyz
 
 ELEMENTS = ("H", "C", "N", "O", "F", "S", "Cl")
 

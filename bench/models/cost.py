@@ -13,7 +13,7 @@ bench/data/xtb_pretrained if present, else a randomly initialised default model.
 Every side warms up once on H2O before the first round (imports, caches).
 
 Writes bench/results/model_cost.json. Usage:
-    .venv/bin/python bench/model_cost.py [--rounds 3]
+    .venv/bin/python -m bench.models.cost [--rounds 3]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
-from bench.molbench import DATA, dft_label, xtb_label
+from bench.models.molbench import DATA, dft_label, xtb_label
 
 # C6H6 (in earlier runs) is left out: its DFT alone took ~20 CPU s per round, more than this
 # shared 2-core machine can give three rounds of in the time allowed
@@ -151,7 +151,7 @@ def main() -> None:
     per = [x / s["cpu_s"] for x, s in zip(xtb, res.per_round["surrogate_batched"], strict=True)]
     res.headline["speedup_xtb_over_surrogate_batched_median"] = float(np.median(per))
     res.headline["cpu_s_per_structure_median"] = {n: res.median(n, "cpu_s") for n in fns}
-    res.extra["command"] = " ".join(["python", "bench/model_cost.py", *sys.argv[1:]])
+    res.extra["command"] = " ".join(["python", "-m", "bench.models.cost", *sys.argv[1:]])
     write_result(res, args)
 
 

@@ -2,10 +2,10 @@
 
 The test practitioners trust more than a test-set MAE ("Forces are not enough", Fu et al.
 2023). Every side (``--models``: ours, schnet, painn, and mace when mace-torch imports) is
-trained exactly as bench/model_accuracy.py trains it (bench/molbench_sides.py: same data,
+trained exactly as bench/models/accuracy.py trains it (bench/models/molbench_sides.py: same data,
 folds, budget, loss, LR, EMA, batches), on the training molecules of fold ``--fold``; then,
 on ``--molecules`` held-out molecules of that fold (picked with seed 0; start = the
-molecule's first stored structure), it runs (bench/molbench_md.py, ASE):
+molecule's first stored structure), it runs (bench/models/molbench_md.py, ASE):
 
 * Langevin MD at each ``--temperatures`` (default 300 and 600 K) for ``--ps`` ps
   (``--timestep`` 0.5 fs, ``--friction`` 0.01/fs), checked every ``--record-every`` steps:
@@ -24,7 +24,7 @@ Seeds (``--seeds``, = the harness's rounds): round r trains every side with init
 ``--seed`` + r; the MD starts and velocities are the same in every round and for xTB
 (``--md-seed``), so the seeds measure the training's spread. Medians over seeds with spread.
 Writes ``--out`` (bench/results/md_stability.json) and a PNG of the distributions next to it.
-    .venv/bin/python bench/md_stability.py --ps 5 --molecules 20 --budget 1000 --seeds 3
+    .venv/bin/python -m bench.models.md_stability --ps 5 --molecules 20 --budget 1000 --seeds 3
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from bench.lib.harness import Side, add_args, check_clean, interleave, stamp_png, write_result
-from bench.molbench import evaluate
-from bench.molbench_md import (
+from bench.models.molbench import evaluate
+from bench.models.molbench_md import (
     Criteria,
     PotentialCalculator,
     Trajectory,
@@ -53,7 +53,7 @@ from bench.molbench_md import (
     rdf_edges,
     run_md,
 )
-from bench.molbench_sides import (
+from bench.models.molbench_sides import (
     PEERS,
     Folds,
     add_training_args,
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sides = [Side(n, side_runner(n, args, folds, starts, args.temps, edges, ref_g),
                   {**common, **settings.get(n, {"model": n}), "md": md,
                    "calculator": "convergent SurrogateCalculator" if n.startswith("ours")
-                   else "bench/molbench_md.py:PotentialCalculator"}) for n in names]
+                   else "bench/models/molbench_md.py:PotentialCalculator"}) for n in names]
     res = interleave("md_stability", sides, rounds=args.rounds, differences=differences(args, names)
                      + ["every side runs MD from the same starts with the same velocity seeds; "
                         "the xTB reference too",
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res.extra["xtb_reference"] = ref
     if skipped:
         res.extra["skipped_sides"] = skipped
-    res.extra["command"] = " ".join(["python", "bench/md_stability.py", *sys.argv[1:]])
+    res.extra["command"] = " ".join(["python", "-m", "bench.models.md_stability", *sys.argv[1:]])
     res.extra["rdf_edges_A"] = edges.tolist()
     tags = [f"{T:g}K" for T in args.temps]
     res.headline["md_stable_fraction"] = {n: {t: res.median(n, f"stable_fraction_{t}") for t in tags}

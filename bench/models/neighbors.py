@@ -8,7 +8,7 @@ structure per call, and a training-like batch of 32 small periodic cells. Torch 
 Sides run interleaved for ``--rounds`` rounds; each round times ``--repeat`` calls and
 reports ms per call; the JSON gives median and spread per size.
 
-    python bench/neighbors.py --rounds 5 --out bench/results/neighbors.json
+    python -m bench.models.neighbors --rounds 5 --out bench/results/neighbors.json
 
 The ``auto`` backend uses vesin for periodic structures on the CPU when it is installed.
 """

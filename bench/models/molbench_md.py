@@ -1,6 +1,6 @@
 """Molecular dynamics with a trained potential, and what makes a trajectory physical.
 
-Used by bench/md_stability.py. The pieces, each testable on its own:
+Used by bench/models/md_stability.py. The pieces, each testable on its own:
 
 * :class:`Criteria` / :class:`StabilityMonitor` — when a trajectory stops being physical:
   a covalent bond of the starting geometry (two atoms closer than ``bond_scale`` x the sum

@@ -3,17 +3,17 @@
 Data (``--dataset``): GFN2-xTB energies/forces (tblite). ``nci`` (default): the NCI
 compounds shipped with RDKit that are neutral, H/C/N/O/F and <= 20 atoms, 8 structures
 each (ETKDGv3 + MMFF94 embeddings with their own seeds, so torsions differ, then
-rattled). ``nci2k`` (bench/nci2k.py): 2,324 NCI compounds (H/C/N/O/F/S/Cl, <= 30 atoms),
+rattled). ``nci2k`` (bench/models/nci2k.py): 2,324 NCI compounds (H/C/N/O/F/S/Cl, <= 30 atoms),
 3 ETKDGv3+MMFF94 conformers each plus 3 xTB-MD frames (300 K) per conformer, built by
 resumable simulation campaigns on Dask (``--data-chunks N``: only the first N chunks of
 100 compounds), split by Bemis-Murcko scaffold so no test scaffold is in training.
 ``g2``: 62 rattled G2 molecules, 25 each (too few compounds for a headline;
-it also writes bench/data/xtb_pretrained for bench/transfer.py).
+it also writes bench/data/xtb_pretrained for bench/models/transfer.py).
 
 Sides are the models (``--models``; default ours, schnet, painn, and mace when mace-torch
 imports, else the JSON says why it was left out; ``ours_softmax``, ``ours_vectors`` and
 ``ours_bf16`` are optional variants of ours). MACE is mace-torch's own ``ScaleShiftMACE``
-(bench/molbench_mace.py; ``--mace-dtype float64`` for the precision MACE recommends,
+(bench/models/molbench_mace.py; ``--mace-dtype float64`` for the precision MACE recommends,
 ``--mace-hidden-irreps`` for its width) trained by the same loop as the others. Rounds are folds of a
 molecule-wise ``--folds``-fold cross-validation (molecules shuffled with seed 0): round r
 trains every side on fold r's training molecules and tests it on fold r's held-out
@@ -31,7 +31,7 @@ CPU seconds picked PaiNN's LR differently at different budgets (0.01 at 300 s, 0
 100 s and 1000 s), so budget curves compared different protocols.
 
 Writes bench/results/model_accuracy.json (or ``--out``). Usage:
-    .venv/bin/python bench/model_accuracy.py [--budget 15] [--rounds 3] [--folds 5]
+    .venv/bin/python -m bench.models.accuracy [--budget 15] [--rounds 3] [--folds 5]
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
-from bench.molbench import DATA, evaluate
-from bench.molbench_sides import (
+from bench.models.molbench import DATA, evaluate
+from bench.models.molbench_sides import (
     PEERS,
     Folds,
     add_training_args,
@@ -96,7 +96,7 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
 
 
 def md_summary(path: str) -> dict[str, Any]:
-    """The MD-stability numbers of a bench/md_stability.py result (exit 2 if unreadable)."""
+    """The MD-stability numbers of a bench/models/md_stability.py result (exit 2 if unreadable)."""
     import json
 
     try:
@@ -107,7 +107,7 @@ def md_summary(path: str) -> dict[str, Any]:
                 "md": next(iter(d["settings"].values()), {}).get("md"),
                 "budget_thread_cpu_s": next(iter(d["settings"].values()), {}).get("budget_thread_cpu_s")}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        fail(f"--md-result {path}: not a bench/md_stability.py result ({type(exc).__name__}: {exc})")
+        fail(f"--md-result {path}: not a bench/models/md_stability.py result ({type(exc).__name__}: {exc})")
         raise  # unreachable: fail exits
 
 
@@ -117,7 +117,7 @@ def main() -> None:
     add_training_args(ap)
     ap.add_argument("--no-save-pretrained", dest="save_pretrained", action="store_false")
     ap.add_argument("--md-result", default=None,
-                    help="a bench/md_stability.py JSON whose md_stable_fraction (with its "
+                    help="a bench/models/md_stability.py JSON whose md_stable_fraction (with its "
                          "commit and settings) is carried into this result's top level")
     args = ap.parse_args()
     md = md_summary(args.md_result) if args.md_result else None
@@ -135,7 +135,7 @@ def main() -> None:
     res.extra["data"] = folds.describe(f"round r = fold r, folds 0..{args.rounds - 1} run")
     if skipped:
         res.extra["skipped_sides"] = skipped
-    res.extra["command"] = " ".join(["python", "bench/model_accuracy.py", *sys.argv[1:]])
+    res.extra["command"] = " ".join(["python", "-m", "bench.models.accuracy", *sys.argv[1:]])
     if "ours" in names:
         peers = [p for p in PEERS if p in names]
         for p in peers:

@@ -1,6 +1,6 @@
 """Shared helpers of the molecular benchmarks: xTB/DFT datasets, split, a small trainer.
 
-Used by bench/model_accuracy.py, bench/model_cost.py and bench/transfer.py (results are
+Used by bench/models/accuracy.py, bench/models/cost.py and bench/models/transfer.py (results are
 written with bench/lib/harness.py). Datasets are cached as extxyz under bench/data/
 (git-ignored). Energies eV, forces eV/Å.
 """
