@@ -1,10 +1,10 @@
-"""The ceiling of uncertainty-driven selection in bench/active_learning.py's campaign.
+"""The ceiling of uncertainty-driven selection in bench/learn/active_learning.py's campaign.
 
-bench/active_learning.py asks how many labels ours (committee disagreement + diversity
+bench/learn/active_learning.py asks how many labels ours (committee disagreement + diversity
 rules) needs to reach random selection's final held-out energy MAE. This bench asks how
 many a *perfect* uncertainty would need: the same campaign (same pool, held-out set,
 seeds, settings, committee, training steps, batches and diversity rules, via
-``bench/active_learning.py``'s ``SETTINGS``), except that a candidate's score is the
+``bench/learn/active_learning.py``'s ``SETTINGS``), except that a candidate's score is the
 committee's true error ``|E_mean - E_ref| / n_atoms`` (eV/atom) instead of its spread.
 For that, every pool structure is labelled beforehand with the campaign's own labelling
 code (GFN2-xTB on the same Dask pool, same force trust limit); those labels are only
@@ -14,9 +14,9 @@ the oracle cannot pick them (score NaN); ours rarely does under these settings.
 Per seed (the rounds of bench/lib/harness.py, interleaved): oracle, then random. The
 headline ``oracle_labels_ratio_vs_random`` is the median over seeds of the labels the
 oracle needs to reach random's final energy MAE / random's labels (the statistic of
-bench/active_learning.py). It bounds from below what greedy uncertainty selection can
+bench/learn/active_learning.py). It bounds from below what greedy uncertainty selection can
 reach with this model, pool and budget. Writes bench/results/active_learning_ceiling.json.
-Usage: ``python bench/active_learning_ceiling.py [--seeds 0 1 2] [--allow-dirty]``.
+Usage: ``python -m bench.learn.active_learning_ceiling [--seeds 0 1 2] [--allow-dirty]``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import active_learning as al
+from bench.learn import active_learning as al
 from bench.lib.harness import Side, add_args, check_clean, interleave, spread, write_result
 from bench.lib.paths import RESULTS
 
@@ -69,7 +69,7 @@ def pool_labels(seed: int) -> dict[str, Any]:
 
 
 def oracle_campaign(seed: int, energy: dict[str, float]) -> dict[str, Any]:
-    """bench/active_learning.py's ours, scored by the committee's true error."""
+    """bench/learn/active_learning.py's ours, scored by the committee's true error."""
     from convergent.learn.loop import Campaign
 
     def true_error(self, rnd: int, cands: list) -> np.ndarray:

@@ -23,7 +23,7 @@ The seeds are the rounds of bench/lib/harness.py: per seed ours then random (int
 every number over seeds is a median with its spread. Writes
 bench/results/active_learning.json (+ active_learning.png, the curves, and
 active_learning_timeline.png beside it). Usage:
-``python bench/active_learning.py [--seeds 0 1 2] [--set train.steps=60 ...]
+``python -m bench.learn.active_learning [--seeds 0 1 2] [--set train.steps=60 ...]
 [--allow-dirty]`` (``--set`` changes a setting for both strategies; the JSON records it).
 """
 
