@@ -18,7 +18,7 @@ the trained one as teacher (``text.teacher``: CE mixed with the softened teacher
 distribution), against the same architecture trained on the labels alone for the same
 steps (``student-scratch``, quality only).
 
-Surrogate (bench/compression_surrogate.py): a committee of molecular surrogates (seeds
+Surrogate (bench/compress/surrogate.py): a committee of molecular surrogates (seeds
 0..K-1, the shape of an active-learning committee) trained by ``convergent train`` on
 GFN2-xTB labels of NCI conformers; on held-out compounds, against a per-element linear
 baseline: fp32 vs weight-only INT8 (member 0), and the committee vs one smaller student
@@ -27,7 +27,7 @@ copies): energy/force MAE, Spearman rankings, structures/s through ``screen``'s
 prediction path. Dynamic INT8 is not run on it: its forces are autograd (-dE/dx) and
 torch's dynamic INT8 kernels have no backward. Usage::
 
-    PYTHONPATH=src python bench/compression_inference.py [--steps 900] [--rounds 3]
+    PYTHONPATH=src python -m bench.compress.inference [--steps 900] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 
-from bench.compression_surrogate import STUDENT, SURROGATE, surrogates
+from bench.compress.surrogate import STUDENT, SURROGATE, surrogates
 from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
 from bench.lib.paths import DATA
 

@@ -1,4 +1,4 @@
-"""The surrogate half of bench/compression_inference.py: xTB-labelled data, a committee,
+"""The surrogate half of bench/compress/inference.py: xTB-labelled data, a committee,
 INT8, and the committee distilled into one student.
 
 Data: GFN2-xTB (tblite) energies/forces of the NCI compounds shipped with RDKit (neutral,
