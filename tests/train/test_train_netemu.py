@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from bench.netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
+from bench.train.netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
 from convergent.trainrecords import parse_train_records  # noqa: E402
 
 REASON = unavailable()

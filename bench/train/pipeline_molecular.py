@@ -11,7 +11,7 @@ Reported per strategy: median atoms/s over steps after warm-up (real atoms, not 
 final loss (the strategies agree up to summation order) and, for the pipeline, the
 padding overhead: padded atom slots per step / real atoms per step.
 
-Usage: ``python bench/pipeline_molecular.py [--steps 40] [--rounds 3] [--allow-dirty]`` (writes
+Usage: ``python -m bench.train.pipeline_molecular [--steps 40] [--rounds 3] [--allow-dirty]`` (writes
 bench/results/pipeline_molecular.json).
 """
 
@@ -69,7 +69,7 @@ def main() -> None:
     add_args(ap, str(RESULTS / "pipeline_molecular.json"), rounds=3)
     args = ap.parse_args()
     check_clean(args)
-    from bench.train_throughput import make_dataset
+    from bench.train.throughput import make_dataset
     from convergent.config import load_config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_pp_mol_"))

@@ -27,7 +27,7 @@ spread (never the best round). All sides get the same DDP options (bucket 25 MB,
 constant learning rate (no warm-up or schedule), 1 torch thread per process and the same
 batches; the differences that remain are listed in the JSON's ``differences``.
 
-Usage: ``python bench/train_throughput.py [--steps 40] [--molecules 400] [--rounds 3]
+Usage: ``python -m bench.train.throughput [--steps 40] [--molecules 400] [--rounds 3]
 [--only ddp_2x1_fp32] [--out bench/results/train_throughput.json] [--allow-dirty]``.
 """
 

@@ -1,4 +1,4 @@
-"""The α-β model of bench/collectives.py projected to 64-4096 GPUs: datasheet NVLink /
+"""The α-β model of bench/train/collectives.py projected to 64-4096 GPUs: datasheet NVLink /
 InfiniBand link terms (sources stated) and published NCCL all-reduce bus bandwidths to
 set the projection against."""
 

@@ -1,7 +1,7 @@
 """Topology-aware gradient communication on an emulated 2 nodes x 2 ranks network.
 
 scripts/netemu.sh builds two network namespaces ("nodes") joined by one veth pair
-shaped with tc tbf (the "inter-node" link); 4 gloo ranks run bench/collectives_worker.py
+shaped with tc tbf (the "inter-node" link); 4 gloo ranks run bench/train/collectives_worker.py
 (2 per node, each node's ranks pinned to one CPU). At each shaped bandwidth, in interleaved rounds (the variant order
 rotates per round), it measures per training step the bytes leaving node A on the
 link (interface counters) and the step time for: flat ring DDP (ranks node-contiguous),
@@ -40,7 +40,7 @@ rounds are driven here rather than by bench/lib/harness.py's ``interleave``; the
 gives the provenance (commit, versions, machine, load before/after), the dirty-tree
 refusal and the median/min/max/IQR of every measured number.
 
-Usage (root): ``python bench/collectives.py [--rounds 3] [--allow-dirty]``; writes
+Usage (root): ``python -m bench.train.collectives [--rounds 3] [--allow-dirty]``; writes
 bench/results/collectives.json and collectives.png beside it.
 """
 
@@ -57,7 +57,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.collectives_projection import IB, NVLINK, PUBLISHED, project
 from bench.lib.harness import (
     add_args,
     check_clean,
@@ -68,7 +67,8 @@ from bench.lib.harness import (
     write_result,
 )
 from bench.lib.paths import RESULTS, child_env, module_argv
-from bench.netemu import EmulatedNetwork, unavailable, wait_all
+from bench.train.collectives_projection import IB, NVLINK, PUBLISHED, project
+from bench.train.netemu import EmulatedNetwork, unavailable, wait_all
 from convergent.train import commcost as cc
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
@@ -96,7 +96,7 @@ RATIO = 0.03
 def launch(net: EmulatedNetwork, placement: list[int], variants: list[str], out: Path,
            steps: int, warmup: int, calib: list[str] | None, port: int,
            eval_at: str = "") -> dict:
-    argv = [*module_argv("bench.collectives_worker"), "--variants",
+    argv = [*module_argv("bench.train.collectives_worker"), "--variants",
             ",".join(variants), "--steps", str(steps), "--warmup", str(warmup),
             "--topk-ratio", str(RATIO), "--out", str(out)]
     if calib is not None:
@@ -296,7 +296,7 @@ def main() -> None:
     args = ap.parse_args()
     why = unavailable()
     if why:
-        sys.exit(f"bench/collectives.py: {why}")
+        sys.exit(f"bench/train/collectives.py: {why}")
     check_clean(args)
 
     t_start = time.time()

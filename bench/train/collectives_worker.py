@@ -1,4 +1,4 @@
-"""One rank of bench/collectives.py, started inside an emulated node's namespace.
+"""One rank of bench/train/collectives.py, started inside an emulated node's namespace.
 
 Runs, one after another in this process group, the requested variants on the same
 model and data: ``local`` / ``local_end`` (no communication: the compute reference, at

@@ -15,7 +15,7 @@ entry (value + index); PowerSGD: its P and Q factors plus the uncompressed vecto
 The wire traffic of a ring all-reduce is about 2x(n-1)/n of the payload for all-reduce
 hooks, (n-1)x the payload for top-k's all-gather.
 
-Usage: ``python bench/compression.py [--steps 80] [--rounds 3] [--allow-dirty]`` (writes
+Usage: ``python -m bench.train.compression [--steps 80] [--rounds 3] [--allow-dirty]`` (writes
 bench/results/compression.json).
 """
 
@@ -74,7 +74,7 @@ def main() -> None:
     add_args(ap, str(RESULTS / "compression.json"), rounds=3)
     args = ap.parse_args()
     check_clean(args)
-    from bench.train_throughput import make_dataset
+    from bench.train.throughput import make_dataset
     from convergent.config import load_config
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_comp_"))
