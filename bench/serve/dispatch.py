@@ -1,5 +1,5 @@
-"""Dispatcher benchmark: ``python bench/serve_dispatch.py`` (or ``bench/serve_throughput.py
---dispatch``) -> bench/results/serve_dispatch.json.
+"""Dispatcher benchmark: ``python -m bench.serve.dispatch`` (or ``python -m
+bench.serve.throughput --dispatch``) -> bench/results/serve_dispatch.json.
 
 Real ``convergent serve --instances N`` processes on 127.0.0.1, single-stage instances
 (one core each, ``serve.pin_cpus``), driven by an async HTTP client:
@@ -16,7 +16,7 @@ the shared harness (``bench/lib/harness.py``): medians with min/max/IQR, never b
 git commit (+dirty: refused unless ``--allow-dirty``), versions, machine, load average
 before/after, each side's settings and the differences that remain between sides.
 
-    python bench/serve_dispatch.py --rounds 3 --requests 128
+    python -m bench.serve.dispatch --rounds 3 --requests 128
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ harness (``bench/lib/harness.py``); the JSON has medians with min/max/IQR (never
 the git commit (a dirty tree is refused unless ``--allow-dirty``), versions, machine,
 load before/after, each side's settings and the differences that remain.
 
-    python bench/serve_throughput.py                 # defaults: 20 requests, 3 rounds
-    python bench/serve_throughput.py --requests 16 --rounds 1 --sides interleaved,tdpipe_learned --allow-dirty
-    python bench/serve_throughput.py --dispatch      # the dispatcher: bench/serve_dispatch.py
+    python -m bench.serve.throughput                 # defaults: 20 requests, 3 rounds
+    python -m bench.serve.throughput --requests 16 --rounds 1 --sides interleaved,tdpipe_learned --allow-dirty
+    python -m bench.serve.throughput --dispatch      # the dispatcher: bench/serve/dispatch.py
 
 Writes bench/results/serve_throughput.json and bench/results/serve_kv_usage.png.
 """
@@ -171,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-projection", action="store_true", help="skip the GPU projection")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--dispatch", action="store_true",
-                    help="instead: the dispatcher benchmark (bench/serve_dispatch.py)")
+                    help="instead: the dispatcher benchmark (bench/serve/dispatch.py)")
     args, rest = ap.parse_known_args(argv)
     if args.dispatch:
-        from bench import serve_dispatch
+        from bench.serve import dispatch as serve_dispatch
 
         return serve_dispatch.main(rest)
     if rest:
