@@ -1,7 +1,7 @@
 """Simulation throughput: a plain serial GFN2-xTB loop vs the Dask campaign on 2 workers.
 
-    python bench/sim_throughput.py                 # ~3 minutes on a quiet 2-core machine
-    python bench/sim_throughput.py --frames 2000 --chunk-sizes 100,10 --rounds 3 --allow-dirty
+    python -m bench.sim.throughput                 # ~3 minutes on a quiet 2-core machine
+    python -m bench.sim.throughput --frames 2000 --chunk-sizes 100,10 --rounds 3 --allow-dirty
 
 Same frames on both sides (rattled C/H/N/O molecules of ASE's G2 collection, seed 0,
 ``SimulateConfig`` defaults otherwise; 5,000 frames like the issue's example campaign):
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                             "spread": res.summary["plain_processes"]["frames_per_s"]},
         "cluster_startup_s": startup,
     })
-    res.extra = {"command": "python bench/sim_throughput.py " + " ".join(argv or sys.argv[1:]),
+    res.extra = {"command": "python -m bench.sim.throughput " + " ".join(argv or sys.argv[1:]),
                  "threads": threads, "machine": _machine(), "versions": _versions(),
                  "note": ("Medians over interleaved rounds (spread beside them). "
                           "parallel_efficiency = median campaign frames/s / (workers x median "

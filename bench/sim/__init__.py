@@ -1,0 +1,2 @@
+"""Simulation throughput: a serial GFN2-xTB loop against the Dask campaign
+(:mod:`bench.sim.throughput`)."""
