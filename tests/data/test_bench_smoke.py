@@ -15,7 +15,7 @@ from bench.lib.paths import child_env, module_argv
 def test_data_read_bench_tiny(tmp_path):
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [*module_argv("bench.data_read"), "--records", "2000", "--systems", "loose,convergent",
+        [*module_argv("bench.dataio.read"), "--records", "2000", "--systems", "loose,convergent",
          "--data-dir", str(tmp_path / "d"), "--out", str(out), "--no-strace", "--workers", "1", "--repeats", "1",
          "--peer-python", sys.executable, "--allow-dirty"],
         capture_output=True, text=True, timeout=900, env=child_env(),

@@ -109,7 +109,7 @@ def test_mds_rejects_empty_molecule(tmp_path):
 
 
 _REAL_READER = """
-from bench import data_read
+from bench.dataio import read as data_read
 data_read.install_torchvision_stub()
 import json, streaming
 ds = streaming.LocalDataset({mds!r})
@@ -123,11 +123,11 @@ print(json.dumps({{"version": streaming.__version__,
 
 @pytest.fixture(scope="session")
 def peers_python(tmp_path_factory) -> str:
-    """The benchmark's peers venv (made with ``bench/data_read.py --setup-peers`` if absent)."""
+    """The benchmark's peers venv (made with ``python -m bench.dataio.read --setup-peers`` if absent)."""
     have = ROOT / "bench" / "data" / "peers-venv" / "bin" / "python"
     if have.exists():
         return str(have)
-    from bench import data_read
+    from bench.dataio import read as data_read
 
     return data_read.setup_peers(tmp_path_factory.mktemp("peers") / "venv")
 

@@ -42,7 +42,7 @@ total (incl. Python imports) and on the data files.
 Writes bench/results/data_read.json with versions and the machine. Full scale (the
 default; data generated once into bench/data/data_read/ and reused, ~5.6 GB per format,
 ~35 GB in all; generation and builds ~20 min the first time):
-``python bench/data_read.py --records 1000000 --limit 50000 --rounds 3 --strace-limit 10000``
+``python -m bench.dataio.read --records 1000000 --limit 50000 --rounds 3 --strace-limit 10000``
 (~30 min of reads on the shared 2-core machine at load 13-23; a full 1M pass per read
 does not fit: mds alone reads ~1-3k samples/s). The peers
 mosaicml-streaming and litdata live in another interpreter (``--peer-python``; default:
@@ -65,14 +65,14 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.data_read_os import (
+from bench.dataio.read_os import (
     TRACED,
     count_syscalls,
     evict,
     resident_fraction,
     system_files,
 )
-from bench.data_read_systems import (
+from bench.dataio.read_systems import (
     MEDIAN_BYTES,
     PEERS,
     SHARD_BYTES,

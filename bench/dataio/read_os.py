@@ -1,4 +1,4 @@
-"""OS-level measurements of bench/data_read.py: memory of a process tree, page-cache
+"""OS-level measurements of bench/dataio/read.py: memory of a process tree, page-cache
 eviction and residency of a system's files, and open/stat system calls under strace."""
 
 from __future__ import annotations

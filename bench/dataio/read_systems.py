@@ -1,6 +1,6 @@
-"""The systems bench/data_read.py compares: data generation (log-normal record sizes,
+"""The systems bench/dataio/read.py compares: data generation (log-normal record sizes,
 loose files), building each system's copy (pack, export, optimize) and the DataLoader that
-reads each one in the same shuffled order (see bench/data_read.py)."""
+reads each one in the same shuffled order (see bench/dataio/read.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.data_read_os import RssSampler
+from bench.dataio.read_os import RssSampler
 
 SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata", "ideal")
 PEERS = ("webdataset", "mds", "litdata")
