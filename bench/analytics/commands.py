@@ -23,8 +23,8 @@ counted from the output directories; dedup's spill files (its disk-backed shuffl
 reported as intermediate files and bytes. Peak RSS per worker is measured at two dataset
 sizes (a quarter of the dataset, the same shards, and the whole) to show it does not grow.
 
-    python bench/analytics.py                 # generate (cached in bench/data/) and run
-    python bench/analytics.py --records 100000 --rounds 1 --allow-dirty  # a quick look
+    python -m bench.analytics.commands                 # generate (cached in bench/data/) and run
+    python -m bench.analytics.commands --records 100000 --rounds 1 --allow-dirty  # a quick look
 
 Writes ``bench/results/analytics.json``.
 """
@@ -45,8 +45,8 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 
-from bench import analytics_naive
-from bench.analytics_naive import run_naive
+from bench.analytics import naive as analytics_naive
+from bench.analytics.naive import run_naive
 from bench.lib import paths
 from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
 

@@ -1,4 +1,4 @@
-"""The peer of bench/analytics.py: a plain dask.bag version of `stats`, `dedup` and `split`
+"""The peer of bench/analytics/commands.py: a plain dask.bag version of `stats`, `dedup` and `split`
 (records as a bag of dicts, ``groupby`` for dedup, one output shard file per partition)."""
 
 from __future__ import annotations
