@@ -36,7 +36,7 @@ Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
 part, so a run cut short keeps what it finished); the harness result of each part under ``molecular``,
 ``lm``, ``serve`` (settings, per_round, summary).
 
-Usage: ``python bench/gpu.py [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
+Usage: ``python -m bench.gpu.throughput [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
 [--only molecular,lm,serve]`` (the parts run in ``--only``'s order; each runs ``--rounds``
 rounds, serving, the longest, ``--serve-rounds`` if given).
 """
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)",
+        print("bench/gpu/throughput.py needs a CUDA GPU (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     if not 1 <= args.mol_atoms <= 32768:

@@ -1,17 +1,17 @@
-"""Where the GPU time goes: torch.profiler tables for the shapes of bench/gpu.py.
+"""Where the GPU time goes: torch.profiler tables for the shapes of bench/gpu/throughput.py.
 
 Not a benchmark (no sides, no rounds): a diagnostic for the next change. It profiles
 
 * a few molecular training steps (hidden 256, 6 layers, ``--mol-atoms`` atoms, autograd
   forces, the batches prebuilt on the GPU) in fp32 (TF32) and under bf16 autocast, and
 * our serving engine on the first ``--requests`` requests of the bench-serve trace with the
-  1.1B random Llama of bench/gpu.py, in bf16,
+  1.1B random Llama of bench/gpu/throughput.py, in bf16,
 
 and writes, per part, the top operators by CUDA time and by CPU time, the share of the
 profiled wall time the GPU was busy, and the kernels' count, to ``--out`` (JSON) and
 stdout. Needs CUDA; on a machine without it, one line and exit code 2.
 
-Usage: ``python bench/gpu_profile.py [--mol-atoms 16384] [--requests 64] [--max-output 48] [--out F]``
+Usage: ``python -m bench.gpu.profile [--mol-atoms 16384] [--requests 64] [--max-output 48] [--out F]``
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def profile_molecular(tmp: Path, atoms: int, steps: int = 3) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu import LR, make_molecules
+    from bench.gpu.throughput import LR, make_molecules
     from convergent.config import load_config
     from convergent.train.tasks import make_task
 
@@ -96,7 +96,7 @@ def profile_serve(tmp: Path, requests: int, max_output: int) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu import HF_BATCH, _serve_model
+    from bench.gpu.throughput import HF_BATCH, _serve_model
     from convergent.serve.config import ServeConfig
     from convergent.serve.offline import run_trace
     from convergent.serve.workload import make_trace, scale_trace
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench/gpu_profile.py needs a CUDA GPU (torch.cuda.is_available() is False)",
+        print("bench/gpu/profile.py needs a CUDA GPU (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     res: dict[str, Any] = {"provenance": provenance(), "device": torch.cuda.get_device_name(0),

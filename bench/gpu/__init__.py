@@ -1,0 +1,2 @@
+"""On one CUDA GPU: ours fp32 and bf16 against the transformers / plain-PyTorch baselines
+(:mod:`bench.gpu.throughput`), and where the GPU time goes (:mod:`bench.gpu.profile`)."""
