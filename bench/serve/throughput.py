@@ -5,7 +5,7 @@ requests; the discrete-event simulator replays every run from its start-up cost 
 (error reported) and projects 4-GPU throughput from a spec-derived L20 cost table next to
 the paper's figures.
 
-The workload is :mod:`convergent.serve.latent_workload` family A: output lengths driven
+The workload is :mod:`bench.serve.latent_workload` family A: output lengths driven
 by hidden variables (a user's verbosity, heavy-tailed noise) that the prompt reflects
 only weakly, so the length predictor is not right by construction. The learned
 predictor is fitted on a separate family-A sample only; its accuracy is reported on the
@@ -131,7 +131,7 @@ def predictor_report(learned, const, train, traces: dict) -> dict:
     the constant predictor and the best kind-only predictor (fitted in-sample)."""
     from scipy.stats import spearmanr
 
-    from convergent.serve.latent_workload import kind_ceiling_mae
+    from bench.serve.latent_workload import kind_ceiling_mae
 
     out = {"fitted_on": {"family": "A", "requests": len(train), "seed": 1234}}
     for name, tr in traces.items():
@@ -187,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from bench.serve.latent_workload import make_latent_trace
+    from bench.serve.sim import project_gpu, simulate
     from convergent.models.llama import read_config
     from convergent.serve.config import ServeConfig
     from convergent.serve.costs import CostTable, profile_costs
-    from convergent.serve.latent_workload import make_latent_trace
     from convergent.serve.offline import ensure_random_model, plot_kv_timeline, run_trace
     from convergent.serve.predictor import (
         DEFAULT_BUCKETS,
@@ -199,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         OraclePredictor,
     )
     from convergent.serve.scheduler import SchedulerConfig
-    from convergent.serve.sim import project_gpu, simulate
     from convergent.serve.stage import split_layers
     from convergent.serve.workload import scale_trace, trace_stats
 

@@ -11,7 +11,7 @@ with top-k (3%, error feedback) on the inter-node hop, FSDP over all 4 ranks and
 step minus the slowest rank's step of the same model without communication, run just
 before it (paired: the same moment and load), the median over the timed steps.
 
-Each measured byte count stands next to its theoretical value (convergent.train.commcost,
+Each measured byte count stands next to its theoretical value (bench.train.commcost,
 derivations in its docstring). The α-β model is fitted per bandwidth from a calibration
 run in each launch before the variants, never from the step times it predicts: (a) one
 pair at a time, 2-rank all-reduces of 64 KiB-4 MiB across the link and inside a node (the
@@ -67,9 +67,9 @@ from bench.lib.harness import (
     write_result,
 )
 from bench.lib.paths import RESULTS, child_env, module_argv
+from bench.train import commcost as cc
 from bench.train.collectives_projection import IB, NVLINK, PUBLISHED, project
 from bench.train.netemu import EmulatedNetwork, unavailable, wait_all
-from convergent.train import commcost as cc
 
 VARIANTS = ["flat", "hier", "hier_topk", "fsdp", "hsdp"]
 CALIB = [65536, 262144, 1048576, 4194304]
@@ -178,7 +178,7 @@ def theory(net: cc.Net, units: list[float], topk_s: float = 0.0,
     in a DDP step from the end of one step's slow hop to the next one's (the compute,
     then the hook's work before its inter-node phase); HSDP's first cross-node
     all-reduce after the forward pass and the first unit's backward. That credit leaves
-    at line rate (:func:`convergent.train.commcost.burst_saving`)."""
+    at line rate (:func:`bench.train.commcost.burst_saving`)."""
     size = sum(units)
     rs = [True] * len(units)
     ddp = cc.local_passes(net, size, cc.DDP_PASSES)  # bucket copies (local has none)

@@ -4,7 +4,7 @@ set the projection against."""
 
 from __future__ import annotations
 
-from convergent.train import commcost as cc
+from bench.train import commcost as cc
 
 # Published / datasheet figures for the projection (per GPU, per direction)
 NVLINK = {"beta": 1 / 450e9, "alpha": 2e-6,

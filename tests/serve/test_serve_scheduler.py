@@ -16,7 +16,6 @@ from convergent.serve.scheduler import (
     predicted_peak_blocks,
     predicted_peak_tokens,
 )
-from convergent.serve.sim import simulate
 
 COSTS = CostTable([2e-3, 2e-4, 1e-7, 5e-6], [1e-3, 2e-4], 1e-4, 0.0, [2, 2], "test")
 
@@ -213,42 +212,10 @@ def test_tdpipe_switch_rule_uses_intensity():
     assert not s2.prefill_mode
 
 
-def test_simulator_replays_schedulers_and_tdpipe_avoids_preemption():
-    reqs = [(r.total_len, r.max_tokens, r.max_tokens) for r in _reqs(120, seed=9)]
-    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256)
-    res = {
-        n: simulate(n, reqs, COSTS, 200, 4, cfg) for n in ("sequential", "interleaved", "tdpipe")
-    }
-    for r in res.values():
-        assert r.output_tokens == sum(o for _, o, _ in reqs) and r.requests == 120
-        assert r.kv_peak_blocks <= 200
-        assert all(0 < b <= r.makespan_s + 1e-9 for b in r.busy_s)
-    assert res["tdpipe"].preemptions == 0
-    # a single stage holding all layers: busy the whole time (no bubbles)
-    assert res["sequential"].busy_s[0] == pytest.approx(res["sequential"].makespan_s, rel=1e-6)
-
-
-def test_simulator_charges_engine_latency_and_decisions():
-    """One micro-batch in flight (sequential): every batch's result reaches the engine
-    ``ret`` later, so the makespan grows by exactly ``batches * ret``; timing the
-    scheduler's own decisions adds their (positive) time to the engine clock."""
-    reqs = [(r.total_len, r.max_tokens, r.max_tokens) for r in _reqs(30, seed=5)]
-    cfg = SchedulerConfig(max_num_seqs=8, max_batched_tokens=64)
-    base = simulate("sequential", reqs, COSTS, 200, 4, cfg)
-    slow = COSTS.with_stages([2, 2])
-    slow.ret = 0.01
-    late = simulate("sequential", reqs, slow, 200, 4, cfg)
-    assert late.micro_batches == base.micro_batches
-    assert late.makespan_s - base.makespan_s == pytest.approx(0.01 * base.micro_batches)
-    timed = simulate("tdpipe", reqs, COSTS, 200, 4, cfg, time_decisions=True)
-    untimed = simulate("tdpipe", reqs, COSTS, 200, 4, cfg)
-    assert timed.engine_s > 0 and untimed.engine_s == 0
-    assert timed.output_tokens == untimed.output_tokens
-
-
-def test_turnaround_calibrated_from_back_to_back_batches_and_simulated():
+def test_turnaround_calibrated_from_back_to_back_batches():
     """Stage 1 restarts 5 ms after its previous micro-batch although the input was
-    ready: calibration measures that turnaround and the simulator charges it."""
+    ready: calibration measures that turnaround (tests/test_bench_serve.py: the simulator
+    charges it)."""
     from convergent.serve.costs import BatchShape, calibrate_from_run
 
     log = {}
@@ -260,12 +227,6 @@ def test_turnaround_calibrated_from_back_to_back_batches_and_simulated():
     table = calibrate_from_run(log, COSTS)
     assert table.turnaround[0] == pytest.approx(0.0, abs=1e-9)
     assert table.turnaround[1] == pytest.approx(0.005)
-    reqs = [(r.total_len, r.max_tokens, r.max_tokens) for r in _reqs(30, seed=6)]
-    cfg = SchedulerConfig(max_num_seqs=8, max_batched_tokens=64)
-    quick = simulate("interleaved", reqs, COSTS, 200, 4, cfg)
-    slow = COSTS.with_stages([2, 2])
-    slow.turnaround = [0.0, 0.02]
-    assert simulate("interleaved", reqs, slow, 200, 4, cfg).makespan_s > quick.makespan_s + 0.02
 
 
 def test_tdpipe_queues_deeper_while_prefilling():

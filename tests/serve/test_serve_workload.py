@@ -56,34 +56,3 @@ def test_learned_predictor_beats_constant_and_roundtrips(tmp_path):
     assert [q.predict(r.prompt) for r in test[:50]] == [p.predict(r.prompt) for r in test[:50]]
     assert OraclePredictor().predict("x", 17) == 17
     assert abs(make_predictor("constant").predict("anything") - 340) < 40  # trace median
-
-
-def test_latent_workloads_hide_the_output_length_from_the_prompt():
-    import pytest
-
-    from convergent.serve.latent_workload import kind_ceiling_mae, make_latent_trace
-
-    a1, a2 = make_latent_trace(400, seed=5, family="A"), make_latent_trace(400, seed=5, family="A")
-    assert [(r.prompt, r.output_len) for r in a1] == [(r.prompt, r.output_len) for r in a2]
-    with pytest.raises(ValueError, match="family"):
-        make_latent_trace(3, family="C")
-    for fam in ("A", "B"):
-        t = make_latent_trace(3000, seed=0, family=fam)
-        y = np.array([r.output_len for r in t])
-        assert all(len(r.prompt.encode()) + 1 == r.input_len for r in t[:200])
-        assert 1 <= y.min() and y.max() <= OUTPUT_CAP
-        const_mae = np.abs(np.median(y) - y).mean()
-        # even the best kind-only predictor (fitted in-sample) removes little of the error:
-        # the length is driven by hidden variables, unlike make_trace's kinds
-        assert kind_ceiling_mae(t) > 0.5 * const_mae
-        for kind in {r.kind for r in t}:
-            ys = np.array([r.output_len for r in t if r.kind == kind])
-            if len(ys) > 50:  # within one kind the length still spans a wide range
-                assert np.percentile(ys, 90) > 3 * np.percentile(ys, 10)
-    old = make_trace(3000, seed=0)
-    y_old = np.array([r.output_len for r in old])
-    assert kind_ceiling_mae(old) < 0.4 * np.abs(np.median(y_old) - y_old).mean()
-    # the held-out family is another distribution: different median and tail
-    ya = np.array([r.output_len for r in make_latent_trace(3000, seed=0, family="A")])
-    yb = np.array([r.output_len for r in make_latent_trace(3000, seed=0, family="B")])
-    assert abs(np.median(ya) - np.median(yb)) > 80

@@ -1,12 +1,13 @@
-"""α-β cost model (convergent.train.commcost): byte counts and time terms."""
+"""α-β cost model of bench/train/collectives.py (bench/train/commcost.py): byte counts and
+time terms."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.train import commcost as cc
 from convergent.config import load_config
 from convergent.errors import ConfigError
-from convergent.train import commcost as cc
 
 FAST = cc.Link(1e-6, 1e-10)
 SLOW = cc.Link(1e-4, 1e-8)

@@ -18,7 +18,7 @@ predictor never sees, and the prompt reflects them only weakly:
   a somewhat longer answer (x ``(input_len / 60) ** 0.25``). Capped at 1024.
 
 A predictor is fitted on A and reported on a fresh A sample *and* on B
-(``bench/serve_throughput.py``); :func:`kind_ceiling_mae` gives the error of the best
+(``bench/serve/throughput.py``); :func:`kind_ceiling_mae` gives the error of the best
 predictor that knows only the prompt's kind (fitted in-sample: an optimistic reference
 for what any prompt-reading predictor can reach).
 """
