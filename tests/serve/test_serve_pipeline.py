@@ -73,3 +73,41 @@ def test_interleaved_in_processes_matches(hf_llama_dir, hf_greedy):
         reqs = [eng.add_request(eng.make_request(p, 16)) for p in prompts]
         eng.run()
     assert [r.output for r in reqs] == ref
+
+
+def test_prompt_logprobs_over_chunks_equal_transformers(hf_llama_dir):
+    """Prompt logprobs (``echo``) assembled from chunked prefills over two stages, under a
+    KV budget that preempts: per prompt token, transformers' log_softmax (float32) at the
+    position before it, the first token ``None``, each computed once."""
+    import random
+
+    import torch
+    import transformers
+
+    from convergent.serve.sampling import SamplingParams
+
+    rng = random.Random(1)
+    prompts = [[256] + [rng.randrange(256) for _ in range(rng.randint(5, 45))] for _ in range(6)]
+    m = transformers.LlamaForCausalLM.from_pretrained(hf_llama_dir).eval()
+    cfg = ServeConfig(
+        scheduler="interleaved",
+        stages=2,
+        kv_budget_bytes=96 * 1024,
+        block_size=4,
+        max_batched_tokens=8,
+        chunked_prefill=True,
+        profile_costs=False,
+    )
+    sp = SamplingParams(logprobs=0, prompt_logprobs=2)
+    with Engine(hf_llama_dir, cfg, executor="local", ignore_eos=True) as eng:
+        reqs = [eng.add_request(eng.make_request(p, 12, sampling=sp)) for p in prompts]
+        eng.run()
+        assert eng.sched.num_preemptions > 0
+    for p, r in zip(prompts, reqs, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(m(torch.tensor([p])).logits[0].float(), -1)
+        assert len(r.prompt_logprobs) == len(p) and r.prompt_logprobs[0] is None
+        for i in range(1, len(p)):
+            e = r.prompt_logprobs[i]
+            assert abs(e.logprob - float(ref[i - 1, p[i]])) < 1e-4
+            assert list(e.top) == torch.topk(ref[i - 1], 2).indices.tolist()

@@ -65,7 +65,8 @@ MALFORMED = [
     (C, {"prompt": "a", "frobnicate": 1}, "frobnicate"),
     (C, {"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias"),
     (C, {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
-    (C, {"prompt": "a", "echo": True}, "echo"),
+    (C, {"prompt": "a", "echo": True, "stream": True}, "echo"),
+    (CH, {"messages": MSG, "echo": True}, "echo"),
     (C, {"prompt": [1, 2, 999]}, "prompt"),
     (C, {"prompt": "a", "stop_token_ids": [5000]}, "stop_token_ids"),
     (C, {"prompt": "a" * 150, "max_tokens": 100}, "prompt"),
@@ -261,6 +262,37 @@ def test_logprobs_match_transformers(server, hf_model):
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(x.top_logprobs) == 2 for x in content)
     assert all(x.logprob <= x.top_logprobs[0].logprob + 1e-6 for x in content)
+
+
+def test_echo_gives_prompt_logprobs_of_transformers(server, hf_model):
+    """``echo`` with ``max_tokens: 0``: the prompt's text and, per prompt token, the
+    logprob of transformers' log_softmax at the position before it (the first null);
+    with ``max_tokens: 1`` (lm-evaluation-harness) the completion's token follows."""
+    ids = [256, *BT.encode("echo me", bos=False), 7, 300]
+    body = {"prompt": [ids, ids[:4]], "max_tokens": 0, "echo": True, "logprobs": 2}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+    for choice, n in zip(r["choices"], (len(ids), 4), strict=True):
+        lp = choice["logprobs"]
+        assert choice["text"] == BT.decode(ids[:n]) and choice["finish_reason"] == "length"
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for p in range(1, n):
+            assert lp["token_logprobs"][p] == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4)
+            top = torch.topk(ref[p - 1], 2).values.tolist()
+            assert max(lp["top_logprobs"][p].values()) == pytest.approx(top[0], abs=1e-4)
+    assert r["usage"]["completion_tokens"] == 0
+    one = httpx.post(
+        server + "/v1/completions",
+        json={"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "ignore_eos": True},
+        timeout=60,
+    ).json()["choices"][0]
+    assert len(one["logprobs"]["token_logprobs"]) == len(ids) + 1
+    assert one["logprobs"]["token_logprobs"][-1] == pytest.approx(
+        max(one["logprobs"]["top_logprobs"][-1].values()), abs=1e-6
+    )
+    assert one["text"].startswith(BT.decode(ids))
 
 
 def test_metrics_names_and_values(server):

@@ -4,7 +4,8 @@
 chat template), checks them against the vocabulary and the context limit, and makes one
 engine :class:`~convergent.serve.scheduler_base.Request` per prompt and choice (``n``),
 each with a :class:`~convergent.serve.output.ChoiceOutput` that turns its tokens back
-into text. Problems raise :class:`~convergent.serve.protocol.RequestError` (a 400 naming
+into text (after the prompt's, with ``echo``; ``max_tokens: 0`` runs one token that is not
+shown, so the prefill computes the prompt's logprobs). Problems raise :class:`~convergent.serve.protocol.RequestError` (a 400 naming
 the field).
 """
 
@@ -84,15 +85,18 @@ def build_requests(
     bad = [i for i in body.stop_token_ids or [] if i >= vocab]
     if bad:
         raise RequestError(f"stop_token_ids: {bad[0]} >= vocab_size {vocab}", "stop_token_ids")
-    if (body.stop_strings or body.logprobs) and tok is None:
-        param = "stop" if body.stop_strings else "logprobs"
+    echo = bool(getattr(body, "echo", False))
+    if (body.stop_strings or body.logprobs or echo) and tok is None:
+        param = "stop" if body.stop_strings else "logprobs" if body.logprobs else "echo"
         raise RequestError(f"{param}: needs a tokenizer, and this checkpoint has none", param)
     eos = [] if body.ignore_eos else list(tok.eos_ids if tok is not None else [])
     reqs, outs = [], []
-    for p_ids in prompts:
+    for i, p_ids in enumerate(prompts):
         max_tokens = (
             mt if mt is not None else max(1, min(engine.cfg.default_max_tokens, limit - len(p_ids)))
         )
+        show = max_tokens > 0
+        max_tokens = max(1, max_tokens)  # 0 (echo): the prefill and one token not shown
         why = engine.context_error(len(p_ids), max_tokens)
         if why is not None:
             raise RequestError(why, "messages" if chat else "prompt", "context_length_exceeded")
@@ -109,8 +113,16 @@ def build_requests(
                 extra_stop_ids=[*(body.stop_token_ids or []), *eos],
             )
             reqs.append(r)
-            outs.append(ChoiceOutput(len(outs), r, tok, body.stop_strings))
+            text = _echo_text(body, i, p_ids, tok) if echo else None
+            outs.append(ChoiceOutput(len(outs), r, tok, body.stop_strings, text, show))
     return reqs, outs
+
+
+def _echo_text(body: CompletionRequest, i: int, ids: list[int], tok: Any) -> str:
+    """The text echoed for prompt ``i``: as sent, or the token ids decoded."""
+    p = body.prompt
+    text = p if isinstance(p, str) else p[i] if isinstance(p[0], str) else None
+    return text if isinstance(text, str) else tok.decode(ids)
 
 
 def usage_of(reqs: list[Request], outs: list[ChoiceOutput]) -> Usage:

@@ -204,7 +204,7 @@ def final_response(
             choices=[
                 CompletionChoice(
                     index=o.index,
-                    text=o.text,
+                    text=o.full_text,
                     finish_reason=o.finish_reason,
                     logprobs=o.completion_logprobs(),
                 )

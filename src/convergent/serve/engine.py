@@ -247,6 +247,7 @@ class Engine:
             stop_ids=frozenset(stops),
             sampling=sampling,
             arrival=time.monotonic(),
+            prompt_logprobs=[None] if sampling.prompt_logprobs >= 0 else [],
         )
 
     def add_request(self, req: Request) -> Request:
@@ -310,6 +311,10 @@ class Engine:
         b = self.in_flight.pop(m.bid, None)
         if b is None:  # a batch of a pipeline that was replaced
             return []
+        for rid, lps in m.sampled.prompt_logprobs.items():
+            r = self.sched.requests.get(rid)
+            if r is not None and len(r.prompt_logprobs) + len(lps) <= len(r.prompt):
+                r.prompt_logprobs.extend(lps)
         tokens = m.sampled.tokens
         now = time.monotonic()
         before = {rid: len(self.sched.requests[rid].output) for rid in tokens}

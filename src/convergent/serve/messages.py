@@ -56,6 +56,11 @@ class BatchMeta:
     sample_rows: list[int]  # packed row of the last token of each sampled item
     sample_rids: list[int]
     sampling: RowParams = field(default_factory=RowParams)  # one row per sampled item
+    # prompt logprobs (echo): packed rows whose logits score the next prompt token
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)  # the token each row scores
+    prompt_rids: list[int] = field(default_factory=list)
+    prompt_ks: list[int] = field(default_factory=list)  # top-k of each row
 
     @property
     def num_tokens(self) -> int:
@@ -64,11 +69,13 @@ class BatchMeta:
     @classmethod
     def build(cls, batch: MicroBatch, requests: dict[int, Request], bm: BlockManager) -> BatchMeta:
         """The metadata of a scheduler's micro-batch: its tokens packed in item order, their
-        KV slots and block tables, and one sampling row per item that samples."""
+        KV slots and block tables, one sampling row per item that samples, and the rows
+        of prompt positions whose logprobs a request still needs."""
         meta = cls(batch.bid, [], [], [], [], [], [], [], [])
         for it in batch.items:
             r = requests[it.rid]
             end = it.start + it.n
+            meta._add_prompt_rows(r, it.start, end)
             meta.input_ids.extend(r.token(i) for i in range(it.start, end))
             meta.positions.extend(range(it.start, end))
             meta.slots.extend(bm.slots(it.rid, it.start, it.n))
@@ -80,6 +87,20 @@ class BatchMeta:
                 meta.sample_rids.append(it.rid)
                 meta.sampling.add(r.sampling, end)
         return meta
+
+    def _add_prompt_rows(self, r: Request, start: int, end: int) -> None:
+        """Rows of positions ``start..end-1`` (packed from ``len(self.positions)``) that
+        score prompt tokens ``r.prompt_logprobs`` lacks: position ``p`` scores ``p + 1``."""
+        k = r.sampling.prompt_logprobs
+        if k < 0:
+            return
+        row0 = len(self.positions)
+        first = max(start, len(r.prompt_logprobs) - 1)
+        for p in range(first, min(end, len(r.prompt) - 1)):
+            self.prompt_rows.append(row0 + p - start)
+            self.prompt_targets.append(r.prompt[p + 1])
+            self.prompt_rids.append(r.rid)
+            self.prompt_ks.append(k)
 
 
 @dataclass(frozen=True)
@@ -131,10 +152,11 @@ class StageBusy:
 @dataclass
 class Sampled:
     """The last stage's output for one micro-batch, by request id: the sampled token and,
-    where the request asks, its logprobs."""
+    where the request asks, its logprobs and those of the prompt tokens it computed."""
 
     tokens: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

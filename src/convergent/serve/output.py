@@ -3,7 +3,9 @@
 The engine produces token ids; :class:`ChoiceOutput` turns them into text deltas (holding
 back an incomplete UTF-8 sequence, and the tail that could still become a stop string),
 ends the choice at the first stop string (the text stops before it, as OpenAI's does) and
-builds the OpenAI logprob records.
+builds the OpenAI logprob records. With the completions API's ``echo`` the prompt's text
+comes first, and its tokens (first logprob ``None``) lead the logprob arrays; with
+``max_tokens: 0`` the one token the engine samples is not shown.
 """
 
 from __future__ import annotations
@@ -25,8 +27,18 @@ __all__ = ["ChoiceOutput"]
 class ChoiceOutput:
     """Accumulates one engine request's tokens (``tok`` decodes; may be ``None``)."""
 
-    def __init__(self, index: int, req: Request, tok: Any, stops: list[str]) -> None:
+    def __init__(
+        self,
+        index: int,
+        req: Request,
+        tok: Any,
+        stops: list[str],
+        echo: str | None = None,
+        show_tokens: bool = True,
+    ) -> None:
         self.index, self.req, self.tok = index, req, tok
+        self.echo = echo  # the prompt's text, shown before the completion (``echo``)
+        self.show_tokens = show_tokens  # false: max_tokens 0 (the prompt only)
         self.stop_ids = req.stop_ids
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -41,11 +53,16 @@ class ChoiceOutput:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def full_text(self) -> str:
+        """The choice's whole text: the echoed prompt (if any), then the completion."""
+        return (self.echo or "") + self.text
+
     def add(self, token: int, finished: bool, reason: str | None) -> tuple[str, bool]:
         """Apply one engine event; returns ``(text delta, stop string hit)``."""
         if self.done:
             return "", False
-        if token >= 0:
+        if token >= 0 and self.show_tokens:
             self.tokens.append(token)
         shown = self.tokens
         if finished and reason == "stop" and shown and shown[-1] in self.stop_ids:
@@ -108,18 +125,40 @@ class ChoiceOutput:
         start = self.lp_sent if new_only else 0
         items = self._entries(start)
         self.lp_sent = start + len(items)
-        toks, lps, tops, offs = [], [], [], []
+        toks: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offs: list[int] = []
         off = offset0
+        if self.echo is not None and not new_only:
+            off = self._prompt_logprobs(toks, lps, tops, offs, off)
         for t, e in items:
             s = self._s(t)
             toks.append(s)
             lps.append(e.logprob)
-            d: dict[str, float] = {}
-            for i, v in e.top.items():  # ids that decode alike share a key: keep the likelier
-                d.setdefault(self._s(i), v)
-            tops.append(d)
+            tops.append(self._top(e))
             offs.append(off)
             off += len(s)
         return CompletionLogprobs(
             tokens=toks, token_logprobs=lps, top_logprobs=tops, text_offset=offs
         )
+
+    def _prompt_logprobs(self, toks: list, lps: list, tops: list, offs: list, off: int) -> int:
+        """Append the echoed prompt's tokens and logprobs (the first's is ``None``) to the
+        completion's logprob columns; returns the text offset after them."""
+        entries = self.req.prompt_logprobs
+        for i, t in enumerate(self.req.prompt):
+            s = self._s(t)
+            e = entries[i] if i < len(entries) else None
+            toks.append(s)
+            lps.append(None if e is None else e.logprob)
+            tops.append(None if e is None else self._top(e))
+            offs.append(off)
+            off += len(s)
+        return off
+
+    def _top(self, e: TokenLogprobs) -> dict[str, float]:
+        d: dict[str, float] = {}
+        for i, v in e.top.items():  # ids that decode alike share a key: keep the likelier
+            d.setdefault(self._s(i), v)
+        return d

@@ -5,7 +5,9 @@ out-of-range values, and refuse fields of the OpenAI API that this server does n
 implement (``tools``, ``response_format``, ``logit_bias``, penalties, ...) instead of
 ignoring them: :func:`parse_request` turns any of these into :class:`RequestError`
 naming the field (the API answers 400). vLLM extensions accepted: ``top_k``,
-``stop_token_ids``, ``ignore_eos``.
+``stop_token_ids``, ``ignore_eos``. Completions take ``echo`` (the prompt's text before
+the completion and, with ``logprobs``, its tokens' logprobs, the first ``null``; with
+``max_tokens: 0`` the prompt alone), as OpenAI's legacy API and vLLM do.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ UNSUPPORTED = {
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "best_of": (None, 1),
-    "echo": (None, False),
+    "echo": (None, False),  # chat; completions implement it
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -112,6 +114,14 @@ class _Sampling(_Strict):
         """Logprobs asked for: -1 none; k >= 0 the chosen token's and the top k."""
         raise NotImplementedError
 
+    @property
+    def prompt_logprob_count(self) -> int:
+        """Prompt logprobs asked for (completions' ``echo``): -1 none, else top k."""
+        return -1
+
+    def check(self) -> None:
+        """Rules across fields that name one field (:class:`RequestError`); none here."""
+
     def sampling_params(self, choice: int = 0) -> SamplingParams:
         """The engine's sampling settings of choice ``choice`` (0-based, of ``n``): unset
         fields are off (greedy, no top-k / top-p, no logprobs); the seed is ``seed +
@@ -122,6 +132,7 @@ class _Sampling(_Strict):
             top_p=self.top_p if self.top_p is not None else 1.0,
             seed=random.getrandbits(31) if self.seed is None else self.seed + choice,
             logprobs=self.logprob_count,
+            prompt_logprobs=self.prompt_logprob_count,
         )
 
 
@@ -138,10 +149,26 @@ class CompletionRequest(_Sampling):
         ]
     )
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo
+    echo: bool = False
 
     @property
     def logprob_count(self) -> int:
         return -1 if self.logprobs is None else self.logprobs
+
+    @property
+    def prompt_logprob_count(self) -> int:
+        return self.logprob_count if self.echo else -1
+
+    def check(self) -> None:
+        """``max_tokens: 0`` only with ``echo``; ``echo`` not streamed (400 naming the field)."""
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError(
+                "max_tokens: 0 is allowed only with echo: true (the prompt's logprobs)",
+                "max_tokens",
+            )
+        if self.echo and self.stream:
+            raise RequestError("echo: not supported with stream: true", "echo")
 
 
 class TextPart(_Strict):
@@ -207,13 +234,15 @@ def parse_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
     if not isinstance(data, dict):
         raise RequestError("request body must be a JSON object", None, "invalid_json")
     for key, allowed in UNSUPPORTED.items():
+        if key in kind.model_fields:  # implemented by this kind of request
+            continue
         if key in data and data[key] not in allowed:
             raise RequestError(
                 f"'{key}' is not supported by this server", key, "unsupported_parameter"
             )
         data.pop(key, None)
     try:
-        return kind.model_validate(data)
+        req = kind.model_validate(data)
     except ValidationError as exc:
         e = exc.errors()[0]
         param = _loc(e["loc"]) or None
@@ -224,6 +253,8 @@ def parse_request(body: bytes, kind: type[_Sampling]) -> _Sampling:
             msg = f"{param}: {e['msg']}" if param else e["msg"]
             code = "invalid_value"
         raise RequestError(msg, param, code) from None
+    req.check()
+    return req
 
 
 def _reject_constant(name: str):
@@ -255,8 +286,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

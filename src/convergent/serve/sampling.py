@@ -13,6 +13,11 @@ least one token). Each sampled row draws from its own ``torch.Generator`` seeded
 request's seed and the token's position, so a request's tokens do not depend on the
 batch it happened to share. Log-probabilities are those of the model's raw distribution
 (``log_softmax`` of the logits, before temperature and filters), as vLLM reports them.
+
+Prompt logprobs (the completions API's ``echo`` with ``logprobs``, what
+lm-evaluation-harness's loglikelihood tasks read) come from the same prefill: the logits
+at prompt position ``p`` score prompt token ``p + 1`` (:func:`prompt_logprobs`); the first
+prompt token has none.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprobs",
     "filter_logits",
+    "prompt_logprobs",
     "row_logprobs",
     "sample_rows",
 ]
@@ -40,6 +46,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1.0: off
     seed: int = 0  # with the token's position, the seed of each draw
     logprobs: int = -1  # -1: none; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int = -1  # -1: none; k >= 0: each prompt token's logprob and the top k
 
     def row_seed(self, position: int) -> int:
         """The seed of the draw of the token at ``position`` (tokens before it)."""
@@ -106,6 +113,17 @@ def sample_rows(logits, p: RowParams) -> list[int]:
     return toks
 
 
+def _entry(lp_row, tok: int, k: int) -> TokenLogprobs:
+    """The logprob of ``tok`` and the ``k`` likeliest tokens of one row of log-probabilities."""
+    import torch
+
+    top: dict[int, float] = {}
+    if k > 0:
+        v, ix = torch.topk(lp_row, min(k, lp_row.shape[0]))
+        top = dict(zip(ix.tolist(), v.tolist(), strict=True))
+    return TokenLogprobs(float(lp_row[tok]), top)
+
+
 def row_logprobs(logits, toks: list[int], p: RowParams) -> list[TokenLogprobs | None]:
     """Per row, the logprobs of its sampled token ``toks[i]`` and its top ``k`` where the
     row asks for them (``p.logprobs[i] >= 0``), else ``None``."""
@@ -116,11 +134,15 @@ def row_logprobs(logits, toks: list[int], p: RowParams) -> list[TokenLogprobs | 
         return info
     lp = torch.log_softmax(logits, -1).cpu()
     for i, k in enumerate(p.logprobs):
-        if k < 0:
-            continue
-        top: dict[int, float] = {}
-        if k > 0:
-            v, ix = torch.topk(lp[i], min(k, lp.shape[1]))
-            top = dict(zip(ix.tolist(), v.tolist(), strict=True))
-        info[i] = TokenLogprobs(float(lp[i, toks[i]]), top)
+        if k >= 0:
+            info[i] = _entry(lp[i], toks[i], k)
     return info
+
+
+def prompt_logprobs(logits, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Per row of ``logits`` [R, V] (float32; row ``i`` at the prompt position before
+    ``targets[i]``): the logprob of the prompt token ``targets[i]`` and the top ``ks[i]``."""
+    import torch
+
+    lp = torch.log_softmax(logits, -1).cpu()
+    return [_entry(lp[i], t, k) for i, (t, k) in enumerate(zip(targets, ks, strict=True))]

@@ -54,6 +54,9 @@ class Request:
     finish_time: float | None = None
     # per output token where sampling.logprobs >= 0 (None where the stage sent none)
     token_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # per prompt token where sampling.prompt_logprobs >= 0, filled by the prefill (the
+    # first token has none: [None] until the prefill's results arrive)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     error: str | None = None  # why it ended with finish_reason "error"
     retryable: bool = False  # ended by a failure before any of it reached the stages
 

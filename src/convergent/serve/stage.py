@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StageRunner", "StageSpec", "split_layers", "stage_main"]
 
+PROMPT_LOGPROB_CHUNK = 256  # prompt rows per LM-head call when scoring a prompt
+
 
 @dataclass
 class StageSpec:
@@ -122,17 +124,34 @@ class StageRunner:
             return self._sample(meta, h)
 
     def _sample(self, meta: BatchMeta, h: torch.Tensor) -> Sampled:
-        """The LM head on the sampled rows, then the sampler (fp32)."""
+        """The LM head on the sampled rows, then the sampler (fp32); prompt logprobs of
+        the rows that ask for them."""
         from convergent.serve.sampling import row_logprobs, sample_rows
 
-        logits = self.model.logits(h.index_select(0, self._ids(meta.sample_rows))).float()
-        toks = sample_rows(logits, meta.sampling)
-        lps = row_logprobs(logits, toks, meta.sampling)
-        rids = meta.sample_rids
-        return Sampled(
-            tokens=dict(zip(rids, toks, strict=True)),
-            logprobs={r: x for r, x in zip(rids, lps, strict=True) if x is not None},
-        )
+        out = Sampled()
+        if meta.sample_rows:
+            logits = self.model.logits(h.index_select(0, self._ids(meta.sample_rows))).float()
+            toks = sample_rows(logits, meta.sampling)
+            lps = row_logprobs(logits, toks, meta.sampling)
+            rids = meta.sample_rids
+            out.tokens = dict(zip(rids, toks, strict=True))
+            out.logprobs = {r: x for r, x in zip(rids, lps, strict=True) if x is not None}
+        if meta.prompt_rows:
+            self._prompt_logprobs(meta, h, out)
+        return out
+
+    def _prompt_logprobs(self, meta: BatchMeta, h: torch.Tensor, out: Sampled) -> None:
+        """The logprobs of the prompt tokens ``meta.prompt_targets`` from the logits of the
+        rows before them (in chunks of rows: the logits are rows x vocabulary)."""
+        from convergent.serve.sampling import prompt_logprobs
+
+        for a in range(0, len(meta.prompt_rows), PROMPT_LOGPROB_CHUNK):
+            b = a + PROMPT_LOGPROB_CHUNK
+            rows = self._ids(meta.prompt_rows[a:b])
+            logits = self.model.logits(h.index_select(0, rows)).float()
+            lps = prompt_logprobs(logits, meta.prompt_targets[a:b], meta.prompt_ks[a:b])
+            for rid, e in zip(meta.prompt_rids[a:b], lps, strict=True):
+                out.prompt_logprobs.setdefault(rid, []).append(e)
 
     def _ids(self, values: list[int]):
         """int64 index tensor on this stage's device (CUDA: pinned, non-blocking copy)."""
