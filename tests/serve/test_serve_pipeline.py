@@ -111,3 +111,34 @@ def test_prompt_logprobs_over_chunks_equal_transformers(hf_llama_dir):
             e = r.prompt_logprobs[i]
             assert abs(e.logprob - float(ref[i - 1, p[i]])) < 1e-4
             assert list(e.top) == torch.topk(ref[i - 1], 2).indices.tolist()
+
+
+def test_tdpipe_engine_prefills_a_second_wave_within_the_wait_bound(hf_llama_dir):
+    """A fresh engine (TD-Pipe, two stages) on a cost table where switching never pays:
+    wave 1 decodes long outputs, wave 2 arrives while it does, and every wave-2 request
+    gets its first token within ``tdpipe_max_wait_s`` plus a round, on a clock of engine
+    steps (``dt`` per micro-batch submitted), not the wall clock."""
+    flat = CostTable([0.0, 1e-3, 0.0, 0.0], [0.0, 0.0], 0.0, 0.0, [2, 2], "flat")
+    dt, p = 0.01, 2
+    cfg = ServeConfig(scheduler="tdpipe", stages=p, block_size=4, tdpipe_max_wait_s=0.5)
+    with Engine(hf_llama_dir, cfg, costs=flat, executor="local", ignore_eos=True) as eng:
+        eng.sched.clock = lambda: eng.stats.batches * dt
+        wave1 = [eng.add_request(eng.make_request([256, i, 7], 150)) for i in range(6)]
+        wave2, arrived, first = [], {}, {}
+
+        def on_token(ev):
+            if eng.stats.batches >= 20 and not wave2:
+                for i in range(3):
+                    r = eng.add_request(eng.make_request([256, 50 + i], 4))
+                    wave2.append(r)
+                    arrived[r.rid] = eng.stats.batches
+            if ev.rid in arrived and ev.token >= 0 and ev.rid not in first:
+                first[ev.rid] = eng.stats.batches - arrived[ev.rid]
+
+        eng.add_token_listener(on_token)
+        eng.run()
+    assert all(len(r.output) == 150 for r in wave1) and len(first) == 3
+    assert max(first.values()) <= round(0.5 / dt) + 3 * p
+    assert eng.sched.aged_switches >= 1
+    # wave 1 was still decoding when wave 2 started
+    assert max(first.values()) < 150 * 6 // p // 2

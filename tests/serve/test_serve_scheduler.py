@@ -246,3 +246,51 @@ def test_tdpipe_queues_deeper_while_prefilling():
     assert sum(s.prefill_tokens for s in shapes) == sum(r.total_len for r in cands)
     assert all(s.prefill_tokens <= 64 or s.sampled == 1 for s in shapes)
     assert all(s.sampled <= 4 for s in shapes) and len(shapes) >= 3
+
+
+FLAT = CostTable([0.0, 1e-3, 0.0, 0.0], [0.0, 0.0], 0.0, 0.0, [2, 2], "flat")
+
+
+def _two_waves(max_wait_s, dt=0.01, p=2):
+    """TD-Pipe on a cost table where batching does not pay (the intensity rule never
+    leaves decode for a few small prompts), on a clock that advances ``dt`` per finished
+    micro-batch: wave 1 (8 long outputs) decodes, wave 2 (4 short prompts) arrives after
+    20 micro-batches. Returns ``(micro-batches from wave 2's arrival to each first token,
+    the scheduler)``."""
+    t = [0.0]
+    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256, ignore_eos=True)
+    cfg.max_wait_s = max_wait_s
+    sched = TDPipeScheduler(cfg, BlockManager(10_000, 4), p, FLAT, clock=lambda: t[0])
+    wave1 = [Request(i, [1] * 10, 400, predicted_len=400) for i in range(8)]
+    wave2 = [Request(100 + i, [2] * 3, 5, predicted_len=5) for i in range(4)]
+    for r in wave1:
+        sched.add(r)
+    inflight, done, arrived, first = [], 0, None, {}
+    while sched.has_unfinished() or inflight:
+        while len(inflight) < sched.depth and (b := sched.schedule()) is not None:
+            inflight.append(b)
+        b = inflight.pop(0)
+        sched.complete(b, {it.rid: 5 for it in b.items if it.sample})
+        done += 1
+        t[0] += dt
+        if done == 20:
+            arrived = done
+            for r in wave2:
+                sched.add(r)
+        for r in wave2:
+            if r.output and r.rid not in first:
+                first[r.rid] = done - arrived
+    return [first[r.rid] for r in wave2], sched
+
+
+def test_tdpipe_wait_bound_prefills_a_second_wave_in_time():
+    """Issue 39: without the bound wave 2 waits for wave 1's 400 tokens; with
+    ``max_wait_s`` = 1 s it gets its first tokens within 1 s of engine time (100
+    micro-batches) plus a round of P, its prefill and the P batches ahead of it."""
+    p, dt = 2, 0.01
+    off, s_off = _two_waves(1e9, dt, p)
+    assert min(off) > 300 and s_off.aged_switches == 0  # the intensity rule alone: starved
+    on, s_on = _two_waves(1.0, dt, p)
+    bound = round(1.0 / dt) + 3 * p
+    assert max(on) <= bound and s_on.aged_switches >= 1
+    assert min(on) >= round(1.0 / dt) - 1  # and not earlier: the rule did not switch itself

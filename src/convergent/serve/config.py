@@ -42,6 +42,9 @@ class ServeConfig(Section):
     # request that outgrows it is preempted by recompute
     tdpipe_memory_fraction: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     work_stealing: bool = True  # tdpipe: balance decode micro-batches
+    # tdpipe: a request queued this long forces a prefill phase (when the KV cache can take
+    # it), bounding its wait for a first token while others decode
+    tdpipe_max_wait_s: float = Field(1.0, gt=0, le=3600.0, allow_inf_nan=False)
     default_max_tokens: Count = 128  # API requests without max_tokens
     # -- failure handling (see convergent.serve.engine)
     restart_on_failure: bool = True  # a dead stage: end its requests with an error, restart

@@ -95,7 +95,7 @@ class Engine:
         self.model_context = self.mcfg.max_context
         self._scfg = SchedulerConfig.from_serve(cfg, ignore_eos)
         self._scfg.max_model_len = min(cfg.max_model_len, self.model_context)
-        self.sched = make_scheduler(cfg.scheduler, self._scfg, self.bm, p, self.costs)
+        self.sched = self._new_scheduler()
         self._specs = stage_specs(model_dir, cfg, p, self.bm.num_blocks)
         self._use_local = executor == "local" or (executor == "auto" and p == 1)
         self.executor = self._make_executor()
@@ -120,6 +120,13 @@ class Engine:
         self.restarts = 0
         self._shutdown_at: float | None = None
         self.last_loop = time.monotonic()  # the engine thread's own liveness
+
+    def _new_scheduler(self):
+        """A scheduler of ``serve.scheduler`` on the block manager, timing queue waits with
+        the monotonic clock (TD-Pipe's wait bound)."""
+        return make_scheduler(
+            self.cfg.scheduler, self._scfg, self.bm, self.num_stages, self.costs, time.monotonic
+        )
 
     def _profile(self, layers_per_stage: list[int]) -> None:
         """Profile the stage cost table in situ (:mod:`convergent.serve.insitu`)."""
@@ -411,9 +418,7 @@ class Engine:
         if reset:
             self.in_flight.clear()
             self.bm = BlockManager(self.bm.num_blocks, self.bm.block_size)
-            self.sched = make_scheduler(
-                self.cfg.scheduler, self._scfg, self.bm, self.num_stages, self.costs
-            )
+            self.sched = self._new_scheduler()
         for r in reqs:
             r.retryable = not (r.in_flight or r.num_computed or r.output)
             if not reset:
@@ -495,6 +500,7 @@ class Engine:
                 "kv_peak_blocks_manager": self.bm.peak_used,
                 "preemptions": self.sched.num_preemptions,
                 "mode_switches": getattr(self.sched, "mode_switches", None),
+                "aged_switches": getattr(self.sched, "aged_switches", None),
             }
         )
         return s

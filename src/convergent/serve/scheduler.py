@@ -18,7 +18,10 @@ the sampled tokens when one comes back from the last stage.
   work stealing); (c) at each round boundary it switches back to prefill when decode's
   computational intensity (throughput of its current per-batch size relative to a large
   batch, from the cost table) drops below the useful fraction of a prefill round (its
-  prompts packed into budget-sized micro-batches) after its pipeline bubbles. While
+  prompts packed into budget-sized micro-batches) after its pipeline bubbles, or (d) when
+  the head of the queue has waited ``max_wait_s`` (``serve.tdpipe_max_wait_s``) and the KV
+  cache can take it: a bound on time to first token that intensity alone does not give
+  (a few requests arriving while a large batch decodes are never worth a switch). While
   prefilling it keeps ``2P`` micro-batches in flight: prompt batches do not depend on
   each other, so stage 0 need not wait for the engine's round trip.
 
@@ -31,6 +34,8 @@ recompute (its blocks are freed; it is re-prefilled later with prompt + generate
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from convergent.serve.costs import CostTable
 from convergent.serve.kv_cache import BlockManager
@@ -130,8 +135,10 @@ def make_scheduler(
     blocks: BlockManager,
     num_stages: int,
     costs: CostTable | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> Scheduler:
-    """Build a scheduler by name (``sequential``, ``interleaved``, ``tdpipe``)."""
+    """Build a scheduler by name (``sequential``, ``interleaved``, ``tdpipe``); ``clock``
+    times queue waits (see :class:`~convergent.serve.scheduler_base.Scheduler`)."""
     cls = {
         "sequential": SequentialScheduler,
         "interleaved": InterleavedScheduler,
@@ -139,4 +146,4 @@ def make_scheduler(
     }.get(name)
     if cls is None:
         raise ValueError(f"unknown scheduler {name!r} (sequential, interleaved, tdpipe)")
-    return cls(cfg, blocks, 1 if name == "sequential" else num_stages, costs)
+    return cls(cfg, blocks, 1 if name == "sequential" else num_stages, costs, clock)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -43,6 +44,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival: float = 0.0
+    queued_at: float = 0.0  # the scheduler's clock when it last entered the queue
     output: list[int] = field(default_factory=list)
     num_computed: int = 0
     state: RequestStatus = RequestStatus.WAITING
@@ -108,6 +110,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     memory_fraction: float = 1.0  # tdpipe: predicted peak KV use allowed
     work_stealing: bool = True  # tdpipe
+    max_wait_s: float = 1.0  # tdpipe: a request queued this long forces a prefill phase
     ignore_eos: bool = False
 
     @classmethod
@@ -120,12 +123,18 @@ class SchedulerConfig:
             max_model_len=cfg.max_model_len,
             memory_fraction=cfg.tdpipe_memory_fraction,
             work_stealing=cfg.work_stealing,
+            max_wait_s=cfg.tdpipe_max_wait_s,
             ignore_eos=ignore_eos,
         )
 
 
 class Scheduler:
-    """Common request bookkeeping; subclasses implement :meth:`schedule`."""
+    """Common request bookkeeping; subclasses implement :meth:`schedule`.
+
+    ``clock`` (seconds; the engine passes ``time.monotonic``) times how long requests wait
+    in the queue (``Request.queued_at``); without one (the simulator, unit tests) nothing
+    is timed and TD-Pipe's wait bound is off.
+    """
 
     name = "base"
 
@@ -135,11 +144,13 @@ class Scheduler:
         blocks: BlockManager,
         num_stages: int = 1,
         costs: CostTable | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.cfg = cfg
         self.bm = blocks
         self.P = max(1, num_stages)
         self.costs = costs
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (hold KV), in admission order
         self.requests: dict[int, Request] = {}
@@ -163,7 +174,12 @@ class Scheduler:
         ):
             self._finish(req, "length", None)
             return
+        req.queued_at = self.now()
         self.waiting.append(req)
+
+    def now(self) -> float:
+        """The scheduler's clock (0.0 without one)."""
+        return self.clock() if self.clock is not None else 0.0
 
     def prune_finished(self) -> None:
         """Forget finished requests that no micro-batch still references (long-running servers)."""
@@ -253,6 +269,7 @@ class Scheduler:
         victim.state = RequestStatus.WAITING
         victim.preemptions += 1
         self.num_preemptions += 1
+        victim.queued_at = self.now()
         self.waiting.appendleft(victim)
 
     def _idle_running(self) -> list[Request]:

@@ -61,6 +61,7 @@ class TDPipeScheduler(Scheduler):
         self.prefill_mode = True
         self.decode_count = 0
         self.mode_switches = 0
+        self.aged_switches = 0  # switches to prefill forced by the wait bound
         self.ref_batch = max(1, self.cfg.max_num_seqs // self.P)
 
     @property
@@ -165,9 +166,17 @@ class TDPipeScheduler(Scheduler):
             return
         if self.costs is None:  # no cost table: switch when memory allows
             self._switch(True)
-            return
-        if self._decode_intensity(cands) < self._prefill_intensity(cands):
+        elif self._waited_too_long():
+            self.aged_switches += 1
             self._switch(True)
+        elif self._decode_intensity(cands) < self._prefill_intensity(cands):
+            self._switch(True)
+
+    def _waited_too_long(self) -> bool:
+        """The head of the queue has waited ``max_wait_s`` (on the scheduler's clock)."""
+        if self.clock is None or not self.waiting:
+            return False
+        return self.clock() - self.waiting[0].queued_at >= self.cfg.max_wait_s
 
     def _switch(self, prefill: bool) -> None:
         if prefill != self.prefill_mode:
