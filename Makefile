@@ -96,8 +96,18 @@ test-portability: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 
+# Every benchmark, one after another, as modules from the checkout's root (each writes its
+# JSON to bench/results/), then the results table of docs/benchmarks.md. collectives needs
+# root, gpu.throughput a CUDA GPU (it exits 2 without one).
+BENCHES = bench.learn.active_learning bench.learn.active_learning_ceiling \
+	bench.analytics.commands bench.train.collectives bench.train.compression \
+	bench.compress.inference bench.dataio.read bench.gpu.throughput bench.models.md_stability \
+	bench.models.accuracy bench.models.cost bench.models.scaling bench.models.neighbors \
+	bench.train.pipeline_molecular bench.serve.dispatch bench.serve.throughput \
+	bench.sim.throughput bench.train.throughput bench.models.transfer bench.tables
+
 bench: $(STAMP)
-	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	@for m in $(BENCHES); do echo "== python -m $$m"; $(BIN)/python -m $$m || exit 1; done
 
 # The real-Slurm tests (tests/slurm): installs slurm-wlm + munge when missing (root, apt),
 # then the session fixture starts munged, slurmctld and two slurmd and stops them after.

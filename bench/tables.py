@@ -2,7 +2,7 @@
 
 One row per result file: the bench, the commit it ran at, the machine (CPU and its AMX /
 AVX-512 flags, the GPU), when, whether it was measured under load, and its headline
-numbers as the file states them. ``python bench/tables.py`` rewrites the table between
+numbers as the file states them. ``python -m bench.tables`` rewrites the table between
 the markers in docs/benchmarks.md; ``--check`` exits 1 when the page is out of date
 (tests/test_bench_results.py runs the same check).
 """
@@ -80,7 +80,7 @@ def main() -> int:
     new = render(page)
     if args.check:
         if new != page:
-            print(f"{PAGE}: the results table is out of date; run python bench/tables.py",
+            print(f"{PAGE}: the results table is out of date; run python -m bench.tables",
                   file=sys.stderr)
             return 1
         return 0

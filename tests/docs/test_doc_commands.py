@@ -104,3 +104,20 @@ def test_a_documented_command_runs_as_written(page, line, argv, err, capsys, tmp
             continue
         assert re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", helptext), \
             f"{page}:{line}: `convergent {' '.join(words)}` has no option {opt}"
+
+
+BENCH_MODULE = re.compile(r"(?<![\w/.-])bench(?:\.[a-z_]\w*)+")
+BENCH_FILE = re.compile(r"(?<![\w/.-])bench/(?:[\w-]+/)*[\w-]+\.py\b")
+
+
+def test_every_bench_the_pages_name_is_in_the_checkout():
+    """A bench the README, docs/ or the Makefile names — as a module (``python -m
+    bench.train.throughput``, ``bench.lib.harness``) or a file (``bench/models/molbench.py``)
+    — exists: a bench that moves takes its documentation along."""
+    missing = []
+    for page in [*PAGES, ROOT / "Makefile"]:
+        text = page.read_text(encoding="utf-8")
+        names = [(m, m.replace(".", "/") + ".py") for m in BENCH_MODULE.findall(text)]
+        names += [(f, f) for f in BENCH_FILE.findall(text)]
+        missing += [f"{page.name}: {shown}" for shown, path in names if not (ROOT / path).is_file()]
+    assert not missing, missing
