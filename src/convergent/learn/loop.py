@@ -242,15 +242,14 @@ class Campaign:
         rng = np.random.default_rng(_seed("md-start", L.seed, rnd))
         starts = [recs[i] for i in rng.choice(len(recs), size=min(len(recs), L.explore.trajectories),
                                               replace=False)]
-        futs = []
-        for j, rec in enumerate(starts):
-            start = {"numbers": rec["numbers"], "positions": rec["positions"],
-                     "molecule_id": rec["molecule_id"], "key": rec["key"]}
-            f = self.pool.submit("explore", f"t{j}", rnd, tasks.explore_md, models, start, L.explore.steps,
-                                 L.explore.interval, L.explore.temperature, L.explore.timestep_fs,
-                                 L.explore.friction,
-                                 _seed("md", L.seed, rnd, j), device="cpu")
-            futs.append((f, start))
+        starts = [{"numbers": r["numbers"], "positions": r["positions"],
+                   "molecule_id": r["molecule_id"], "key": r["key"]} for r in starts]
+        E = L.explore
+        f = self.pool.submit("explore", f"t{len(starts)}", rnd, tasks.explore_md, models, starts,
+                             E.steps, E.interval, E.temperature, E.timestep_fs, E.friction,
+                             [_seed("md", L.seed, rnd, j) for j in range(len(starts))],
+                             device="cpu")
+        futs = [(f, starts)]
         self.md_futures[rnd] = futs
 
     def md_candidates(self, rnd: int) -> list[Candidate]:
@@ -260,16 +259,16 @@ class Campaign:
             return load_candidates(path)
         self.submit_md(rnd)
         out = []
-        for f, start in self.md_futures.pop(rnd, []):
+        for f, starts in self.md_futures.pop(rnd, []):
             try:
-                frames = self.pool.result(f)
-            except Exception as exc:  # exploration is optional: a failed trajectory is dropped
-                self.say(f"[yellow]round {rnd}: an exploration trajectory failed: {exc}")
+                per_start = self.pool.result(f)
+            except Exception as exc:  # exploration is optional: a failed task is dropped
+                self.say(f"[yellow]round {rnd}: the exploration task failed: {exc}")
                 continue
-            for fr in frames:
-                out.append(Candidate.make(start["molecule_id"], start["numbers"], fr["positions"],
-                                          origin="md", md_step=fr["step"], md_start=start["key"],
-                                          md_round=rnd))
+            for start, frames in zip(starts, per_start, strict=True):
+                out += [Candidate.make(start["molecule_id"], start["numbers"], fr["positions"],
+                                       origin="md", md_step=fr["step"], md_start=start["key"],
+                                       md_round=rnd) for fr in frames]
         save_candidates(path, out)
         return out
 

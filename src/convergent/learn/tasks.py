@@ -148,37 +148,31 @@ def evaluate(model_dirs: list[str], dataset: str, batch_atoms: int, device: str 
 # ----------------------------------------------------------------------------- explore
 
 
-def explore_md(model_dirs: list[str], start: dict[str, Any], steps: int, interval: int,
-               temperature: float, timestep_fs: float, friction: float, seed: int,
-               min_distance: float = 0.6, device: str = "cpu") -> list[dict[str, Any]]:
-    """One Langevin trajectory on the committee mean; every ``interval`` steps a frame
-    ``{positions, step, energy_std, force_std_max}``. Stops early (keeping what it has)
-    when atoms come closer than ``min_distance`` Å or fly apart (a surrogate artefact)."""
+def explore_md(model_dirs: list[str], starts: list[dict[str, Any]], steps: int, interval: int,
+               temperature: float, timestep_fs: float, friction: float, seeds: list[int],
+               min_distance: float = 0.6, device: str = "cpu") -> list[list[dict[str, Any]]]:
+    """Langevin trajectories on the committee mean from every start at once (batched MD,
+    :class:`convergent.screen.batchmd.BatchMD`: one committee call a step for all of them,
+    start ``j`` with its own random stream seeded ``seeds[j]``); per start, every
+    ``interval`` steps a frame ``{positions, step, energy_std, force_std_max}``. A
+    trajectory stops early (keeping what it has) when atoms come closer than
+    ``min_distance`` Å or fly apart (a surrogate artefact)."""
     _, device = _torch_setup(device)
-    from ase import Atoms, units
-    from ase.md.langevin import Langevin
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution
+    from convergent.screen.batchmd import BatchMD, MDSettings, too_close_or_apart
 
-    from convergent.models.calculator import SurrogateCalculator
-
-    atoms = Atoms(numbers=start["numbers"], positions=start["positions"])
-    atoms.calc = SurrogateCalculator(_models(model_dirs, device), device=device)
-    rng = np.random.default_rng(seed)
-    MaxwellBoltzmannDistribution(atoms, temperature_K=temperature, rng=rng)
-    dyn = Langevin(atoms, timestep_fs * units.fs, temperature_K=temperature,
-                   friction=friction / units.fs, rng=rng, fixcm=False)
-    frames: list[dict[str, Any]] = []
-    for step in range(interval, steps + 1, interval):
-        dyn.run(interval)
-        pos = atoms.get_positions()
-        d = np.sqrt(((pos[:, None] - pos[None]) ** 2).sum(-1)) + np.eye(len(pos)) * 1e3
-        if d.min() < min_distance or (len(pos) > 1 and d.min(1).max() > 4.0):
-            break
-        res = atoms.calc.results
-        frames.append({"positions": pos.copy(), "step": step,
-                       "energy_std": float(res.get("energy_std", float("nan"))),
-                       "force_std_max": float(np.max(res.get("forces_std", [float("nan")])))})
-    return frames
+    md = BatchMD(_models(model_dirs, device), [s["numbers"] for s in starts],
+                 [s["positions"] for s in starts],
+                 MDSettings(temperature_K=temperature, timestep_fs=timestep_fs,
+                            friction_per_fs=friction),
+                 [np.random.default_rng(seed) for seed in seeds],
+                 check=too_close_or_apart(min_distance), device=device)
+    out = []
+    for t in md.run(steps, interval):
+        out.append([{"positions": p, "step": k, "energy_std": es, "force_std_max": fs}
+                    for p, k, es, fs in zip(t.positions, t.steps, t.energy_std, t.force_std_max,
+                                            strict=True)
+                    if 0 < k and k != t.failed_step])
+    return out
 
 
 # ------------------------------------------------------------------------------- label

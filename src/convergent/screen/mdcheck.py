@@ -8,8 +8,9 @@ calls a run stable when every check passes :class:`StabilityMonitor`'s :class:`C
 (the MD-stability bench's, bench/md_stability.py: no bond of the start stretched past 1.5x,
 no two atoms closer than 0.7 Å, no energy blow-up past 1 eV/atom, nothing non-finite).
 
-All molecules of one seed move in one ASE ``Atoms``, 30 Å apart (beyond any cutoff), so
-each step is one model call; each molecule's bonds are checked on its own atoms.
+Every run moves in one batch (:mod:`convergent.screen.batchmd`): each step is one model
+call for all molecules and seeds; each run has its own random stream and is checked on
+its own atoms, and a run that fails stops there while the others go on.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from convergent.elements import covalent_bonds
 
 #: G2 molecules with two or three H atoms on one heavy atom (where the demo's model failed).
 MOLECULES = ("H2O", "NH3", "CH4", "C2H6", "CH3OH", "H3CNH2")
-SPACING = 30.0  # Å between molecules of one system
 
 
 @dataclass
@@ -128,47 +128,37 @@ def md_check(model: Any, molecules: tuple[str, ...] = MOLECULES, seeds: int = 4,
              temperature_K: float = 300.0, time_fs: float = 500.0, timestep_fs: float = 0.5,
              friction_per_fs: float = 0.01, check_every: int = 10,
              criteria: Criteria | None = None) -> MDCheck:
-    """Langevin MD of each of ``molecules`` (ASE G2 names) with the surrogate ``model``
-    (a model directory, or an ASE calculator with per-atom ``energies``), ``seeds`` seeds,
-    each molecule checked by a :class:`StabilityMonitor`; see the module doc."""
-    from ase import Atoms, units
+    """Langevin MD of each of ``molecules`` (ASE G2 names) with the surrogate ``model`` (a
+    model directory or a loaded model), ``seeds`` runs of each: every (molecule, seed)
+    run advances in one batch (:class:`~convergent.screen.batchmd.BatchMD`, one model call
+    a step for all, each with its own random stream and a fixed centre of mass) and is
+    checked by its :class:`StabilityMonitor` every ``check_every`` steps."""
     from ase.build import molecule
-    from ase.constraints import FixCom
-    from ase.md import velocitydistribution as vd
-    from ase.md.langevin import Langevin
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
 
-    from convergent.models.calculator import SurrogateCalculator
+    from convergent.models.io import load_model
+    from convergent.screen.batchmd import BatchMD, MDSettings
 
-    calc = SurrogateCalculator(model) if isinstance(model, str | Path) else model
+    net = load_model(model)[0] if isinstance(model, str | Path) else model
+    runs = [(name, seed) for seed in range(seeds) for name in molecules]
+    atoms = [molecule(name) for name, _ in runs]
+    rngs = [np.random.default_rng([seed, k]) for k, (_, seed) in enumerate(runs)]
+    for a, rng in zip(atoms, rngs, strict=True):
+        MaxwellBoltzmannDistribution(a, temperature_K=temperature_K, rng=rng)
+        Stationary(a)
+    mons: dict[int, StabilityMonitor] = {}
+
+    def check(i: int, pos: np.ndarray, energy: float) -> str | None:
+        return mons[i].check(pos, energy)
+
+    md = BatchMD([net], [a.numbers for a in atoms], [a.positions for a in atoms],
+                 MDSettings(temperature_K, timestep_fs, friction_per_fs, fix_com=True), rngs,
+                 check=check, velocities=[a.get_velocities() for a in atoms])
+    for i, t in enumerate(md.traj):  # the start frame, with the model's energy
+        mons[i] = StabilityMonitor(t.numbers, t.positions[0], t.energy[0], criteria)
+    md.run(int(round(time_fs / timestep_fs)), interval=check_every)
     out = MDCheck(temperature_K, time_fs, timestep_fs, friction_per_fs)
-    steps = int(round(time_fs / timestep_fs))
-    for seed in range(seeds):
-        system, spans = Atoms(), []
-        for k, name in enumerate(molecules):
-            a = molecule(name)
-            a.translate([k * SPACING, 0.0, 0.0])
-            spans.append(slice(len(system), len(system) + len(a)))
-            system += a
-        system.calc = calc
-        rng = np.random.default_rng(seed)
-        system.set_constraint(FixCom())  # ASE's advice over Langevin's deprecated fixcm
-        draw = getattr(vd, "thermalize_momenta", None) or vd.MaxwellBoltzmannDistribution
-        draw(system, temperature_K=temperature_K, rng=rng)
-        vd.Stationary(system)
-        dyn = Langevin(system, timestep_fs * units.fs, temperature_K=temperature_K,
-                       friction=friction_per_fs / units.fs, rng=rng, fixcm=False)
-        e = system.get_potential_energies()
-        z, pos = system.numbers, system.positions
-        mons = [StabilityMonitor(z[s], pos[s], float(e[s].sum()), criteria) for s in spans]
-        done: dict[int, MDRun] = {}
-        for step in range(check_every, steps + 1, check_every):
-            dyn.run(check_every)
-            e, pos = system.get_potential_energies(), system.positions
-            for k, s in enumerate(spans):
-                if k not in done and (why := mons[k].check(pos[s], float(e[s].sum()))):
-                    done[k] = MDRun(molecules[k], seed, False, step * timestep_fs, why)
-            if len(done) == len(spans):
-                break
-        out.runs += [done.get(k) or MDRun(molecules[k], seed, True, time_fs)
-                     for k in range(len(spans))]
+    for (name, seed), t in zip(runs, md.traj, strict=True):
+        out.runs.append(MDRun(name, seed, True, time_fs) if t.stable
+                        else MDRun(name, seed, False, t.failed_step * timestep_fs, t.failure))
     return out
