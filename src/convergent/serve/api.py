@@ -6,7 +6,10 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 :mod:`convergent.serve.metrics`), ``GET /load`` (what the dispatcher routes by) and
 ``GET /stats``. A request naming another model gets 404 (as vLLM answers). Requests are
 validated by :mod:`convergent.serve.protocol` (400 naming the field); text is tokenized
-with the checkpoint's own tokenizer and chat template (:mod:`convergent.serve.tokenizer`). With an API key set, every ``/v1`` request needs
+with the checkpoint's own tokenizer and chat template (:mod:`convergent.serve.tokenizer`)
+in a worker thread, so a long prompt does not hold up the event loop, and only once the
+body is known to be within ``serve.max_request_bytes`` (413 otherwise,
+:mod:`convergent.serve.http_body`). With an API key set, every ``/v1`` request needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
 Failures: a request whose engine request ends with ``finish_reason="error"`` (a stage died,
@@ -33,6 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from convergent.serve.api_requests import build_requests, error_response
 from convergent.serve.api_stream import TokenChannel, events, final_response, sse_chunks
 from convergent.serve.engine import Engine
+from convergent.serve.http_body import BodyTooLarge, read_body, too_large
 from convergent.serve.messages import TokenEvent
 from convergent.serve.metrics import ServeMetrics
 from convergent.serve.predictor import LengthPredictor
@@ -118,26 +122,35 @@ class _Api:
         return response
 
     async def parse(self, request: HTTPRequest, chat: bool):
-        """The validated body and its engine requests and choices, or the 400 / 404."""
+        """The validated body and its engine requests and choices, or the 413 / 400 / 404.
+        The body is read under the size limit first; parsing and tokenizing run in a
+        worker thread."""
+        limit = self.engine.cfg.max_request_bytes
         try:
-            body = parse_request(
-                await request.body(), ChatCompletionRequest if chat else CompletionRequest
-            )
-            if body.model is not None and body.model != self.model_name:
-                return self.rejected(
-                    error_response(
-                        404,
-                        f"The model '{body.model}' does not exist (this server has '{self.model_name}')",
-                        "model_not_found",
-                        "NotFoundError",
-                        param="model",
-                    )
-                )
-            reqs, outs = build_requests(self.engine, body, chat, self.tok, self.predictor)
+            raw = await read_body(request, limit)
+            return await asyncio.to_thread(self.build, raw, chat)
+        except BodyTooLarge:
+            return self.rejected(too_large(limit, "messages" if chat else "prompt"))
         except RequestError as e:
             return self.rejected(error_response(400, e.message, e.code, param=e.param))
         except Exception as e:  # noqa: BLE001 - e.g. InputError from the engine
             return self.rejected(error_response(400, str(e), "invalid_request"))
+
+    def build(self, raw: bytes, chat: bool):
+        """(Worker thread.) The validated body and its engine requests and choices, or the
+        404 of another model; :class:`RequestError` for a bad request."""
+        body = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest)
+        if body.model is not None and body.model != self.model_name:
+            return self.rejected(
+                error_response(
+                    404,
+                    f"The model '{body.model}' does not exist (this server has '{self.model_name}')",
+                    "model_not_found",
+                    "NotFoundError",
+                    param="model",
+                )
+            )
+        reqs, outs = build_requests(self.engine, body, chat, self.tok, self.predictor)
         return body, reqs, outs
 
     def start(self, reqs: list, t_arrival: float) -> TokenChannel:

@@ -52,6 +52,8 @@ class ServeConfig(Section):
     heartbeat_timeout_s: float = Field(30.0, gt=0.5, le=3600.0, allow_inf_nan=False)  # silent stage = dead
     shutdown_timeout_s: float = Field(10.0, ge=0.0, le=3600.0, allow_inf_nan=False)  # SIGTERM: finish, then cancel
     request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, allow_inf_nan=False)  # API: end a request after this
+    # API: a larger request body is refused (413) before it is parsed or tokenized
+    max_request_bytes: int = Field(8 * 2**20, ge=1024, le=2**31)
     # -- many instances behind one dispatcher (`convergent serve --instances N`)
     instances: int = Field(1, ge=1, le=64)
     dispatch_policy: Literal["load", "round_robin"] = "load"

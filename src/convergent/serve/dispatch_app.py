@@ -11,6 +11,7 @@ in :data:`RETRYABLE`); the answer is relayed whole or as server-sent events, end
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from convergent.fsutil import dumps_json
 from convergent.serve.config import ServeConfig
 from convergent.serve.dispatch_queue import Dispatcher, Instance
+from convergent.serve.http_body import BodyTooLarge, read_body, too_large
 
 __all__ = ["RETRYABLE", "create_dispatch_app"]
 
@@ -66,16 +68,13 @@ def _instance_failed(inst: Instance) -> str:
     return f"instance {inst.index} failed while the request was running"
 
 
-async def _read_body(request: HTTPRequest) -> tuple[bytes, dict]:
-    """The raw request body and its JSON object (``{}`` when it is none: an instance answers the 400)."""
-    raw = await request.body()
+def _json_object(raw: bytes) -> dict:
+    """The body's JSON object (``{}`` when it is none: an instance answers the 400)."""
     try:
         body = json.loads(raw)
     except ValueError:
         body = None
-    if not isinstance(body, dict):  # let an instance produce the 400
-        body = {}
-    return raw, body
+    return body if isinstance(body, dict) else {}
 
 
 class _Forwarder:
@@ -90,8 +89,11 @@ class _Forwarder:
 
     async def forward(self, request: HTTPRequest, path: str):
         """Forward one ``/v1`` POST and relay the instance's answer."""
-        raw, body = await _read_body(request)
-        tokens = _estimate_tokens(body, self.tok, self.sc.default_max_tokens)
+        try:  # within serve.max_request_bytes, then parsed and counted off the event loop
+            raw = await read_body(request, self.sc.max_request_bytes)
+        except BodyTooLarge as e:
+            return too_large(e.limit, "messages" if path.endswith("chat/completions") else "prompt")
+        body, tokens = await asyncio.to_thread(self.cost, raw)
         headers = {
             k: v
             for k, v in request.headers.items()
@@ -108,6 +110,11 @@ class _Forwarder:
         return StreamingResponse(
             self.relay(inst, resp, tokens), status_code=resp.status_code, media_type=ctype
         )
+
+    def cost(self, raw: bytes) -> tuple[dict, int]:
+        """(Worker thread.) The body's JSON object and its estimated tokens."""
+        body = _json_object(raw)
+        return body, _estimate_tokens(body, self.tok, self.sc.default_max_tokens)
 
     async def send(self, path: str, raw: bytes, headers: dict, tokens: int):
         """``(instance, response)`` of the first instance that took the request, or the error response."""
