@@ -14,7 +14,7 @@ import sys
 import typer
 
 from convergent import __version__
-from convergent.cli import data, demo, learn, report, runs, screen, serve, simulate, train
+from convergent.cli import data, demo, learn, md, report, runs, screen, serve, simulate, train
 
 app = typer.Typer(
     name="convergent",
@@ -39,12 +39,12 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version."
     ),
 ) -> None:
-    """Stages: demo, simulate, data, train, screen, learn, report, serve (+ generate, bench-serve, runs)."""
+    """Stages: demo, simulate, data, train, screen, md, learn, report, serve (+ generate, bench-serve, runs)."""
     if debug:
         os.environ["CONVERGENT_DEBUG"] = "1"
 
 
-for _module in (demo, simulate, data, train, screen, learn, report, serve, runs):
+for _module in (demo, simulate, data, train, screen, md, learn, report, serve, runs):
     _module.register(app)
 
 

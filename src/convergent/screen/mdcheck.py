@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from convergent.elements import covalent_bonds
+from convergent.screen.batchmd import BatchMD, MDSettings
 
 #: G2 molecules with two or three H atoms on one heavy atom (where the demo's model failed).
 MOLECULES = ("H2O", "NH3", "CH4", "C2H6", "CH3OH", "H3CNH2")
@@ -129,36 +130,43 @@ def md_check(model: Any, molecules: tuple[str, ...] = MOLECULES, seeds: int = 4,
              friction_per_fs: float = 0.01, check_every: int = 10,
              criteria: Criteria | None = None) -> MDCheck:
     """Langevin MD of each of ``molecules`` (ASE G2 names) with the surrogate ``model`` (a
-    model directory or a loaded model), ``seeds`` runs of each: every (molecule, seed)
-    run advances in one batch (:class:`~convergent.screen.batchmd.BatchMD`, one model call
-    a step for all, each with its own random stream and a fixed centre of mass) and is
-    checked by its :class:`StabilityMonitor` every ``check_every`` steps."""
+    model directory or a loaded model), ``seeds`` runs of each (:func:`stability_runs`)."""
     from ase.build import molecule
-    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
 
     from convergent.models.io import load_model
-    from convergent.screen.batchmd import BatchMD, MDSettings
 
     net = load_model(model)[0] if isinstance(model, str | Path) else model
-    runs = [(name, seed) for seed in range(seeds) for name in molecules]
-    atoms = [molecule(name) for name, _ in runs]
+    g2 = {name: molecule(name) for name in molecules}
+    structures = [(name, a.numbers, a.positions) for name, a in g2.items()]
+    settings = MDSettings(temperature_K, timestep_fs, friction_per_fs, fix_com=True)
+    return stability_runs([net], structures, seeds, settings, time_fs, check_every, criteria)[0]
+
+
+def stability_runs(models: list[Any], structures: list[tuple[str, Any, Any]], seeds: int,
+                   settings: MDSettings, time_fs: float, check_every: int = 10,
+                   criteria: Criteria | None = None) -> tuple[MDCheck, BatchMD]:
+    """``seeds`` runs of each ``(name, numbers, positions)`` structure with the committee
+    ``models``, all in one batch (:class:`~convergent.screen.batchmd.BatchMD`: one model
+    call a step for all, each run with its own random stream), each checked by its
+    :class:`StabilityMonitor` every ``check_every`` steps; the result and the runs."""
+    from ase import Atoms
+    from ase.md.velocitydistribution import MaxwellBoltzmannDistribution, Stationary
+
+    runs = [(s, seed) for seed in range(seeds) for s in structures]
+    atoms = [Atoms(numbers=z, positions=x) for (_, z, x), _ in runs]
     rngs = [np.random.default_rng([seed, k]) for k, (_, seed) in enumerate(runs)]
     for a, rng in zip(atoms, rngs, strict=True):
-        MaxwellBoltzmannDistribution(a, temperature_K=temperature_K, rng=rng)
+        MaxwellBoltzmannDistribution(a, temperature_K=settings.temperature_K, rng=rng)
         Stationary(a)
     mons: dict[int, StabilityMonitor] = {}
-
-    def check(i: int, pos: np.ndarray, energy: float) -> str | None:
-        return mons[i].check(pos, energy)
-
-    md = BatchMD([net], [a.numbers for a in atoms], [a.positions for a in atoms],
-                 MDSettings(temperature_K, timestep_fs, friction_per_fs, fix_com=True), rngs,
-                 check=check, velocities=[a.get_velocities() for a in atoms])
+    md = BatchMD(models, [a.numbers for a in atoms], [a.positions for a in atoms], settings, rngs,
+                 check=lambda i, pos, energy: mons[i].check(pos, energy),
+                 velocities=[a.get_velocities() for a in atoms])
     for i, t in enumerate(md.traj):  # the start frame, with the model's energy
         mons[i] = StabilityMonitor(t.numbers, t.positions[0], t.energy[0], criteria)
-    md.run(int(round(time_fs / timestep_fs)), interval=check_every)
-    out = MDCheck(temperature_K, time_fs, timestep_fs, friction_per_fs)
-    for (name, seed), t in zip(runs, md.traj, strict=True):
+    md.run(int(round(time_fs / settings.timestep_fs)), interval=check_every)
+    out = MDCheck(settings.temperature_K, time_fs, settings.timestep_fs, settings.friction_per_fs)
+    for ((name, _, _), seed), t in zip(runs, md.traj, strict=True):
         out.runs.append(MDRun(name, seed, True, time_fs) if t.stable
-                        else MDRun(name, seed, False, t.failed_step * timestep_fs, t.failure))
-    return out
+                        else MDRun(name, seed, False, t.failed_step * settings.timestep_fs, t.failure))
+    return out, md
