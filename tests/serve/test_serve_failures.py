@@ -156,10 +156,11 @@ def test_sigterm_with_streams_in_flight_exits_cleanly(hf_llama_dir, tmp_path):
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in stages)
 
 
-def test_engine_marks_requests_that_never_started(hf_llama_dir):
-    """In-process engine, 2 stage processes: after a stage death, requests that never
-    reached the stages are marked retryable (the API answers them with code
-    ``not_started``, which the dispatcher routes again); the engine restarts and serves."""
+def _engine_with_a_queue(hf_llama_dir, restart: bool):
+    """In-process engine, 2 stage processes, one sequence per micro-batch: of 5 requests
+    the first two run (long outputs) and three wait in the queue when stage 1 is killed
+    (after the first token). Returns the requests once each has ended, the queued ones and
+    the engine (closed)."""
     from convergent.serve.config import ServeConfig
     from convergent.serve.engine import Engine
 
@@ -168,14 +169,16 @@ def test_engine_marks_requests_that_never_started(hf_llama_dir):
         stages=2,
         max_num_seqs=1,
         block_size=4,
-        kv_budget_bytes=262144,
+        kv_budget_bytes=2**20,
         profile_costs=False,
         heartbeat_timeout_s=5,
+        restart_on_failure=restart,
     )
-    done = threading.Event()
-    first = threading.Event()
+    done, first = threading.Event(), threading.Event()
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
-        reqs = [eng.make_request([256, 1, 2, i], 150) for i in range(5)]
+        reqs = [eng.make_request([256, 1, 2, i], 200 if i < 2 else 30) for i in range(5)]
+        for r in reqs:  # before the loop starts: its first step admits the first two
+            eng.add_request(r)
         ended = []
 
         def on_token(ev):
@@ -188,22 +191,32 @@ def test_engine_marks_requests_that_never_started(hf_llama_dir):
 
         eng.add_token_listener(on_token)
         eng.start()
-        for r in reqs:
-            eng.add_request(r)
         assert first.wait(60)
+        queued = [r for r in reqs if r.state == "waiting"]
         eng.executor.procs[1].kill()
-        assert done.wait(60)
-        assert all(r.finish_reason == "error" and "stage 1" in r.error for r in reqs)
-        started = [r for r in reqs if r.output]
-        assert started and all(not r.retryable for r in started)
-        assert any(r.retryable and not r.output for r in reqs)
-        deadline = time.monotonic() + 120
-        while not eng.healthy and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert eng.healthy and eng.restarts == 1
-        again = eng.make_request([256, 1, 2, 0], 5)
-        done.clear()
-        ended.clear()
-        reqs = [again]
-        eng.add_request(again)
-        assert done.wait(60) and again.finish_reason == "length" and len(again.output) == 5
+        assert done.wait(120)
+    return reqs, queued, eng
+
+
+def test_queued_requests_survive_a_stage_restart(hf_llama_dir, hf_greedy):
+    """A stage dies: the requests running in the stages end with the reason (not
+    retryable), the ones still queued stay queued and run on the restarted pipeline,
+    token for token as transformers decodes them."""
+    reqs, queued, eng = _engine_with_a_queue(hf_llama_dir, restart=True)
+    assert len(queued) == 3 and eng.restarts == 1
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    assert failed and all("stage 1" in r.error and not r.retryable for r in failed)
+    assert all(r not in queued for r in failed)
+    ref = hf_greedy(hf_llama_dir, [r.prompt for r in queued], 30)
+    assert [r.output for r in queued] == ref
+    assert all(r.finish_reason == "length" for r in queued)
+
+
+def test_queued_requests_end_retryable_without_a_restart(hf_llama_dir):
+    """Without a restart the queue ends too, marked retryable (the API answers code
+    ``not_started``, which the dispatcher routes again)."""
+    reqs, queued, eng = _engine_with_a_queue(hf_llama_dir, restart=False)
+    assert len(queued) == 3 and eng.restarts == 0 and eng.error is not None
+    assert all(r.finish_reason == "error" and "stage 1" in r.error for r in reqs)
+    assert all(r.retryable and not r.output for r in queued)
+    assert not any(r.retryable for r in reqs if r.output)

@@ -2,11 +2,14 @@
 the stages, collects sampled tokens, records per-stage busy time and KV usage.
 
 Failures: online (:meth:`Engine.start`), the loop watches its executor (stage exit codes
-and heartbeats, :mod:`convergent.serve.executor`). When a stage dies every unfinished
-request ends at once with ``finish_reason="error"`` and the reason in ``Request.error``,
-:attr:`Engine.healthy` turns false, and the pipeline is rebuilt (weights reloaded) while
-the :class:`~convergent.serve.restarts.RestartBudget` allows; otherwise
-:attr:`Engine.error` is set, the fatal listeners are called and the engine stops.
+and heartbeats, :mod:`convergent.serve.executor`). When a stage dies every request running
+in the stages (admitted: it holds KV there) ends at once with ``finish_reason="error"``
+and the reason in ``Request.error``, :attr:`Engine.healthy` turns false, and the pipeline
+is rebuilt (weights reloaded) while the
+:class:`~convergent.serve.restarts.RestartBudget` allows; requests still waiting in the
+queue stay queued and run on the new pipeline. Otherwise they end too (retryable: they
+never started), :attr:`Engine.error` is set, the fatal listeners are called and the engine
+stops.
 :meth:`Engine.begin_shutdown` ends what is still running at a deadline (SIGTERM: the API
 finishes or cancels in-flight requests in bounded time).
 
@@ -411,22 +414,33 @@ class Engine:
             self._emit(msg, -1)
 
     # -- failures and shutdown
-    def _fail_all(self, reason: str, reset: bool = False) -> None:
-        """End every unfinished request with ``finish_reason="error"``; with ``reset`` (the
-        pipeline died: nothing in flight survives) also a fresh scheduler and KV map."""
-        reqs = [*self.sched.running, *self.sched.waiting]
-        if reset:
-            self.in_flight.clear()
-            self.bm = BlockManager(self.bm.num_blocks, self.bm.block_size)
-            self.sched = self._new_scheduler()
-        for r in reqs:
+    def _fail_all(self, reason: str) -> None:
+        """End every unfinished request with ``finish_reason="error"`` (``retryable`` where
+        none of it reached the stages)."""
+        for r in [*self.sched.running, *self.sched.waiting]:
             r.retryable = not (r.in_flight or r.num_computed or r.output)
-            if not reset:
-                self.sched.abort(r.rid)
-            r.state, r.finish_reason, r.error = RequestStatus.FINISHED, "error", reason
-            if reset:
-                r.in_flight = False
+            self.sched.abort(r.rid)
+            r.finish_reason, r.error = "error", reason
             self._emit(r, -1)
+
+    def _fail_running(self, reason: str) -> None:
+        """The pipeline died: end the requests it held (admitted, with KV in the stages)
+        with ``finish_reason="error"``; a fresh scheduler and KV map keep the queue."""
+        running, queued = list(self.sched.running), list(self.sched.waiting)
+        self.in_flight.clear()
+        self.bm = BlockManager(self.bm.num_blocks, self.bm.block_size)
+        self.sched = self._new_scheduler()
+        for r in running:
+            r.retryable = False  # admitted: its prefill went to the stages
+            r.state, r.finish_reason, r.error = RequestStatus.FINISHED, "error", reason
+            r.in_flight = False
+            self._emit(r, -1)
+        for r in queued:  # never in the stages (or preempted out of them): queue again
+            waited = r.queued_at
+            self.sched.add(r)
+            r.queued_at = waited
+            if r.finished:
+                self._emit(r, -1)
 
     def _recover(self, exc: Exception) -> bool:
         """After a failure: end all requests, then restart the pipeline (true) or give up."""
@@ -434,11 +448,9 @@ class Engine:
         self.healthy = False
         self.failure = reason
         self.failures.record()
-        self._fail_all(reason, reset=True)
+        self._fail_running(reason)
         self.executor.close(kill=True)
-        while self.failures.allows(self.cfg):
-            if self._stop.is_set():
-                return False
+        while self.failures.allows(self.cfg) and not self._stop.is_set():
             try:
                 self.executor = self._make_executor()
             except Exception as again:
@@ -449,6 +461,9 @@ class Engine:
             self.restarts += 1
             self.healthy = True
             return True
+        self._fail_all(reason)  # no pipeline will run the queue
+        if self._stop.is_set():
+            return False
         self.error = StageFailure(f"{reason} (no restart: {self.failures.refusal(self.cfg)})")
         for fn in self._fatal_listeners:
             fn(self.error)
