@@ -25,10 +25,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from convergent.train.config import ParallelConfig
 
 
 @dataclass
@@ -309,7 +312,7 @@ class CompressionState:
 
 
 def register_compression(
-    ddp_model: Any, kind: str, pcfg: Any, stats: CommStats
+    ddp_model: Any, kind: str, pcfg: ParallelConfig, stats: CommStats
 ) -> CompressionState:
     """Register the comm hook for ``kind`` on a DDP model; returns its state."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,11 @@ from convergent.models.molecular import build_model, energy_and_forces, fit_refe
 from convergent.train.molcolumns import ColumnStore
 from convergent.train.taskapi import MicroBatch
 
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
+    from convergent.data.config import DataConfig
+    from convergent.models.config import ModelConfig
+
 
 class MoleculeSource:
     """Labelled records (records with a finite energy) of one or more dataset directories,
@@ -45,7 +50,7 @@ class MoleculeSource:
     its first record, so a model trained on the resample knows every element.
     """
 
-    def __init__(self, path: str | Path, data_cfg: Any = None, extra: Sequence[str | Path] = (),
+    def __init__(self, path: str | Path, data_cfg: DataConfig | None = None, extra: Sequence[str | Path] = (),
                  order: str = "stored", bootstrap_seed: int | None = None) -> None:
         self.path = Path(path)
         paths = [self.path, *(Path(p) for p in extra)]
@@ -127,7 +132,7 @@ class MoleculeSource:
         return self._columns.batch(idx)
 
 
-def build(cfg: Any, source: MoleculeSource) -> nn.Module:
+def build(cfg: ConvergentConfig, source: MoleculeSource) -> nn.Module:
     """The surrogate of ``model.kind`` (molecular or MACE) with element reference energies
     fitted on the training set, or warm-started from ``train.init_from`` (its references
     refitted as ``train.init_reference`` says), with ``train.freeze``'s parameters frozen.
@@ -152,7 +157,7 @@ def build(cfg: Any, source: MoleculeSource) -> nn.Module:
     return model
 
 
-def new_model(model_cfg: Any, records: list[dict[str, Any]], warm: nn.Module | None = None) -> nn.Module:
+def new_model(model_cfg: ModelConfig, records: list[dict[str, Any]], warm: nn.Module | None = None) -> nn.Module:
     """A freshly initialised network of ``model_cfg.kind`` for training data ``records``:
     MACE's element table and neighbour normalisation come from them (from ``warm``, the
     model it will be warm-started from, when given); the molecular model needs neither."""
@@ -166,7 +171,7 @@ def new_model(model_cfg: Any, records: list[dict[str, Any]], warm: nn.Module | N
     return MaceModel(model_cfg, warm.elements, float(warm.avg_num_neighbors))
 
 
-def _warm_model(cfg: Any, records: list[dict[str, Any]]) -> nn.Module:
+def _warm_model(cfg: ConvergentConfig, records: list[dict[str, Any]]) -> nn.Module:
     """The model of ``train.init_from``, refused (ConfigError) when it is another kind or,
     for MACE, lacks an element of the data (MACE's element table is fixed when built)."""
     warm, warm_cfg = load_model(cfg.train.init_from, "cpu")
@@ -225,7 +230,7 @@ def loss_from_predictions(
     return loss, stats
 
 
-def export(model: nn.Module, cfg: Any, directory: Path) -> None:
+def export(model: nn.Module, cfg: ConvergentConfig, directory: Path) -> None:
     save_model(
         model,
         cfg.model,

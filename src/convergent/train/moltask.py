@@ -7,7 +7,7 @@ pipeline stages in :mod:`convergent.train.molpipe`; this class wires them to the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from convergent.errors import ConfigError
 from convergent.models.losses import BASELINE_KEYS, SUM_KEYS, baseline_sums, metrics_from_sums
 from convergent.train import moldata, molpipe
 from convergent.train.taskapi import MicroBatch, Task, split_evenly
+
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
 
 
 class MolecularTask(Task):
@@ -41,7 +44,7 @@ class MolecularTask(Task):
         """Autograd forces = -dE/dpositions are trained through the parameters."""
         return self.cfg.model.forces == "autograd"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ConvergentConfig) -> None:
         super().__init__(cfg)
         t = cfg.train
         if not t.dataset:

@@ -43,6 +43,7 @@ from convergent.train.tasks import check_pipeline
 from convergent.train.topology import gather_hostnames, group_ranks, read_topology_file
 
 if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
     from convergent.train.config import ParallelConfig
 
 
@@ -210,7 +211,7 @@ def register_ddp_hook(ddp: Any, pcfg: ParallelConfig, par: Parallelized) -> None
 
 
 def parallelize(
-    model: nn.Module, task: Task, cfg: Any, device: torch.device
+    model: nn.Module, task: Task, cfg: ConvergentConfig, device: torch.device
 ) -> Parallelized:
     """Apply ``cfg.parallel.strategy`` to a plain model already on ``device``."""
     pcfg, prec = cfg.parallel, cfg.precision
@@ -281,7 +282,7 @@ def parallelize(
 
 
 def build_pipeline(
-    model: nn.Module, task: Task, cfg: Any, device: torch.device, world: int, rank: int
+    model: nn.Module, task: Task, cfg: ConvergentConfig, device: torch.device, world: int, rank: int
 ) -> Parallelized:
     """Cut the model into stages and build the torch.distributed.pipelining schedule."""
     from torch.distributed.pipelining import (

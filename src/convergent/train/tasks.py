@@ -9,7 +9,7 @@ interface and the global batch plan are described in :mod:`convergent.train.task
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from convergent.data.manifest import check_dataset
 from convergent.errors import ConfigError, NotAvailableError
@@ -20,6 +20,10 @@ from convergent.train.moltask import MolecularTask
 from convergent.train.taskapi import MicroBatch, Task, find_blocks, split_evenly
 from convergent.train.texttask import TextLMTask
 
+if TYPE_CHECKING:
+    from convergent.config import ConvergentConfig
+
+
 __all__ = [
     "LMTask", "MicroBatch", "MolecularTask", "Task", "check_before_launch", "check_mace",
     "check_pipeline",
@@ -27,7 +31,7 @@ __all__ = [
 ]
 
 
-def check_mace(cfg: Any) -> None:
+def check_mace(cfg: ConvergentConfig) -> None:
     """Refuse what MACE's training cannot run: pipeline stages (its forces are a double
     backward through every stage) and reduced-precision autocast (e3nn's tensor products
     take one dtype; MACE computes in ``model.mace.dtype``)."""
@@ -47,7 +51,7 @@ def check_mace(cfg: Any) -> None:
         )
 
 
-def check_pipeline(cfg: Any) -> None:
+def check_pipeline(cfg: ConvergentConfig) -> None:
     """Refuse ``parallel.strategy=pipeline`` for models whose training it cannot run."""
     check_mace(cfg)
     if cfg.parallel.strategy != "pipeline" or cfg.model.kind != "molecular":
@@ -62,7 +66,7 @@ def check_pipeline(cfg: Any) -> None:
         )
 
 
-def check_before_launch(cfg: Any, data: bool = True) -> None:
+def check_before_launch(cfg: ConvergentConfig, data: bool = True) -> None:
     """Config errors the ranks would hit at start-up, raised before torchrun starts
     (``data=False``: skip the dataset paths, e.g. when only printing the command)."""
     check_pipeline(cfg)
@@ -86,7 +90,7 @@ def check_before_launch(cfg: Any, data: bool = True) -> None:
             check_dataset(path, f"train.{key}")
 
 
-def make_task(cfg: Any) -> Task:
+def make_task(cfg: ConvergentConfig) -> Task:
     """The task for ``cfg.model.kind``: ``molecular`` and ``mace`` (the molecular task: the
     same data, batches, loss and export; the network is built by ``model.kind``) or
     ``llama``."""
