@@ -44,7 +44,7 @@ class TextConfig(Section):
     init_from: PathStr | None = None
     # knowledge distillation: this HF Llama (same tokenizer) is the teacher; the loss is
     # (1 - kd_alpha) * CE(labels) + kd_alpha * T^2 * KL(teacher_T || student_T); the defaults
-    # (0.5, T=1) beat (0.9, T=2) on the stdlib Llama of bench/compression_inference.py
+    # (0.5, T=1) beat (0.9, T=2) on the stdlib Llama of bench/compress/inference.py
     teacher: PathStr | None = None
     kd_alpha: float = Field(0.5, ge=0.0, le=1.0, allow_inf_nan=False)
     kd_temperature: float = Field(1.0, ge=0.5, le=20.0, allow_inf_nan=False)

@@ -95,7 +95,7 @@ class ExploreConfig(Section):
 class SelectConfig(Section):
     """Scoring and batch selection. Score = energy spread per atom + ``force_weight`` x the
     largest per-atom force spread (0.02 puts the two on one scale; a force-dominated score
-    picks the most distorted structures, bench/active_learning.py), in tasks of
+    picks the most distorted structures, bench/learn/active_learning.py), in tasks of
     ``score_chunk`` candidates. ``strategy``: ``uncertainty`` (no two structures of a batch
     within ``diversity_tol`` Å of each other, nor within ``labelled_tol`` Å of a labelled
     one; at most ``max_per_molecule`` per molecule, 0: no limit) or ``random`` (a seeded

@@ -7,7 +7,7 @@ structure already in the batch: same atoms and sorted interatomic distances all 
 ``tol`` Å (a fingerprint invariant to translation, rotation and atom order); with
 ``labelled_tol`` > 0 it also skips one within ``labelled_tol`` Å of a structure already
 labelled (a committee keeps disagreeing on hard chemistry, and without this rule it asks
-for near-copies of what it has: on the NCI pool of bench/active_learning.py, 53 of 176
+for near-copies of what it has: on the NCI pool of bench/learn/active_learning.py, 53 of 176
 labels went to second or third conformers of a compound). ``random``
 draws a seeded random batch (the baseline). ``acquisition="power"`` walks the candidates
 in a seeded random order drawn with probability proportional to ``score ** beta``

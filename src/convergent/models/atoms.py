@@ -15,7 +15,7 @@ density; centres are processed in chunks to bound the temporary pair buffers.
 
 Periodic structures on the CPU go to `vesin <https://github.com/Luthaf/vesin>`_ when it is
 installed (the ``vesin`` extra; ``backend="auto"``): the same pairs and shifts (in
-another order), faster in ``bench/neighbors.py``. The torch cell list above is the
+another order), faster in ``bench/models/neighbors.py``. The torch cell list above is the
 fallback and the path for GPU tensors.
 """
 

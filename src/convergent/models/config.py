@@ -19,7 +19,7 @@ from convergent.configbase import Count, Count0, Positive, Section
 class MaceConfig(Section):
     """MACE hyper-parameters (``model.kind: mace``): mace-torch's ``ScaleShiftMACE``.
 
-    The defaults are the "small" MACE of bench/molbench_mace.py (mace_run_train's settings
+    The defaults are the "small" MACE of bench/models/molbench_mace.py (mace_run_train's settings
     except the width): ``r_max`` 5 Å, 2 interactions, hidden irreps ``32x0e+32x1o``
     (``channels`` per l up to ``max_L``), spherical harmonics to ``max_ell`` 3, body order
     ``correlation`` 3, 8 Bessel functions with a p=5 polynomial cutoff, a 64x64x64 radial
@@ -78,7 +78,7 @@ class ModelConfig(Section):
     attention: Literal["neighbor", "topk", "dense"] = "neighbor"
     # silu (default): gated sum over neighbours (grows with the neighbour count, as an
     # extensive energy does); softmax: weighted mean (with a sink slot). On fold 0 of
-    # bench/model_accuracy.py's 544 NCI compounds, silu: 0.35 eV, softmax: 0.47 eV
+    # bench/models/accuracy.py's 544 NCI compounds, silu: 0.35 eV, softmax: 0.47 eV
     # energy MAE on unseen compounds. See EdgeAttentionBlock._weights (edge_attention.py).
     attention_weights: Literal["softmax", "silu"] = "silu"
     # LayerNorm at the input of the per-atom energy head. Off by default: it discards the

@@ -5,7 +5,7 @@ take it where no training structure went (two H atoms of one heavy atom fused at
 0.5-0.7 Å, found on the demo's model before the repulsive prior). :func:`md_check` runs
 ``seeds`` Langevin trajectories of each molecule at ``temperature_K`` for ``time_fs`` and
 calls a run stable when every check passes :class:`StabilityMonitor`'s :class:`Criteria`
-(the MD-stability bench's, bench/md_stability.py: no bond of the start stretched past 1.5x,
+(the MD-stability bench's, bench/models/md_stability.py: no bond of the start stretched past 1.5x,
 no two atoms closer than 0.7 Å, no energy blow-up past 1 eV/atom, nothing non-finite).
 
 Every run moves in one batch (:mod:`convergent.screen.batchmd`): each step is one model

@@ -86,7 +86,7 @@ class SimulateConfig(Section):
     xtb_max_iterations: Count = 250
     xtb_electronic_temperature: NonNegative = 300.0  # K
     min_distance: NonNegative = 0.5  # Å; closer atom pairs are quarantined as bad geometry
-    chunk_size: int = Field(100, ge=1)  # frames per Dask task (rattle); bench/sim_throughput.py
+    chunk_size: int = Field(100, ge=1)  # frames per Dask task (rattle); bench/sim/throughput.py
     timeout_s: NonNegative = 300.0  # per task; 0: no timeout
     retries: int = Field(2, ge=0)  # per task, before it is split / quarantined
     max_in_flight: Count | None = None  # tasks submitted at once; None: 3 per worker

@@ -33,7 +33,7 @@ bucket's communication no longer overlaps the rest of backward.
 
 ``CommStats.bytes`` counts the payload this rank sends on the outermost hop (the slow
 links), so ``comm_bytes`` in the metrics is per-rank slow-link payload for this
-algorithm; the wire bytes per link are measured by ``bench/collectives.py``.
+algorithm; the wire bytes per link are measured by ``bench/train/collectives.py``.
 """
 
 from __future__ import annotations
