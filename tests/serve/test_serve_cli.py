@@ -49,7 +49,8 @@ def test_generate_over_context_limit_is_a_clean_error(hf_llama_dir, capsys):
     )
     assert rc == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: prompt (6 tokens) + max_tokens (5000) exceeds the context limit")
+    assert err.startswith("error: This model's maximum context length is 256 tokens")
+    assert "(max_position_embeddings=256 allows 256," in err and "5006 tokens" in err
 
 
 def test_generate_missing_model_dir(tmp_path, capsys):

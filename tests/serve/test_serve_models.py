@@ -109,8 +109,10 @@ def test_variant_greedy_matches_transformers(tmp_path, variant):
         eng.run()
         if variant == "mistral_window":
             assert eng.context_limit == 48  # within the window, windowed attention is exact
-            with pytest.raises(InputError, match="max_position_embeddings allows 48"):
+            # the error names the key that set the limit (the window, not the positions)
+            with pytest.raises(InputError, match=r"\(sliding_window=48 allows 48,") as e:
                 eng.make_request(list(range(40)), 9)
+            assert "max_position_embeddings" not in str(e.value)
     assert [r.output for r in reqs] == ref
 
 
@@ -150,6 +152,26 @@ def test_unsupported_configs_are_refused(tmp_path, capsys):
         assert line.startswith("error: ") and "config.json" in line and "Traceback" not in err
         shown = key if key != "rope_scaling" else "rope_scaling."
         assert shown in line, line
+
+
+def test_pytorch_bin_checkpoint_is_refused_before_any_stage(tmp_path, capsys):
+    """Weights only as ``pytorch_model.bin`` (a pickle): one line naming the file and the
+    conversion, exit 2, from `serve` (before any instance or stage starts) and `generate`."""
+    d = tmp_path / "bin"
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))
+    m.config.save_pretrained(d)  # transformers 5 writes safetensors only: the old layout by hand
+    torch.save(m.state_dict(), d / "pytorch_model.bin")
+    from convergent.serve.executor import free_port
+
+    for argv in (["serve", "--port", str(free_port())], ["generate", "hi", "-n", "2"]):
+        rc = main([*argv, "--model", str(d), "--set", f"run.root={tmp_path / 'runs'}"])
+        err = capsys.readouterr().err
+        line = next((ln for ln in err.splitlines() if ln.startswith("error: ")), "")
+        assert rc == 2 and "pytorch_model.bin" in line and "safetensors" in line, err
+        assert "save_pretrained" in err and "Traceback" not in err
+    with pytest.raises(InputError, match="pytorch_model.bin"):
+        Engine(d, ServeConfig(scheduler="sequential", profile_costs=False))
 
 
 def test_tiny_vocab_without_tokenizer_is_a_clean_error(tmp_path, capsys):

@@ -32,6 +32,7 @@ def _with_quant(sets: list[str] | None, quantize: str | None) -> list[str] | Non
 
 def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
     from convergent.errors import InputError
+    from convergent.serve.engine_setup import check_weights
     from convergent.serve.offline import ensure_random_model
 
     path = model or (Path(cfg.serve.model) if cfg.serve.model else None)
@@ -44,6 +45,7 @@ def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
             f"{path}: not a Hugging Face checkpoint directory (config.json missing)",
             hint="pass --model DIR with config.json and *.safetensors",
         )
+    check_weights(path)  # before any instance or stage starts
     return path
 
 
@@ -121,13 +123,9 @@ def _generate(
         raise InputError(note.removeprefix("tokenizer: "))
     with Engine(mdir, cfg.serve.model_copy(update={"profile_costs": False})) as eng:
         prompt_ids = tok.encode(prompt)
-        limit = eng.context_limit
-        if len(prompt_ids) + max_tokens > limit:
-            raise InputError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context limit of {limit} tokens",
-                hint="shorten the prompt or lower --max-tokens",
-            )
+        why = eng.context_error(len(prompt_ids), max_tokens)
+        if why is not None:
+            raise InputError(why, hint="shorten the prompt or lower --max-tokens")
         req = eng.add_request(eng.make_request(prompt_ids, max_tokens, temperature=temperature))
         eng.run()
     typer.echo(dumps_json(req.output) if ids else tok.decode(req.output))

@@ -30,7 +30,13 @@ from convergent.errors import InputError
 from convergent.models.layersplit import split_layers
 from convergent.serve.config import ServeConfig
 from convergent.serve.costs import CostTable
-from convergent.serve.engine_setup import kv_blocks, pipeline_stages, stage_specs
+from convergent.serve.engine_setup import (
+    check_weights,
+    context_source,
+    kv_blocks,
+    pipeline_stages,
+    stage_specs,
+)
 from convergent.serve.executor import LocalExecutor, ProcessExecutor, StageFailure, free_port
 from convergent.serve.kv_cache import BlockManager
 from convergent.serve.messages import (
@@ -90,6 +96,7 @@ class Engine:
                 hint="pass a directory with config.json and *.safetensors",
             )
         self.model_dir = model_dir
+        check_weights(model_dir)
         self.mcfg = read_config(model_dir)
         p = self.num_stages = pipeline_stages(cfg, self.mcfg)
         self.bm = BlockManager(kv_blocks(cfg, self.mcfg), cfg.block_size)
@@ -156,7 +163,8 @@ class Engine:
     def context_limit(self) -> int:
         """Longest prompt + output of one request: the smallest of ``serve.max_model_len``,
         the model's own context (``max_position_embeddings``, times a linear/dynamic RoPE
-        factor) and the KV cache's capacity."""
+        factor, or Mistral's ``sliding_window``: :func:`context_source`) and the KV
+        cache's capacity."""
         return min(self.cfg.max_model_len, self.model_context, self.bm.capacity_tokens)
 
     def context_error(self, n_prompt: int, max_tokens: int) -> str | None:
@@ -165,7 +173,7 @@ class Engine:
             return None
         return (
             f"This model's maximum context length is {self.context_limit} tokens "
-            f"(max_position_embeddings allows {self.model_context}, the KV cache holds "
+            f"({context_source(self.mcfg)} allows {self.model_context}, the KV cache holds "
             f"{self.bm.capacity_tokens}, serve.max_model_len is {self.cfg.max_model_len}). "
             f"However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
             f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens."

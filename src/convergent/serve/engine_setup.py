@@ -1,12 +1,14 @@
-"""What an engine is built from: the number of pipeline stages, the KV blocks of the
-byte budget, and one :class:`~convergent.serve.stage.StageSpec` per stage."""
+"""What an engine is built from: a checkpoint whose weights it can read, the number of
+pipeline stages, the KV blocks of the byte budget, and one
+:class:`~convergent.serve.stage.StageSpec` per stage; and which ``config.json`` keys set
+the model's own context."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convergent.errors import ConfigError
+from convergent.errors import ConfigError, InputError
 from convergent.serve.config import ServeConfig
 from convergent.serve.kv_cache import blocks_for_budget
 from convergent.serve.stage import StageSpec
@@ -14,7 +16,38 @@ from convergent.serve.stage import StageSpec
 if TYPE_CHECKING:
     from convergent.models.llama_config import LlamaConfig
 
-__all__ = ["kv_blocks", "pipeline_stages", "stage_specs"]
+__all__ = ["check_weights", "context_source", "kv_blocks", "pipeline_stages", "stage_specs"]
+
+
+def check_weights(model_dir: Path) -> None:
+    """Refuse (before any stage starts: exit 2) a checkpoint without ``*.safetensors``
+    weights, naming what it has instead (``pytorch_model.bin`` pickles are not loaded)."""
+    if any(model_dir.glob("*.safetensors")):
+        return
+    bins = sorted(p.name for p in model_dir.glob("pytorch_model*.bin"))
+    convert = (
+        'convert it once: python -c "from transformers import AutoModelForCausalLM as M; '
+        f"M.from_pretrained('{model_dir}').save_pretrained('{model_dir}')\""
+    )
+    if bins:
+        raise InputError(
+            f"{model_dir}: weights only as {bins[0]} (PyTorch pickle); serving reads *.safetensors",
+            hint=convert,
+        )
+    raise InputError(f"{model_dir}: no *.safetensors weights", hint="pass a Hugging Face checkpoint")
+
+
+def context_source(mcfg: LlamaConfig) -> str:
+    """The ``config.json`` keys that set the model's own context (``mcfg.max_context``):
+    ``sliding_window=16`` where the window caps it, else ``max_position_embeddings`` (with
+    a linear / dynamic RoPE factor)."""
+    if mcfg.sliding_window and int(mcfg.sliding_window) == mcfg.max_context:
+        return f"sliding_window={mcfg.sliding_window}"
+    src = f"max_position_embeddings={mcfg.max_position_embeddings}"
+    rs = mcfg.rope_scaling or {}
+    if rs.get("rope_type") in ("linear", "dynamic"):
+        src += f" x rope_scaling.factor={rs.get('factor', 1.0)}"
+    return src
 
 
 def pipeline_stages(cfg: ServeConfig, mcfg: LlamaConfig) -> int:
