@@ -30,6 +30,7 @@ from convergent.errors import InputError
 from convergent.models.layersplit import split_layers
 from convergent.serve.config import ServeConfig
 from convergent.serve.costs import CostTable
+from convergent.serve.engine_faults import FailureHandling
 from convergent.serve.engine_setup import (
     check_weights,
     context_source,
@@ -52,7 +53,6 @@ from convergent.serve.sampling import SamplingParams
 from convergent.serve.scheduler import (
     MicroBatch,
     Request,
-    RequestStatus,
     SchedulerConfig,
     make_scheduler,
 )
@@ -64,7 +64,7 @@ TokenListener = Callable[[TokenEvent], None]
 FatalListener = Callable[[BaseException], None]
 
 
-class Engine:
+class Engine(FailureHandling):
     """Serve requests on a Llama checkpoint with a pipeline of stages and a scheduler.
 
     ``Engine(model_dir, cfg)``; :meth:`add_request`; then either :meth:`run` (offline:
@@ -420,80 +420,6 @@ class Engine:
         self.sched.add(msg)
         if msg.finished:  # it can never fit: ended at once
             self._emit(msg, -1)
-
-    # -- failures and shutdown
-    def _fail_all(self, reason: str) -> None:
-        """End every unfinished request with ``finish_reason="error"`` (``retryable`` where
-        none of it reached the stages)."""
-        for r in [*self.sched.running, *self.sched.waiting]:
-            r.retryable = not (r.in_flight or r.num_computed or r.output)
-            self.sched.abort(r.rid)
-            r.finish_reason, r.error = "error", reason
-            self._emit(r, -1)
-
-    def _fail_running(self, reason: str) -> None:
-        """The pipeline died: end the requests it held (admitted, with KV in the stages)
-        with ``finish_reason="error"``; a fresh scheduler and KV map keep the queue."""
-        running, queued = list(self.sched.running), list(self.sched.waiting)
-        self.in_flight.clear()
-        self.bm = BlockManager(self.bm.num_blocks, self.bm.block_size)
-        self.sched = self._new_scheduler()
-        for r in running:
-            r.retryable = False  # admitted: its prefill went to the stages
-            r.state, r.finish_reason, r.error = RequestStatus.FINISHED, "error", reason
-            r.in_flight = False
-            self._emit(r, -1)
-        for r in queued:  # never in the stages (or preempted out of them): queue again
-            waited = r.queued_at
-            self.sched.add(r)
-            r.queued_at = waited
-            if r.finished:
-                self._emit(r, -1)
-
-    def _recover(self, exc: Exception) -> bool:
-        """After a failure: end all requests, then restart the pipeline (true) or give up."""
-        reason = str(exc) if isinstance(exc, StageFailure) else f"engine error: {exc!r}"
-        self.healthy = False
-        self.failure = reason
-        self.failures.record()
-        self._fail_running(reason)
-        self.executor.close(kill=True)
-        while self.failures.allows(self.cfg) and not self._stop.is_set():
-            try:
-                self.executor = self._make_executor()
-            except Exception as again:
-                self.failures.record()
-                self.failure = f"{reason}; restart failed: {again}"
-                time.sleep(min(5.0, 0.5 * self.failures.recent))
-                continue
-            self.restarts += 1
-            self.healthy = True
-            return True
-        self._fail_all(reason)  # no pipeline will run the queue
-        if self._stop.is_set():
-            return False
-        self.error = StageFailure(f"{reason} (no restart: {self.failures.refusal(self.cfg)})")
-        for fn in self._fatal_listeners:
-            fn(self.error)
-        return False
-
-    def begin_shutdown(self, timeout_s: float) -> None:
-        """Stop accepting (the API checks :attr:`accepting`); requests still running after
-        ``timeout_s`` end with an error. Thread-safe."""
-        self._shutdown_at = time.monotonic() + max(0.0, timeout_s)
-
-    @property
-    def accepting(self) -> bool:
-        return self.healthy and self.error is None and self._shutdown_at is None
-
-    @property
-    def shutting_down(self) -> bool:
-        return self._shutdown_at is not None
-
-    @property
-    def stalled(self) -> bool:
-        """The engine thread has not looped for ``serve.heartbeat_timeout_s``."""
-        return time.monotonic() - self.last_loop > self.cfg.heartbeat_timeout_s
 
     @property
     def queue_length(self) -> int:
