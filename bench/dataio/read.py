@@ -8,7 +8,8 @@ a torch DataLoader with the same settings (batch size, workers, list collate) by
   order as ours: the block shuffle of ``convergent``'s reader for the seed, so both read
   the identical sequence of records; ``--loose-order full`` gives the
   ``DataLoader(shuffle=True)`` idiom instead, a full random permutation, and says so)
-* ``convergent``  ``convergent data pack`` shards + ``StreamingDataset`` (block shuffle)
+* ``convergent``  ``convergent data pack`` shards + the reference streaming reader over
+  them (:mod:`bench.dataio.stream`'s ``StreamingDataset``, block shuffle)
 * ``convergent_cached``  the same through the node-local cache tier (empty at start,
   budget half the dataset: checked copies, prefetch, eviction by next use)
 * ``webdataset``  WebDataset 1.0.2 tar shards (our ``data export --to webdataset``)

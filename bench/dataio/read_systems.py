@@ -126,7 +126,7 @@ def write_loose_order(data: Path, seed: int, batch: int) -> Path:
     """The record order of ``convergent``'s reader for ``seed`` (one rank), saved for the
     loose-file side so that both read the same records in the same order. Sample id ``i``
     of the packed dataset is loose file ``i`` (``pack_directory`` packs sorted paths)."""
-    from convergent.data.stream import StreamingDataset
+    from bench.dataio.stream import StreamingDataset
 
     ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
                           rank=0, world_size=1)
@@ -166,15 +166,15 @@ def make_loader(system: str, data: Path, batch: int, workers: int, seed: int,
                              f"{len(files)} loose files")
         return DataLoader(Files(), sampler=order, **common)
     if system == "convergent":
-        from convergent.data.stream import StreamingDataset
+        from bench.dataio.stream import StreamingDataset
 
         ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
                               rank=0, world_size=1, transform=lambda r: r["payload"])
         return DataLoader(ds, **common)
     if system == "convergent_cached":
+        from bench.dataio.stream import StreamingDataset
         from convergent.data.cache import ShardCache
         from convergent.data.manifest import read_manifest
-        from convergent.data.stream import StreamingDataset
 
         cache_dir = data / "node-local-cache"
         shutil.rmtree(cache_dir, ignore_errors=True)

@@ -9,7 +9,6 @@ import pytest
 from convergent.data.cache import ShardCache
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset
-from convergent.data.stream import StreamingDataset, StreamingLoader
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
 from tests.data.datarecords import molecular_records
@@ -104,15 +103,3 @@ def verify_ok(path) -> bool:
 
     return verify_dataset(path).ok
 
-
-def test_streaming_with_prefetch_and_workers(remote, tmp_path):
-    m = read_manifest(remote)
-    budget = 4 * max(s.bytes for s in m.shards)
-    sd = StreamingDataset(remote, seed=0, rank=0, world_size=1, block_size=8,
-                          cache=tmp_path / "local", cache_bytes=budget, prefetch_shards=2)
-    loader = StreamingLoader(sd, batch_size=5, num_workers=2, collate_fn=lambda b: [r["key"] for r in b])
-    got = [k for b in loader for k in b]
-    keys = open_dataset(remote).keys()
-    assert got == [keys[i] for i in sd.rank_ids()]
-    cache = ShardCache(tmp_path / "local", budget_bytes=budget)
-    assert 0 < cache.used_bytes() <= budget

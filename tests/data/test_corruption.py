@@ -137,11 +137,11 @@ def test_cli_verify_exit_2_names_the_shard(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_streaming_fast_path_detects_every_flipped_byte(tmp_path):
-    """Uncompressed bytes shards are decoded in batches (format.decode_plain_bytes_frames);
-    that path returns the same records and misses no damage."""
+def test_batch_decode_fast_path_detects_every_flipped_byte(tmp_path):
+    """Uncompressed bytes shards are decoded in batches (``ShardReader.records`` through
+    records.decode_plain_bytes_frames); that path returns the same records and misses no
+    damage."""
     from convergent.data.records import decode_plain_bytes_frames
-    from convergent.data.stream import StreamingDataset
 
     src = tmp_path / "good"
     recs = bytes_records(60, max_size=900)
@@ -156,8 +156,13 @@ def test_streaming_fast_path_detects_every_flipped_byte(tmp_path):
     assert all(fast[i] is None for i in range(len(recs)) if i not in framed)  # inlined ones
     ds.close()
 
-    def stream(path) -> list:
-        return list(StreamingDataset(path, seed=3, shuffle=True, block_size=16, rank=0, world_size=1))
+    def stream(path) -> list:  # every record, each shard's in a shuffled order, in batches
+        out = []
+        for sh in open_dataset(path).shards:
+            local = np.random.default_rng(3).permutation(sh.info.records).tolist()
+            for k in range(0, len(local), 16):
+                out.extend(sh.records(local[k : k + 16]))
+        return out
 
     assert sorted(stream(src), key=lambda r: r["key"]) == sorted(recs, key=lambda r: r["key"])
     name = read_manifest(src).shards[0].name

@@ -1,10 +1,12 @@
-"""Dataset store: checksummed shards, streaming reader, node-local cache.
+"""Dataset store: checksummed shards, a map-style reader, node-local cache.
 
 Millions of small records (molecular structures with energies and forces, or any small
 files) become a few large shards with a columnar index and a manifest of xxh3 checksums;
-a streaming reader feeds training with a seeded block shuffle, equal per-rank counts and
-exact mid-epoch resume; a node-local cache tier keeps the parallel file system out of
-the inner loop.
+``open_dataset`` reads any record by index (shards mapped lazily, every frame's CRC
+checked), and a node-local cache tier keeps the parallel file system out of the inner
+loop. The trainer reads through it (:class:`convergent.train.moldata.MoleculeSource`:
+random access in its step plan, each record once); the streaming reader the data-read
+benchmark measures over these shards is bench/dataio/stream.py.
 
 Modules (each with one job):
 
@@ -16,9 +18,6 @@ Modules (each with one job):
 * :mod:`~convergent.data.indexscan` ``IndexScan``: one checked index column in pieces
 * :mod:`~convergent.data.writer`    ``DatasetWriter`` (single process), ``write_subset``
 * :mod:`~convergent.data.parallel`  ``write_parallel`` on Dask, index merge
-* :mod:`~convergent.data.order`     pure functions: block shuffle, rank/worker split
-* :mod:`~convergent.data.stream`    ``StreamingDataset``, ``MixedStreamingDataset``,
-  ``StreamingLoader`` (torch)
 * :mod:`~convergent.data.cache`     ``ShardCache``, ``Prefetcher`` (node-local tier)
 * :mod:`~convergent.data.pack`      ``pack_directory`` (``convergent data pack``)
 * :mod:`~convergent.data.verify`, :mod:`~convergent.data.inspect`,

@@ -8,8 +8,10 @@ it is read and every shard's header/index/trailer CRC when it is opened, so corr
 raises :class:`~convergent.errors.DataError` naming the shard and offset. With a
 :class:`~convergent.data.cache.ShardCache`, shard data is read from node-local copies.
 
-The streaming (torch) readers live in :mod:`convergent.data.stream`; subsets of a dataset
-are written by :func:`convergent.data.writer.write_subset`.
+The trainer reads through this map-style view
+(:class:`convergent.train.moldata.MoleculeSource`); the data-read benchmark's reference
+streaming reader over it is bench/dataio/stream.py. Subsets of a dataset are written by
+:func:`convergent.data.writer.write_subset`.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class ShardReader:
         self._pid = -1
         self._dctx: Any = None
         # read the whole shard ahead when mapping it (sequential I/O instead of one page
-        # fault per record); set by the streaming reader when it reads most of the records
+        # fault per record); set by a reader that will read most of the records (the
+        # data-read benchmark's streaming reader, bench/dataio/stream.py)
         self.populate = False
 
     def __getstate__(self) -> dict[str, Any]:

@@ -237,8 +237,8 @@ _PLAIN_SEED = np.uint64(FRAME_SEED_SALT)  # codec 0: frame_seed(l, l, 0) == (l <
 def decode_plain_bytes_frames(view: memoryview, offsets: np.ndarray, local: list[int]) -> list[dict[str, Any] | None]:
     """Records ``local`` of a bytes shard whose frames are stored uncompressed, in one pass.
 
-    The fast path of the streaming reader: the same checks as
-    :func:`~convergent.data.format.unpack_frame` and :func:`decode_bytes` (xxh3 with the
+    The fast path of ``ShardReader.records`` (:mod:`convergent.data.reader`): the same
+    checks as :func:`~convergent.data.format.unpack_frame` and :func:`decode_bytes` (xxh3 with the
     header fields as seed, zero padding, lengths that match the offset table), the header
     checks vectorised over the batch, then one xxh3 and two slices per record. ``offsets`` is the shard's offset table (int64, one more
     than records). An entry is ``None`` where the record is inlined, compressed or fails

@@ -1,4 +1,6 @@
-"""Streaming reader: exactly-once over ranks x workers, equal counts, exact resume, mixing."""
+"""The data-read benchmark's reference streaming reader (bench/dataio/stream.py, order.py):
+exactly-once over ranks x workers, equal counts, exact resume, mixing, the node-local
+cache's prefetch under DataLoader workers."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.dataio.stream import MixedStreamingDataset, StreamingDataset, StreamingLoader
 from convergent.data.reader import open_dataset
-from convergent.data.stream import MixedStreamingDataset, StreamingDataset, StreamingLoader
 from convergent.data.writer import DatasetWriter
 from convergent.errors import DataError
 from tests.data.datarecords import molecular_records
@@ -218,7 +220,7 @@ def test_real_dataloaders_cover_the_epoch_exactly_once(ds_path, world, workers, 
 
 
 def test_reader_keeps_few_shards_mapped_and_unmaps_at_the_end(tmp_path):
-    from convergent.data.stream import MAPPED_SHARDS
+    from bench.dataio.stream import MAPPED_SHARDS
 
     path = tmp_path / "bytes"
     with DatasetWriter(path, schema="bytes", shard_bytes=4096, compression="none") as w:
@@ -234,3 +236,24 @@ def test_reader_keeps_few_shards_mapped_and_unmaps_at_the_end(tmp_path):
     assert sorted(seen) == sorted(f"k{i}" for i in range(300))
     assert 1 <= most <= MAPPED_SHARDS
     assert all(sh._mm is None for sh in shards)
+
+
+def test_streaming_with_prefetch_and_workers(tmp_path):
+    """Through the node-local cache tier (data/cache.py's ShardCache and Prefetcher), with
+    DataLoader workers: the same records in the same order, the cache within its budget."""
+    from convergent.data.cache import ShardCache
+    from convergent.data.manifest import read_manifest
+
+    remote = tmp_path / "pfs" / "ds"  # ~10 shards of a few KiB
+    with DatasetWriter(remote, shard_bytes=6000, compression="none") as w:
+        w.write_many(molecular_records(120, max_atoms=6))
+    m = read_manifest(remote)
+    budget = 4 * max(s.bytes for s in m.shards)
+    sd = StreamingDataset(remote, seed=0, rank=0, world_size=1, block_size=8,
+                          cache=tmp_path / "local", cache_bytes=budget, prefetch_shards=2)
+    loader = StreamingLoader(sd, batch_size=5, num_workers=2, collate_fn=lambda b: [r["key"] for r in b])
+    got = [k for b in loader for k in b]
+    keys = open_dataset(remote).keys()
+    assert got == [keys[i] for i in sd.rank_ids()]
+    cache = ShardCache(tmp_path / "local", budget_bytes=budget)
+    assert 0 < cache.used_bytes() <= budget

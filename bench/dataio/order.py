@@ -1,4 +1,5 @@
-"""Pure functions that decide which sample goes where: epoch order, rank and worker splits.
+"""Pure functions that decide which sample goes where: epoch order, rank and worker splits
+(of :mod:`bench.dataio.stream`, the data-read benchmark's reference streaming reader).
 
 The epoch order is a *block shuffle* with shard locality, a pure function of
 ``(seed, epoch)``: the shards are permuted, their samples laid out shard after shard, and

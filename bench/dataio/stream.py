@@ -1,5 +1,14 @@
-"""Streaming readers (torch IterableDataset): seeded block shuffle, rank x worker split
-with equal per-rank counts, exact mid-epoch resume (also with a new world size), mixing.
+"""The data-read benchmark's reference streaming reader over our shard format (a torch
+IterableDataset): seeded block shuffle, rank x worker split with equal per-rank counts,
+exact mid-epoch resume (also with a new world size), mixing.
+
+Not the trainer's reader: ``convergent train`` reads through
+:class:`convergent.train.moldata.MoleculeSource` (``open_dataset`` random access, each
+record copied once into :class:`~convergent.train.molcolumns.ColumnStore`'s flat arrays),
+in a global batch plan that is a pure function of the seed and the step, so its resume is
+exact from the checkpoint's step alone. This reader is what
+:mod:`bench.dataio.read` measures as its ``convergent`` side; its block-shuffled order is
+the one the benchmark's ``loose`` side reads in.
 
 >>> ds = StreamingDataset("data/train", seed=0, shuffle=True, batch_size=32)
 >>> loader = StreamingLoader(ds, batch_size=32, num_workers=2, collate_fn=collate)
@@ -9,7 +18,7 @@ with equal per-rank counts, exact mid-epoch resume (also with a new world size),
 ...         ...
 ...         ckpt = loader.state_dict()     # exact position; load_state_dict() to resume
 
-See :mod:`convergent.data.order` for the algorithm. ``batch_size`` given to the dataset
+See :mod:`bench.dataio.order` for the algorithm. ``batch_size`` given to the dataset
 must equal the DataLoader's for exact resume with ``num_workers > 0``.
 """
 
@@ -24,7 +33,7 @@ import torch
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
-from convergent.data import order as order_mod
+from bench.dataio import order as order_mod
 from convergent.data.reader import Dataset, open_dataset
 from convergent.errors import DataError
 
