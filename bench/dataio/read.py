@@ -9,8 +9,13 @@ a torch DataLoader with the same settings (batch size, workers, list collate) by
   the identical sequence of records; ``--loose-order full`` gives the
   ``DataLoader(shuffle=True)`` idiom instead, a full random permutation, and says so)
 * ``convergent``  ``convergent data pack`` shards + the reference streaming reader over
-  them (:mod:`bench.dataio.stream`'s ``StreamingDataset``, block shuffle)
-* ``convergent_cached``  the same through the node-local cache tier (empty at start,
+  them (:mod:`bench.dataio.stream`'s ``StreamingDataset``, block shuffle). It is the
+  benchmark's reader, not the trainer's: ``convergent train`` reads through
+  ``train/moldata.MoleculeSource`` (``open_dataset`` random access, each record once,
+  then held in memory), which the next side measures
+* ``convergent_random``  the same shards read the trainer's way, ``open_dataset`` random
+  access record by record (a map-style dataset), in the same order as ``loose``
+* ``convergent_cached``  ``convergent`` through the node-local cache tier (empty at start,
   budget half the dataset: checked copies, prefetch, eviction by next use)
 * ``webdataset``  WebDataset 1.0.2 tar shards (our ``data export --to webdataset``)
 * ``mds``         mosaicml-streaming 0.13.0 ``StreamingDataset`` (our ``data export --to mds``)
@@ -258,6 +263,11 @@ def compare(results: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
     if "convergent" in rate and "loose" in rate:
         out["convergent_vs_loose"] = rate["convergent"] / rate["loose"]
         out["convergent_vs_loose_paired_median"] = paired("convergent", "loose")
+    if "convergent_random" in rate:  # the trainer's access to the same shards
+        for other in ("loose", "convergent"):
+            if other in rate:
+                out[f"convergent_random_vs_{other}"] = rate["convergent_random"] / rate[other]
+                out[f"convergent_random_vs_{other}_paired_median"] = paired("convergent_random", other)
     if "ideal" in rate:
         # the DataLoader's own ceiling: no storage system can beat it with these settings
         if "loose" in rate:
@@ -277,6 +287,7 @@ SHUFFLES = {
     "loose": "same order as convergent (its block shuffle, window 16384, shards shuffled)",
     "loose_full": "DataLoader(shuffle=True): a full random permutation of the files",
     "convergent": "block shuffle: shard order shuffled, samples shuffled in windows of 16384",
+    "convergent_random": "same order as convergent (the loose side's sampler)",
     "convergent_cached": "as convergent",
     "webdataset": "shard order shuffled, then a 1000-sample shuffle buffer",
     "mds": "mosaicml-streaming's default shuffle (py1e) with shuffle_seed",
@@ -377,11 +388,17 @@ def main() -> None:
     differences = [
         "every system reads through the same torch DataLoader settings (batch size, workers, "
         "list collate, 1 torch thread); only the storage format and its reader differ",
+        "convergent is the reference streaming reader over our shard format "
+        "(bench/dataio/stream.py), not the trainer's reader (train/moldata.MoleculeSource)",
         "shuffle: loose reads the same records in the same order as convergent "
         "(order_digests equal)" if args.loose_order == "same" else
         "shuffle: loose uses a full random permutation (DataLoader(shuffle=True)), convergent "
         "a block shuffle (window 16384 samples): a harder access pattern for loose files",
     ]
+    if "convergent_random" in systems:
+        differences.append("convergent_random reads our shards the trainer's way (open_dataset "
+                           "random access, record by record) in convergent's order; the trainer "
+                           "itself reads each record once, holds it in memory and uses no DataLoader")
     if any(p in systems for p in PEERS):
         differences.append("the peers' own shuffles (settings.*.shuffle) are their defaults, "
                            "each a windowed/chunked shuffle unlike ours in detail")
@@ -398,12 +415,12 @@ def main() -> None:
                     results[m][s]["syscalls"] = sc
     summary = {m: compare(results[m], {s: [r[m] for r in res.per_round[s]] for s in systems})
                for m in modes}
-    if "loose" in systems and "convergent" in systems:
-        dl = set(results[modes[0]]["loose"].get("order_digests", []))
-        dc = set(results[modes[0]]["convergent"].get("order_digests", []))
-        same = bool(dl) and dl == dc
-        for m in modes:
-            summary[m]["loose_same_order_as_convergent"] = same
+    for other in ("loose", "convergent_random"):
+        if other in systems and "convergent" in systems:
+            do = set(results[modes[0]][other].get("order_digests", []))
+            dc = set(results[modes[0]]["convergent"].get("order_digests", []))
+            for m in modes:
+                summary[m][f"{other}_same_order_as_convergent"] = bool(do) and do == dc
     res.headline.update({
         "headline": "cold" if "cold" in modes else "warm", "summary": summary,
         "results": results})

@@ -76,10 +76,11 @@ class RssSampler:
 
 
 def system_files(system: str, data: Path) -> list[str]:
-    """Every file a system reads (its data directory; the cached variant reads convergent's)."""
+    """Every file a system reads (its data directory; the cached and random-access variants
+    read convergent's)."""
     if system == "ideal":
         return []
-    root = data / ("convergent" if system == "convergent_cached" else system)
+    root = data / ("convergent" if system.startswith("convergent") else system)
     out, todo = [], [str(root)]
     while todo:
         with os.scandir(todo.pop()) as it:

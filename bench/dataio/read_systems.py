@@ -1,6 +1,9 @@
 """The systems bench/dataio/read.py compares: data generation (log-normal record sizes,
 loose files), building each system's copy (pack, export, optimize) and the DataLoader that
-reads each one in the same shuffled order (see bench/dataio/read.py)."""
+reads each one in the same shuffled order (see bench/dataio/read.py). Our shards are read
+two ways: by the reference streaming reader (bench/dataio/stream.py) and by
+``open_dataset``'s random access, the access the trainer's reader
+(train/moldata.MoleculeSource) makes."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import numpy as np
 
 from bench.dataio.read_os import RssSampler
 
-SYSTEMS = ("loose", "convergent", "convergent_cached", "webdataset", "mds", "litdata", "ideal")
+SYSTEMS = ("loose", "convergent", "convergent_random", "convergent_cached", "webdataset", "mds",
+           "litdata", "ideal")
 PEERS = ("webdataset", "mds", "litdata")
 SHARD_BYTES = 128 * 2**20
 MEDIAN_BYTES = 4096
@@ -124,8 +128,9 @@ def loose_order_file(data: Path, seed: int) -> Path:
 
 def write_loose_order(data: Path, seed: int, batch: int) -> Path:
     """The record order of ``convergent``'s reader for ``seed`` (one rank), saved for the
-    loose-file side so that both read the same records in the same order. Sample id ``i``
-    of the packed dataset is loose file ``i`` (``pack_directory`` packs sorted paths)."""
+    loose-file and ``convergent_random`` sides so that they read the same records in the
+    same order. Sample id ``i`` of the packed dataset is loose file ``i``
+    (``pack_directory`` packs sorted paths)."""
     from bench.dataio.stream import StreamingDataset
 
     ds = StreamingDataset(data / "convergent", seed=seed, shuffle=True, batch_size=batch,
@@ -133,6 +138,14 @@ def write_loose_order(data: Path, seed: int, batch: int) -> Path:
     out = loose_order_file(data, seed)
     np.save(out, ds.rank_ids().astype(np.int64))
     return out
+
+
+def _same_order(data: Path, seed: int, n: int) -> list[int]:
+    """Ours' block-shuffled order (computed once by the driver, loaded here)."""
+    order = np.load(loose_order_file(data, seed)).tolist()
+    if len(order) != n:
+        raise SystemExit(f"{loose_order_file(data, seed)}: {len(order)} ids for {n} records")
+    return order
 
 
 def make_loader(system: str, data: Path, batch: int, workers: int, seed: int,
@@ -159,12 +172,22 @@ def make_loader(system: str, data: Path, batch: int, workers: int, seed: int,
         if loose_order == "full":  # the DataLoader idiom: a full random permutation
             return DataLoader(Files(), shuffle=True,
                               generator=torch.Generator().manual_seed(seed), **common)
-        # ours' block-shuffled order (computed once by the driver, loaded here)
-        order = np.load(loose_order_file(data, seed)).tolist()
-        if len(order) != len(files):
-            raise SystemExit(f"{loose_order_file(data, seed)}: {len(order)} ids for "
-                             f"{len(files)} loose files")
-        return DataLoader(Files(), sampler=order, **common)
+        return DataLoader(Files(), sampler=_same_order(data, seed, len(files)), **common)
+    if system == "convergent_random":
+        # the trainer's access: open_dataset random access, record by record (map-style),
+        # in ours' block-shuffled order (the loose side's sampler)
+        from convergent.data.reader import open_dataset
+
+        store = open_dataset(data / "convergent")  # shards mapped lazily, per worker process
+
+        class Records(Dataset):
+            def __len__(self) -> int:
+                return len(store)
+
+            def __getitem__(self, i: int) -> bytes:
+                return store[i]["payload"]
+
+        return DataLoader(Records(), sampler=_same_order(data, seed, len(store)), **common)
     if system == "convergent":
         from bench.dataio.stream import StreamingDataset
 

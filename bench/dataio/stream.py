@@ -8,7 +8,7 @@ record copied once into :class:`~convergent.train.molcolumns.ColumnStore`'s flat
 in a global batch plan that is a pure function of the seed and the step, so its resume is
 exact from the checkpoint's step alone. This reader is what
 :mod:`bench.dataio.read` measures as its ``convergent`` side; its block-shuffled order is
-the one the benchmark's ``loose`` side reads in.
+the one the benchmark's ``loose`` and ``convergent_random`` sides read in.
 
 >>> ds = StreamingDataset("data/train", seed=0, shuffle=True, batch_size=32)
 >>> loader = StreamingLoader(ds, batch_size=32, num_workers=2, collate_fn=collate)
