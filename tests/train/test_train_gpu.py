@@ -78,3 +78,23 @@ def test_prefetch_copies_pinned_batches_to_the_gpu_on_a_side_stream():
             assert torch.equal(x.cpu(), want_x) and torch.equal(i.cpu(), want_i)
     finally:
         feed.close()
+
+
+def test_lm_attention_runs_a_fused_sdpa_kernel_in_bf16():
+    """Training attention goes through a fused SDPA kernel (flash, cuDNN or memory-efficient),
+    never the math fallback that materialises the score matrix."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from convergent.models.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).cuda()
+    ids = torch.randint(0, 512, (2, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16), profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(ids).float().sum().backward()
+    ops = {e.key for e in prof.key_averages()}
+    fused = [o for o in ops if any(k in o for k in ("flash", "cudnn_attention", "efficient_attention"))]
+    assert fused, sorted(o for o in ops if "attention" in o)
+    assert not [o for o in ops if "_scaled_dot_product_attention_math" in o]

@@ -88,7 +88,13 @@ class TrainConfig(Section):
     seed: Seed = 0
     threads: Count = 1  # torch intra-op threads per process
     activation_checkpointing: bool = False  # recompute each block in backward
-    compile: bool = False  # torch.compile each block
+    # torch.compile: off | blocks (each repeated block) | model (the whole model, one graph)
+    # | auto (model for the LM on CUDA, off otherwise: the surrogate's forces need a double
+    # backward). A graph that fails to compile runs eagerly (dynamo's suppress_errors) with
+    # a warning. true / false (the old switch) read as blocks / off.
+    compile: Annotated[Literal["auto", "off", "blocks", "model"],
+                       BeforeValidator(lambda v: {True: "blocks", False: "off"}.get(v, v)
+                                       if isinstance(v, bool) else v)] = "auto"
     val_every: Count0 = 50  # validate every N steps (and at the end); 0 = only at the end
     val_max_batches: Count = 20  # cap validation cost
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when a GPU is visible

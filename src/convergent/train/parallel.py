@@ -110,8 +110,27 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(blocks)
 
 
-def apply_compile(model: nn.Module) -> int:
-    """torch.compile each block in place; returns the count."""
+def compile_mode(cfg: ConvergentConfig, task: Task, device: torch.device, strategy: str) -> str:
+    """``train.compile`` resolved: ``auto`` is ``model`` for a task without a double
+    backward on CUDA, else ``off``; ``model`` under pipeline parallelism (each stage holds
+    a slice) compiles its blocks."""
+    mode = cfg.train.compile
+    if mode == "auto":
+        mode = "model" if device.type == "cuda" and not getattr(task, "double_backward", False) else "off"
+    return "blocks" if mode == "model" and strategy == "pipeline" else mode
+
+
+def apply_compile(model: nn.Module, mode: str = "blocks") -> int:
+    """torch.compile in place: each block (``blocks``) or the whole model (``model``);
+    returns how many modules were compiled. A graph that fails to compile falls back to
+    eager (dynamo's ``suppress_errors``, which logs the failure once) rather than ending
+    the run."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+    if mode == "model":
+        model.compile()
+        return 1
     blocks = find_blocks(model)
     for _, blk in blocks:
         blk.compile()
@@ -235,8 +254,9 @@ def parallelize(
         precision.keep_in_fp32(model, keep, device.type)
     if cfg.train.activation_checkpointing and not gathered:
         apply_activation_checkpointing(target)
-    if cfg.train.compile:
-        apply_compile(target)
+    mode = compile_mode(cfg, task, device, strategy)
+    if mode != "off":
+        apply_compile(target, mode)
     if strategy == "single" or world == 1:
         return Parallelized("single", model, [model], 0, 1)
     if strategy == "ddp":

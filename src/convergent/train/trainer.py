@@ -86,7 +86,7 @@ class Trainer:
         self.optims = [
             torch.optim.AdamW(
                 param_groups(p, t.lr, t.param_lr), lr=t.lr, weight_decay=t.weight_decay,
-                foreach=self.device.type == "cuda",  # one kernel per op group on GPU
+                **_adamw_kernel(self.device, self.par.strategy),
             )
             for p in self.par.parts
         ]
@@ -421,3 +421,12 @@ class Trainer:
             "strategy": self.par.strategy,
             "placement": self.placement,
         }
+
+
+def _adamw_kernel(device: torch.device, strategy: str) -> dict[str, bool]:
+    """AdamW's implementation: on CUDA the fused kernel (one launch for every parameter)
+    where the parameters are plain tensors, foreach (one kernel per op group) where FSDP
+    shards them; the per-parameter loop on the CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"fused": True} if strategy in ("single", "ddp") else {"foreach": True}
