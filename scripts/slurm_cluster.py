@@ -10,10 +10,14 @@ It installs nothing (``sudo bash scripts/system-deps.sh`` does, on Debian): it n
 writes a minimal ``slurm.conf`` (select/cons_tres, proctrack/linuxproc, task/affinity,
 jobcomp/filetxt, no slurmdbd) and its own munge key into one directory, starts munged on
 a private socket, slurmctld, and one ``slurmd -N nK`` per node on its own port (both nodes
-declare this machine's cores), and waits until ``sinfo`` shows every node idle. The node
+declare this machine's cores), and waits until ``sinfo`` shows every node idle. Each node
+also declares ``gpus`` emulated GPUs (``Gres=gpu:2``): gres.conf points them at character
+devices made in the fixture's directory (with /dev/null's numbers: Slurm 22.05 drops a GPU
+without a device file), so ``--gres=gpu:1`` jobs are scheduled and counted as on a GPU
+cluster (``squeue -o %b``) and see ``CUDA_VISIBLE_DEVICES``; there is no GPU. The node
 names resolve through lines added once to /etc/hosts (127.0.1.K), which ``stop`` leaves
-in place for the next start. Nothing outside 127.0.0.0/8 is used. The pytest fixture in
-tests/slurm/conftest.py drives the same class.
+in place for the next start. Nothing outside 127.0.0.0/8 is used.
+The pytest fixture in tests/slurm/conftest.py drives the same class.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -48,12 +53,14 @@ class SlurmFixture:
     """Daemons of a two-node Slurm cluster rooted in ``root`` (see module doc)."""
 
     def __init__(self, root: Path = DEFAULT_DIR, nodes: tuple[str, ...] = ("n1", "n2"),
-                 cpus: int | None = None, memory_mb: int = 4000, port: int = 16817) -> None:
+                 cpus: int | None = None, memory_mb: int = 4000, port: int = 16817,
+                 gpus: int = 2) -> None:
         self.root = Path(root)
         self.nodes = nodes
         self.cpus = cpus or os.cpu_count() or 1
         self.memory_mb = memory_mb
         self.port = port
+        self.gpus = gpus  # emulated GPUs (gres/gpu) per node; 0: none
         self.conf = self.root / "slurm.conf"
         self.jobcomp = self.root / "jobcomp.txt"
 
@@ -98,6 +105,7 @@ class SlurmFixture:
             f"JobCompLoc={self.jobcomp}",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
+            *(["GresTypes=gpu"] if self.gpus else []),
             "MpiDefault=none",
             "ReturnToService=2",
             "SlurmdTimeout=60",
@@ -109,11 +117,27 @@ class SlurmFixture:
             lines.append(
                 f"NodeName={n} NodeHostname={host} NodeAddr={self.node_addr(i)} "
                 f"Port={self.port + 4 + i} CPUs={self.cpus} RealMemory={self.memory_mb} "
-                "State=UNKNOWN"
+                + (f"Gres=gpu:{self.gpus} " if self.gpus else "") + "State=UNKNOWN"
             )
         lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES "
                      "MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
+        self.write_gres()
+
+    def write_gres(self) -> None:
+        """gres.conf (beside slurm.conf, where slurmd looks): each emulated GPU is a
+        character device node made here with /dev/null's numbers (nothing opens it)."""
+        gres = self.root / "gres.conf"
+        if not self.gpus:
+            gres.unlink(missing_ok=True)
+            return
+        dev = self.root / "dev"
+        dev.mkdir(exist_ok=True)
+        for k in range(self.gpus):
+            node = dev / f"gpu{k}"
+            if not node.exists():
+                os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        gres.write_text(f"Name=gpu File={dev}/gpu[0-{self.gpus - 1}]\n")
 
     def add_hosts(self, hosts_file: Path = Path("/etc/hosts")) -> None:
         """Make the node names resolvable (idempotent: one tagged line per missing name)."""
@@ -245,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("action", choices=["start", "stop", "status"])
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="config, state and logs")
     ap.add_argument("--cpus", type=int, default=None, help="CPUs per node (default: all)")
+    ap.add_argument("--gpus", type=int, default=2, help="emulated GPUs (gres/gpu) per node")
     args = ap.parse_args(argv)
-    fx = SlurmFixture(args.dir, cpus=args.cpus)
+    fx = SlurmFixture(args.dir, cpus=args.cpus, gpus=args.gpus)
     if args.action == "start":
         try:
             fx.start()
