@@ -159,7 +159,7 @@ def test_bad_value(name, capsys, empty_cwd):
     (["simulate", "--set", "simulate.frames=0", "--workers", "1"], "simulate.frames"),
     (["demo", "--set", "data.shard_bytes=12"], "data.shard_bytes"),
     (["screen", "--set", "screen.batch_atoms=0"], "screen.batch_atoms"),
-    (["serve", "--set", "serve.port=70000"], "serve.port"),
+    (["serve", "--set", "serve.http.port=70000"], "serve.http.port"),
     (["data", "pack", "/nonexistent/x"], "/nonexistent/x"),
     (["train", "--set", "train.dataset=/nonexistent/x"], "/nonexistent/x"),
     (["train", "--set", "parallel.rdzv_endpoint=nohostport"], "parallel.rdzv_endpoint"),

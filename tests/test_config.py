@@ -103,7 +103,7 @@ NUMERIC = sorted(set(_numeric_fields()) - SIGNED)
 
 
 def test_the_bound_walk_sees_every_section():
-    assert {"train.steps", "data.shard_bytes", "serve.port", "simulate.relabel.max_cycle",
+    assert {"train.steps", "data.shard_bytes", "serve.http.port", "simulate.relabel.max_cycle",
             "cluster.slurm.cores", "metrics.log_every", "model.hidden"} <= set(NUMERIC)
 
 
@@ -124,7 +124,7 @@ def test_every_count_size_and_rate_is_bounded(field):
     ("parallel.rdzv_endpoint=host", "host:port"),
     ("cluster.slurm.walltime=2h", "Slurm time"),
     ("cluster.slurm.memory=lots", "pattern"),
-    ("serve.port=70000", "less than or equal to 65535"),
+    ("serve.http.port=70000", "less than or equal to 65535"),
     ("data.val_fraction=1", "less than 1"),
 ])
 def test_cross_field_and_format_bounds(override, needle):
@@ -206,3 +206,45 @@ def test_learn_cli_refuses_a_moved_key_in_one_line(tmp_path):
 
     code = main(["learn", "--run-dir", str(tmp_path / "r"), "--set", "learn.train_steps=5"])
     assert code == 2 and not (tmp_path / "r").exists()
+
+
+def test_a_moved_serve_key_names_its_new_place(tmp_path):
+    """serve's flat keys moved into its sub-sections (engine, scheduler, http, faults,
+    dispatch); each is refused in one line naming the new key (YAML with its line, and
+    --set). ``serve.scheduler`` was the policy's name and is now a section: a scalar there
+    names ``serve.scheduler.kind``, a mapping is the new layout."""
+    from convergent.serve.config import MOVED_KEYS
+
+    assert MOVED_KEYS["serve.port"] == "serve.http.port"
+    assert MOVED_KEYS["serve.dispatch_policy"] == "serve.dispatch.policy"
+    p = tmp_path / "old.yaml"
+    p.write_text("serve:\n  model: m\n  scheduler: sequential\n")
+    with pytest.raises(ConfigError, match=r"old.yaml:3: config key 'serve.scheduler' has moved "
+                       r"to 'serve.scheduler.kind'") as e:
+        load_config(p)
+    assert "docs/serving.md" in e.value.hint
+    for old, new in [("serve.scheduler=tdpipe", "serve.scheduler.kind"),
+                     ("serve.kv_budget_bytes=4096", "serve.engine.kv_budget_bytes"),
+                     ("serve.max_restarts=1", "serve.faults.max_restarts"),
+                     ("serve.dispatch_max_outstanding=4", "serve.dispatch.max_outstanding")]:
+        with pytest.raises(ConfigError, match=f"--set: config key '{old.split('=')[0]}' has moved to '{new}'"):
+            load_config(None, [old])
+    # the new layout: accepted
+    p.write_text("serve:\n  scheduler:\n    kind: sequential\n  http:\n    port: 8123\n")
+    cfg = load_config(p, ["serve.scheduler.stages=1", "serve.dispatch.policy=round_robin"])
+    assert (cfg.serve.scheduler.kind, cfg.serve.scheduler.stages) == ("sequential", 1)
+    assert cfg.serve.http.port == 8123 and cfg.serve.dispatch.policy == "round_robin"
+    # every field of every sub-section is where exactly one flat key went
+    serve = ConvergentConfig().serve
+    leaves = {f"serve.{sec}.{f}" for sec, info in type(serve).model_fields.items()
+              if sec != "model" for f in type(getattr(serve, sec)).model_fields}
+    assert sorted(MOVED_KEYS.values()) == sorted(leaves)
+
+
+def test_serve_cli_refuses_a_moved_key_in_one_line(capsys):
+    from convergent.cli import main
+
+    code = main(["serve", "--set", "serve.instances=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "'serve.instances' has moved to 'serve.dispatch.instances'" in err

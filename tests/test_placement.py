@@ -37,8 +37,8 @@ def test_serving_stages_need_one_gpu_each():
     check_serve_stages("cuda", 2, 2)
     with pytest.raises(ConfigError) as e:
         check_serve_stages("cuda", 2, 1)
-    assert "serve.stages=2" in str(e.value) and "1 GPU is visible" in str(e.value)
-    assert "serve.device=cpu" in e.value.hint
+    assert "serve.scheduler.stages=2" in str(e.value) and "1 GPU is visible" in str(e.value)
+    assert "serve.engine.device=cpu" in e.value.hint
 
 
 def test_slurm_gpu_binding_counts():

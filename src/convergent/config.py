@@ -25,6 +25,7 @@ from convergent.learn.config import LearnConfig
 from convergent.models.config import ModelConfig
 from convergent.monitor.config import MetricsConfig
 from convergent.screen.config import ScreenConfig
+from convergent.serve.config import MOVED_KEYS as SERVE_MOVED_KEYS
 from convergent.serve.config import ServeConfig
 from convergent.sim.config import SimulateConfig
 from convergent.tracking.config import TrackingConfig
@@ -61,12 +62,15 @@ class ConvergentConfig(Section):
 
 # Keys of earlier layouts and where each went: a config that uses one is refused in one
 # line naming the new key (each section module that moved keys lists them).
-MOVED_KEYS: dict[str, str] = {**LEARN_MOVED_KEYS}
+MOVED_KEYS: dict[str, str] = {**LEARN_MOVED_KEYS, **SERVE_MOVED_KEYS}
+MOVED_DOCS = {"learn": "docs/science.md, the learn section",
+              "serve": "docs/serving.md, the serve section"}
 
 
 def _moved_error(dotted: str, where: str) -> ConfigError:
-    return ConfigError(f"{where}: config key '{dotted}' has moved to '{MOVED_KEYS[dotted]}'",
-                       hint=f"write {MOVED_KEYS[dotted]} instead (docs/science.md, the learn section)")
+    new, doc = MOVED_KEYS[dotted], MOVED_DOCS[dotted.split(".")[0]]
+    return ConfigError(f"{where}: config key '{dotted}' has moved to '{new}'",
+                       hint=f"write {new} instead ({doc})")
 
 
 def _check_moved(data: dict[str, Any], source: str, path: str | Path | None = None) -> None:

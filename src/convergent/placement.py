@@ -10,7 +10,7 @@ The rules (pure functions of the visible GPU count, testable without a GPU):
   ``CUDA_VISIBLE_DEVICES`` (which Slurm's GPU binding sets), so more ranks than visible
   GPUs would put two ranks on one device (NCCL refuses): that is an error naming
   ``parallel.nproc``, the GPU count and the fix. Serving stages likewise
-  (``serve.stages``, one GPU per stage).
+  (``serve.scheduler.stages``, one GPU per stage).
 * Backend ``auto`` is NCCL on CUDA, gloo on CPU.
 
 "Visible GPUs" is what torch sees (``torch.cuda.device_count()``, which honours
@@ -151,14 +151,14 @@ def check_serve_stages(device: str, stages: int, gpus: int) -> None:
         return
     if gpus < 1:
         raise ConfigError(
-            "serve.device=cuda but no CUDA GPU is visible",
-            hint="use serve.device=cpu, or run on a GPU node",
+            "serve.engine.device=cuda but no CUDA GPU is visible",
+            hint="use serve.engine.device=cpu, or run on a GPU node",
         )
     if stages > gpus:
         raise ConfigError(
-            f"serve.stages={stages} needs {stages} GPUs (one per stage) but "
+            f"serve.scheduler.stages={stages} needs {stages} GPUs (one per stage) but "
             f"{_gpus_word(gpus)} {'is' if gpus == 1 else 'are'} visible",
-            hint=f"set serve.stages={gpus}, or serve.device=cpu",
+            hint=f"set serve.scheduler.stages={gpus}, or serve.engine.device=cpu",
         )
 
 

@@ -144,7 +144,10 @@ def test_serving_engine_with_int8_matches_the_quantised_model(llama_dir):
     ref = load_llama(llama_dir, quantize_method="int8")
     prompts = [[5, 17, 99, 3], [250, 1, 2, 3, 4, 5, 6]]
     want = [ref.generate_greedy(p, 8) for p in prompts]
-    cfg = ServeConfig(scheduler="sequential", stages=2, quantize="int8", profile_costs=False)
+    cfg = ServeConfig(
+        engine={"quantize": "int8"},
+        scheduler={"kind": "sequential", "stages": 2, "profile_costs": False},
+    )
     with Engine(llama_dir, cfg, ignore_eos=True) as eng:
         reqs = [eng.add_request(eng.make_request(p, 8)) for p in prompts]
         eng.run()

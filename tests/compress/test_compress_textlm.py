@@ -80,7 +80,7 @@ def test_text_lm_trains_with_ddp_and_serves_text_over_http(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", "from convergent.cli import entry; entry()", "serve",
          "--model", str(final), "--port", str(port), "--set", f"run.root={tmp_path}",
-         "--set", "serve.scheduler=sequential", "--set", "serve.stages=1"],
+         "--set", "serve.scheduler.kind=sequential", "--set", "serve.scheduler.stages=1"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     base = f"http://127.0.0.1:{port}"

@@ -51,17 +51,17 @@ def server(hf_llama_dir, tmp_path_factory):
         "--set",
         f"run.root={run_root}",
         "--set",
-        "serve.scheduler=tdpipe",
+        "serve.scheduler.kind=tdpipe",
         "--set",
-        "serve.stages=2",
+        "serve.scheduler.stages=2",
         "--set",
-        "serve.kv_budget_bytes=262144",
+        "serve.engine.kv_budget_bytes=262144",
         "--set",
-        "serve.block_size=4",
+        "serve.engine.block_size=4",
         "--set",
-        "serve.max_model_len=200",
+        "serve.engine.max_model_len=200",
         "--set",
-        "serve.predictor=constant",
+        "serve.scheduler.predictor=constant",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log = open(run_root / "server.log", "wb")  # noqa: SIM115

@@ -15,7 +15,7 @@ import pytest
 
 from convergent.errors import ConfigError
 from convergent.models.layersplit import split_layers, stage_layers
-from convergent.serve.config import ServeConfig
+from convergent.serve.config import EngineConfig, FaultsConfig, ServeConfig
 from convergent.serve.messages import (
     BatchMeta,
     BatchResult,
@@ -106,7 +106,7 @@ def test_request_status_stays_a_string():
 
 
 def test_restart_budget():
-    cfg = ServeConfig(max_restarts=2)
+    cfg = FaultsConfig(max_restarts=2)
     b = RestartBudget(window_s=600.0)
     b.record(0.0)
     b.record(1.0)
@@ -115,7 +115,7 @@ def test_restart_budget():
     assert not b.allows(cfg) and "3 failure(s) in 600 s" in b.refusal(cfg)
     b.record(700.0)  # the three earlier ones are out of the window
     assert b.recent == 1 and b.allows(cfg)
-    assert not b.allows(ServeConfig(restart_on_failure=False))
+    assert not b.allows(FaultsConfig(restart_on_failure=False))
 
 
 HTTP_LAYER = ("api.py", "api_requests.py", "api_stream.py", "server.py")
@@ -146,7 +146,8 @@ def test_local_executor_reports_typed_results(hf_llama_dir):
     from convergent.serve.executor import LocalExecutor
     from convergent.serve.stage import StageSpec
 
-    specs = [StageSpec(str(hf_llama_dir), s, 2, num_blocks=4, block_size=4) for s in range(2)]
+    engine = EngineConfig(block_size=4)
+    specs = [StageSpec(str(hf_llama_dir), s, 2, num_blocks=4, engine=engine) for s in range(2)]
     ex = LocalExecutor(specs)
     rows = RowParams()
     rows.add(SamplingParams(logprobs=2), 4)
@@ -165,7 +166,10 @@ def test_engine_snapshots_keep_the_json_keys(hf_llama_dir):
     pytest.importorskip("torch")
     from convergent.serve.engine import Engine
 
-    cfg = ServeConfig(scheduler="sequential", profile_costs=False, kv_budget_bytes=262144)
+    cfg = ServeConfig(
+        engine={"kv_budget_bytes": 262144},
+        scheduler={"kind": "sequential", "profile_costs": False},
+    )
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         assert eng.vocab_size == 320
         kv = eng.kv_usage()

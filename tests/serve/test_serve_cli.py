@@ -22,7 +22,7 @@ def test_generate_greedy_ids_match_transformers(hf_llama_dir, hf_greedy, capsys)
             "10",
             "--ids",
             "--set",
-            "serve.scheduler=sequential",
+            "serve.scheduler.kind=sequential",
         ]
     )
     assert rc == 0
@@ -44,7 +44,7 @@ def test_generate_over_context_limit_is_a_clean_error(hf_llama_dir, capsys):
             "-n",
             "5000",
             "--set",
-            "serve.scheduler=sequential",
+            "serve.scheduler.kind=sequential",
         ]
     )
     assert rc == 2
@@ -72,9 +72,9 @@ def test_bench_serve_writes_metrics_and_plot(tmp_path, hf_llama_dir, capsys):
             "--out",
             str(out),
             "--set",
-            "serve.scheduler=sequential",
+            "serve.scheduler.kind=sequential",
             "--set",
-            "serve.predictor=constant",
+            "serve.scheduler.predictor=constant",
         ]
     )
     assert rc == 0

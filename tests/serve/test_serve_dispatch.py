@@ -47,9 +47,9 @@ def dispatched(hf_llama_dir, tmp_path):
     proc, base = start_server(
         hf_llama_dir,
         tmp_path,
-        "serve.scheduler=sequential",
-        "serve.dispatch_max_outstanding=2",
-        "serve.max_model_len=256",
+        "serve.scheduler.kind=sequential",
+        "serve.dispatch.max_outstanding=2",
+        "serve.engine.max_model_len=256",
         instances=2,
     )
     yield proc, base
@@ -127,12 +127,12 @@ def test_sigterm_stops_dispatcher_and_instances(dispatched):
 
 
 def test_dispatch_to_instances_started_elsewhere(hf_llama_dir, tmp_path):
-    """serve.instance_urls: the dispatcher routes to running instances (one per node on a
+    """serve.dispatch.instance_urls: the dispatcher routes to running instances (one per node on a
     cluster) instead of starting its own."""
-    inst, url = start_server(hf_llama_dir, tmp_path, "serve.scheduler=sequential")
+    inst, url = start_server(hf_llama_dir, tmp_path, "serve.scheduler.kind=sequential")
     try:
         proc, base = start_server(
-            hf_llama_dir, tmp_path, f'serve.instance_urls=["{url}"]', instances=1
+            hf_llama_dir, tmp_path, f'serve.dispatch.instance_urls=["{url}"]', instances=1
         )
         try:
             st = httpx.get(base + "/instances", timeout=10).json()

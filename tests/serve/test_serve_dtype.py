@@ -161,8 +161,10 @@ def test_engine_generate_follows_teacher_forced_argmax(hf_llama_dir, teacher):
     reference's top-2 gap there is clear of the tolerance."""
     name, dtype, tol, hf = teacher["name"], teacher["dtype"], teacher["tol"], teacher["hf"]
     device = teacher["device"]
-    cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
-                      profile_costs=False, dtype=name, device=device)
+    cfg = ServeConfig(
+        engine={"kv_budget_bytes": 2**20, "block_size": 4, "dtype": name, "device": device},
+        scheduler={"kind": "sequential", "profile_costs": False},
+    )
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         (runner,) = eng.executor.runners  # one stage, in process: the dtype really served
         assert {p.dtype for p in runner.model.parameters()} == {dtype}
@@ -189,9 +191,9 @@ def test_engine_generate_follows_teacher_forced_argmax(hf_llama_dir, teacher):
 
 
 def test_generate_cli_in_bfloat16(tmp_path):
-    """`convergent generate "Hello" -s serve.dtype=bfloat16` works (it used to crash)."""
+    """`convergent generate "Hello" -s serve.engine.dtype=bfloat16` works (it used to crash)."""
     from convergent.cli import main
 
-    code = main(["generate", "Hello", "-n", "8", "--ids", "-s", "serve.dtype=bfloat16",
+    code = main(["generate", "Hello", "-n", "8", "--ids", "-s", "serve.engine.dtype=bfloat16",
                  "-s", f"run.root={tmp_path}"])
     assert code == 0

@@ -17,11 +17,11 @@ psutil = pytest.importorskip("psutil")
 from tests.serve.servers import stage_pids, start_server, stop_server, wait_health  # noqa: E402
 
 COMMON = (
-    "serve.scheduler=interleaved",
-    "serve.stages=3",
-    "serve.kv_budget_bytes=262144",
-    "serve.block_size=4",
-    "serve.max_model_len=256",
+    "serve.scheduler.kind=interleaved",
+    "serve.scheduler.stages=3",
+    "serve.engine.kv_budget_bytes=262144",
+    "serve.engine.block_size=4",
+    "serve.engine.max_model_len=256",
 )
 
 
@@ -72,7 +72,7 @@ def _streams_then(base, action, n=3, max_tokens=240):
 @pytest.fixture(scope="module")
 def pipeline_server(hf_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("fail")
-    proc, base = start_server(hf_llama_dir, root, *COMMON, "serve.heartbeat_timeout_s=5")
+    proc, base = start_server(hf_llama_dir, root, *COMMON, "serve.faults.heartbeat_timeout_s=5")
     yield proc, base
     stop_server(proc)
 
@@ -129,8 +129,8 @@ def test_no_restart_heartbeat_timeout_exits_nonzero(hf_llama_dir, tmp_path):
         hf_llama_dir,
         tmp_path,
         *COMMON,
-        "serve.restart_on_failure=false",
-        "serve.heartbeat_timeout_s=2",
+        "serve.faults.restart_on_failure=false",
+        "serve.faults.heartbeat_timeout_s=2",
     )
     try:
         victim = stage_pids(proc.pid)[1]
@@ -144,7 +144,7 @@ def test_no_restart_heartbeat_timeout_exits_nonzero(hf_llama_dir, tmp_path):
 
 
 def test_sigterm_with_streams_in_flight_exits_cleanly(hf_llama_dir, tmp_path):
-    proc, base = start_server(hf_llama_dir, tmp_path, *COMMON, "serve.shutdown_timeout_s=1")
+    proc, base = start_server(hf_llama_dir, tmp_path, *COMMON, "serve.http.shutdown_timeout_s=1")
     stages = stage_pids(proc.pid)
     try:
         results = _streams_then(base, lambda: proc.send_signal(signal.SIGTERM), max_tokens=240)
@@ -165,14 +165,9 @@ def _engine_with_a_queue(hf_llama_dir, restart: bool):
     from convergent.serve.engine import Engine
 
     cfg = ServeConfig(
-        scheduler="interleaved",
-        stages=2,
-        max_num_seqs=1,
-        block_size=4,
-        kv_budget_bytes=2**20,
-        profile_costs=False,
-        heartbeat_timeout_s=5,
-        restart_on_failure=restart,
+        engine={"block_size": 4, "kv_budget_bytes": 2**20},
+        scheduler={"kind": "interleaved", "stages": 2, "max_num_seqs": 1, "profile_costs": False},
+        faults={"heartbeat_timeout_s": 5, "restart_on_failure": restart},
     )
     done, first = threading.Event(), threading.Event()
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:

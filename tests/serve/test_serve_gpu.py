@@ -37,8 +37,10 @@ def test_gpu_serving_matches_transformers_float32(hf_llama_dir):
     within a tolerance in ulps of the dtype, by tests/serve/test_serve_dtype.py's cuda
     parameters: free-running agreement counts near ties, not the engine.)"""
     _, ref = _hf_generate(hf_llama_dir, "float32")
-    cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
-                      profile_costs=False, dtype="float32", device="cuda")
+    cfg = ServeConfig(
+        engine={"kv_budget_bytes": 2**20, "block_size": 4, "dtype": "float32", "device": "cuda"},
+        scheduler={"kind": "sequential", "profile_costs": False},
+    )
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         reqs = [eng.add_request(eng.make_request(p, N_NEW)) for p in PROMPTS]
         eng.run()
@@ -49,11 +51,13 @@ def test_two_stages_on_one_gpu_is_refused_with_the_fix(hf_llama_dir):
     from convergent.errors import ConfigError
 
     n = torch.cuda.device_count()
-    cfg = ServeConfig(scheduler="tdpipe", stages=n + 1, device="cuda", profile_costs=False,
-                      kv_budget_bytes=2**20, block_size=4)
+    cfg = ServeConfig(
+        engine={"device": "cuda", "kv_budget_bytes": 2**20, "block_size": 4},
+        scheduler={"kind": "tdpipe", "stages": n + 1, "profile_costs": False},
+    )
     if n + 1 > 4:  # the test model has 4 layers
         pytest.skip("more than 3 GPUs: cannot ask for more stages than GPUs on this model")
-    with pytest.raises(ConfigError, match=r"serve\.stages"):
+    with pytest.raises(ConfigError, match=r"serve\.scheduler\.stages"):
         Engine(hf_llama_dir, cfg)
 
 
@@ -64,8 +68,10 @@ def test_serving_attention_never_takes_cudnn(hf_llama_dir):
     groups both run, and none of them is cuDNN's."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = ServeConfig(scheduler="sequential", kv_budget_bytes=2**20, block_size=4,
-                      profile_costs=False, dtype="bfloat16", device="cuda")
+    cfg = ServeConfig(
+        engine={"kv_budget_bytes": 2**20, "block_size": 4, "dtype": "bfloat16", "device": "cuda"},
+        scheduler={"kind": "sequential", "profile_costs": False},
+    )
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             reqs = [eng.add_request(eng.make_request(p, 8)) for p in PROMPTS]

@@ -1,4 +1,4 @@
-"""The API's input side under load: a body over ``serve.max_request_bytes`` is refused
+"""The API's input side under load: a body over ``serve.http.max_request_bytes`` is refused
 before it is parsed or tokenized (413 naming the setting), and tokenizing a large prompt
 runs off the event loop, so a small request concurrent with it is answered first (an
 ordering of events, not a timing). The app runs in-process on a real engine."""
@@ -42,10 +42,9 @@ class GatedTokenizer(ByteTokenizer):
 @pytest.fixture(scope="module")
 def engine(hf_llama_dir):
     cfg = ServeConfig(
-        scheduler="sequential",
-        profile_costs=False,
-        max_model_len=256,
-        max_request_bytes=4096,
+        engine={"max_model_len": 256},
+        scheduler={"kind": "sequential", "profile_costs": False},
+        http={"max_request_bytes": 4096},
     )
     eng = Engine(hf_llama_dir, cfg, ignore_eos=True)
     eng.start()
@@ -69,6 +68,7 @@ def test_oversized_body_is_refused_before_tokenizing(engine):
     async def go(c):
         big = {"prompt": "x" * 5000, "max_tokens": 1}
         declared = await c.post("/v1/completions", json=big)
+
         async def body():
             for _ in range(8):
                 yield b"x" * 1024
@@ -83,7 +83,7 @@ def test_oversized_body_is_refused_before_tokenizing(engine):
     for r, param in ((declared, "prompt"), (chunked, "messages")):
         err = r.json()["error"]
         assert r.status_code == 413 and err["code"] == "request_too_large"
-        assert err["param"] == param and "serve.max_request_bytes=4096" in err["message"]
+        assert err["param"] == param and "serve.http.max_request_bytes=4096" in err["message"]
         assert "\n" not in err["message"]
     assert ok.status_code == 200 and tok.calls == 1  # only the allowed one was tokenized
 

@@ -73,7 +73,8 @@ def test_greedy_paged_matches_transformers_generate(tmp_path, rope, hf_greedy):
     prompts = [[5, 17, 99, 3], list(range(40, 60)), [250]]
     ref = hf_greedy(tmp_path, prompts, 30)
     cfg = ServeConfig(
-        scheduler="sequential", kv_budget_bytes=2**20, block_size=4, profile_costs=False
+        engine={"kv_budget_bytes": 2**20, "block_size": 4},
+        scheduler={"kind": "sequential", "profile_costs": False},
     )
     with Engine(tmp_path, cfg, ignore_eos=True) as eng:
         reqs = [eng.add_request(eng.make_request(p, 30)) for p in prompts]

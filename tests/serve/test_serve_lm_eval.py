@@ -122,7 +122,7 @@ def _greedy_text(m, tok, context, n, stop="\n"):
 
 
 def test_lm_eval_local_completions_loglikelihood_and_generate(bpe_dir, tmp_path):
-    proc, base = start_server(bpe_dir, tmp_path, "serve.scheduler=sequential")
+    proc, base = start_server(bpe_dir, tmp_path, "serve.scheduler.kind=sequential")
     out = tmp_path / "out"
     (tmp_path / "tasks").mkdir()
     tasks = _task_dir(tmp_path / "tasks")

@@ -98,11 +98,12 @@ def test_variant_greedy_matches_transformers(tmp_path, variant):
         ref.append(g[0, len(p) :].tolist())
     stages = 2 if variant in ("gelu_bias_tied", "mistral_window") else 1
     cfg = ServeConfig(
-        scheduler="interleaved" if stages > 1 else "sequential",
-        stages=stages,
-        kv_budget_bytes=2**20,
-        block_size=4,
-        profile_costs=False,
+        engine={"kv_budget_bytes": 2**20, "block_size": 4},
+        scheduler={
+            "kind": "interleaved" if stages > 1 else "sequential",
+            "stages": stages,
+            "profile_costs": False,
+        },
     )
     with Engine(tmp_path, cfg, ignore_eos=True) as eng:
         reqs = [eng.add_request(eng.make_request(p, 24)) for p in prompts]
@@ -171,7 +172,7 @@ def test_pytorch_bin_checkpoint_is_refused_before_any_stage(tmp_path, capsys):
         assert rc == 2 and "pytorch_model.bin" in line and "safetensors" in line, err
         assert "save_pretrained" in err and "Traceback" not in err
     with pytest.raises(InputError, match="pytorch_model.bin"):
-        Engine(d, ServeConfig(scheduler="sequential", profile_costs=False))
+        Engine(d, ServeConfig(scheduler={"kind": "sequential", "profile_costs": False}))
 
 
 def test_tiny_vocab_without_tokenizer_is_a_clean_error(tmp_path, capsys):
@@ -182,7 +183,7 @@ def test_tiny_vocab_without_tokenizer_is_a_clean_error(tmp_path, capsys):
     assert rc == 2 and "vocab_size=100 < 258" in err and "Traceback" not in err
     # the engine still serves token ids
     with Engine(
-        d, ServeConfig(scheduler="sequential", profile_costs=False), ignore_eos=True
+        d, ServeConfig(scheduler={"kind": "sequential", "profile_costs": False}), ignore_eos=True
     ) as eng:
         r = eng.add_request(eng.make_request([1, 2, 3], 4))
         eng.run()

@@ -91,12 +91,8 @@ def test_in_situ_profile_through_stage_processes(hf_llama_dir):
     from convergent.serve.insitu import sweep_shapes
 
     cfg = ServeConfig(
-        scheduler="tdpipe",
-        stages=2,
-        kv_budget_bytes=256 * 1024,
-        block_size=4,
-        max_batched_tokens=64,
-        max_num_seqs=32,
+        engine={"kv_budget_bytes": 256 * 1024, "block_size": 4},
+        scheduler={"kind": "tdpipe", "stages": 2, "max_batched_tokens": 64, "max_num_seqs": 32},
     )
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         costs = eng.costs
@@ -109,9 +105,8 @@ def test_in_situ_profile_through_stage_processes(hf_llama_dir):
         r = eng.add_request(eng.make_request([256, 5, 6, 7], 6))
         eng.run()
         first = r.output
-    with Engine(
-        hf_llama_dir, cfg.model_copy(update={"profile_costs": False}), ignore_eos=True
-    ) as eng:
+    off = cfg.scheduler.model_copy(update={"profile_costs": False})
+    with Engine(hf_llama_dir, cfg.model_copy(update={"scheduler": off}), ignore_eos=True) as eng:
         assert eng.costs is None
         r = eng.add_request(eng.make_request([256, 5, 6, 7], 6))
         eng.run()

@@ -32,12 +32,13 @@ def test_three_schedulers_identical_and_match_transformers(hf_llama_dir, hf_gree
         ("tdpipe", False),
     ):
         cfg = ServeConfig(
-            scheduler=name,
-            stages=2,
-            kv_budget_bytes=budget,
-            block_size=4,
-            max_batched_tokens=32,
-            chunked_prefill=chunked,
+            engine={"kv_budget_bytes": budget, "block_size": 4},
+            scheduler={
+                "kind": name,
+                "stages": 2,
+                "max_batched_tokens": 32,
+                "chunked_prefill": chunked,
+            },
         )
         # tdpipe runs its two stages as processes (gloo point to point); the baselines run
         # the same stage code in this process, which starts faster (the API test and
@@ -67,7 +68,10 @@ def test_three_schedulers_identical_and_match_transformers(hf_llama_dir, hf_gree
 def test_interleaved_in_processes_matches(hf_llama_dir, hf_greedy):
     prompts = [[256, 1, 2, 3], [256] + list(range(30, 70))]
     ref = hf_greedy(hf_llama_dir, prompts, 16)
-    cfg = ServeConfig(scheduler="interleaved", stages=2, kv_budget_bytes=2**20, block_size=4)
+    cfg = ServeConfig(
+        engine={"kv_budget_bytes": 2**20, "block_size": 4},
+        scheduler={"kind": "interleaved", "stages": 2},
+    )
     with Engine(hf_llama_dir, cfg, ignore_eos=True) as eng:
         assert eng.num_stages == 2 and type(eng.executor).__name__ == "ProcessExecutor"
         reqs = [eng.add_request(eng.make_request(p, 16)) for p in prompts]
@@ -90,13 +94,14 @@ def test_prompt_logprobs_over_chunks_equal_transformers(hf_llama_dir):
     prompts = [[256] + [rng.randrange(256) for _ in range(rng.randint(5, 45))] for _ in range(6)]
     m = transformers.LlamaForCausalLM.from_pretrained(hf_llama_dir).eval()
     cfg = ServeConfig(
-        scheduler="interleaved",
-        stages=2,
-        kv_budget_bytes=96 * 1024,
-        block_size=4,
-        max_batched_tokens=8,
-        chunked_prefill=True,
-        profile_costs=False,
+        engine={"kv_budget_bytes": 96 * 1024, "block_size": 4},
+        scheduler={
+            "kind": "interleaved",
+            "stages": 2,
+            "max_batched_tokens": 8,
+            "chunked_prefill": True,
+            "profile_costs": False,
+        },
     )
     sp = SamplingParams(logprobs=0, prompt_logprobs=2)
     with Engine(hf_llama_dir, cfg, executor="local", ignore_eos=True) as eng:
@@ -120,7 +125,10 @@ def test_tdpipe_engine_prefills_a_second_wave_within_the_wait_bound(hf_llama_dir
     steps (``dt`` per micro-batch submitted), not the wall clock."""
     flat = CostTable([0.0, 1e-3, 0.0, 0.0], [0.0, 0.0], 0.0, 0.0, [2, 2], "flat")
     dt, p = 0.01, 2
-    cfg = ServeConfig(scheduler="tdpipe", stages=p, block_size=4, tdpipe_max_wait_s=0.5)
+    cfg = ServeConfig(
+        engine={"block_size": 4},
+        scheduler={"kind": "tdpipe", "stages": p, "tdpipe_max_wait_s": 0.5},
+    )
     with Engine(hf_llama_dir, cfg, costs=flat, executor="local", ignore_eos=True) as eng:
         eng.sched.clock = lambda: eng.stats.batches * dt
         wave1 = [eng.add_request(eng.make_request([256, i, 7], 150)) for i in range(6)]

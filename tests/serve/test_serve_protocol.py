@@ -22,9 +22,9 @@ def server(hf_llama_dir, tmp_path_factory):
     proc, base = start_server(
         hf_llama_dir,
         root,
-        "serve.scheduler=sequential",
-        "serve.max_model_len=200",
-        "serve.kv_budget_bytes=262144",
+        "serve.scheduler.kind=sequential",
+        "serve.engine.max_model_len=200",
+        "serve.engine.kv_budget_bytes=262144",
     )
     yield base
     stop_server(proc)

@@ -104,9 +104,9 @@ def test_predicted_peak_blocks_matches_step_by_step_count():
 @pytest.mark.parametrize("name", ["sequential", "interleaved", "tdpipe"])
 @pytest.mark.parametrize("blocks", [400, 40])
 def test_schedulers_finish_everything_within_budget(name, blocks):
-    cfg = SchedulerConfig(max_num_seqs=16, max_batched_tokens=128, ignore_eos=True)
+    cfg = SchedulerConfig(kind=name, max_num_seqs=16, max_batched_tokens=128)
     bm = BlockManager(blocks, 4)
-    sched = make_scheduler(name, cfg, bm, 2, COSTS)
+    sched = make_scheduler(cfg, bm, 2, COSTS, ignore_eos=True)
     reqs = _reqs(60, seed=blocks)
     _drive(sched, reqs)
     assert all(r.state == "finished" and r.finish_reason == "length" for r in reqs)
@@ -117,8 +117,8 @@ def test_schedulers_finish_everything_within_budget(name, blocks):
 
 
 def test_preempted_requests_resume_with_their_tokens():
-    cfg = SchedulerConfig(max_num_seqs=8, max_batched_tokens=64, ignore_eos=True)
-    sched = make_scheduler("interleaved", cfg, BlockManager(12, 4), 2)
+    cfg = SchedulerConfig(kind="interleaved", max_num_seqs=8, max_batched_tokens=64)
+    sched = make_scheduler(cfg, BlockManager(12, 4), 2, ignore_eos=True)
     reqs = _reqs(20, seed=3, max_in=10, max_out=20)
     batches = _drive(sched, reqs)
     assert sched.num_preemptions > 0
@@ -131,9 +131,9 @@ def test_preempted_requests_resume_with_their_tokens():
 
 def test_chunked_prefill_respects_token_budget():
     cfg = SchedulerConfig(
-        max_num_seqs=64, max_batched_tokens=32, chunked_prefill=True, ignore_eos=True
+        kind="interleaved", max_num_seqs=64, max_batched_tokens=32, chunked_prefill=True
     )
-    sched = make_scheduler("interleaved", cfg, BlockManager(500, 4), 2)
+    sched = make_scheduler(cfg, BlockManager(500, 4), 2, ignore_eos=True)
     batches = _drive(sched, _reqs(30, seed=5, max_in=100, max_out=10))
     assert all(b.num_tokens <= 32 for b in batches)
     assert any(
@@ -142,16 +142,16 @@ def test_chunked_prefill_respects_token_budget():
 
 
 def test_unchunked_interleaved_mixes_prefill_and_decode():
-    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256, ignore_eos=True)
-    sched = make_scheduler("interleaved", cfg, BlockManager(500, 4), 2)
+    cfg = SchedulerConfig(kind="interleaved", max_num_seqs=64, max_batched_tokens=256)
+    sched = make_scheduler(cfg, BlockManager(500, 4), 2, ignore_eos=True)
     batches = _drive(sched, _reqs(30, seed=6))
     assert any(b.kind == "mixed" for b in batches)
 
 
 def test_tdpipe_separates_prefill_and_decode_and_balances():
-    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256, ignore_eos=True)
+    cfg = SchedulerConfig(kind="tdpipe", max_num_seqs=64, max_batched_tokens=256)
     bm = BlockManager(300, 4)
-    sched = make_scheduler("tdpipe", cfg, bm, 2, COSTS)
+    sched = make_scheduler(cfg, bm, 2, COSTS, ignore_eos=True)
     batches = _drive(sched, _reqs(80, seed=7))
     assert {b.kind for b in batches} <= {"prefill", "decode"}  # never mixed
     assert sched.num_preemptions == 0  # oracle predictions keep the peak under budget
@@ -163,7 +163,7 @@ def test_tdpipe_separates_prefill_and_decode_and_balances():
 
 
 def test_tdpipe_admission_bounded_by_predicted_peak():
-    cfg = SchedulerConfig(max_num_seqs=256, max_batched_tokens=10_000, memory_fraction=1.0)
+    cfg = SchedulerConfig(max_num_seqs=256, max_batched_tokens=10_000, tdpipe_memory_fraction=1.0)
     bm = BlockManager(100, 4)  # 400 tokens
     sched = TDPipeScheduler(cfg, bm, 2, COSTS)
     for i in range(10):  # each: 20 prompt + 40 predicted output = 60 tokens peak
@@ -231,8 +231,8 @@ def test_turnaround_calibrated_from_back_to_back_batches():
 
 def test_tdpipe_queues_deeper_while_prefilling():
     """Prefill micro-batches are independent: 2P in flight while prefilling, P in decode."""
-    cfg = SchedulerConfig(max_num_seqs=4, max_batched_tokens=64, ignore_eos=True)
-    sched = make_scheduler("tdpipe", cfg, BlockManager(400, 4), 2, COSTS)
+    cfg = SchedulerConfig(kind="tdpipe", max_num_seqs=4, max_batched_tokens=64)
+    sched = make_scheduler(cfg, BlockManager(400, 4), 2, COSTS, ignore_eos=True)
     for r in _reqs(40, seed=3, max_in=20):
         sched.add(r)
     assert sched.depth == 4
@@ -258,9 +258,9 @@ def _two_waves(max_wait_s, dt=0.01, p=2):
     20 micro-batches. Returns ``(micro-batches from wave 2's arrival to each first token,
     the scheduler)``."""
     t = [0.0]
-    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256, ignore_eos=True)
-    cfg.max_wait_s = max_wait_s
-    sched = TDPipeScheduler(cfg, BlockManager(10_000, 4), p, FLAT, clock=lambda: t[0])
+    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256, tdpipe_max_wait_s=max_wait_s)
+    bm = BlockManager(10_000, 4)
+    sched = TDPipeScheduler(cfg, bm, p, FLAT, ignore_eos=True, clock=lambda: t[0])
     wave1 = [Request(i, [1] * 10, 400, predicted_len=400) for i in range(8)]
     wave2 = [Request(100 + i, [2] * 3, 5, predicted_len=5) for i in range(4)]
     for r in wave1:
@@ -284,11 +284,11 @@ def _two_waves(max_wait_s, dt=0.01, p=2):
 
 
 def test_tdpipe_wait_bound_prefills_a_second_wave_in_time():
-    """Issue 39: without the bound wave 2 waits for wave 1's 400 tokens; with
-    ``max_wait_s`` = 1 s it gets its first tokens within 1 s of engine time (100
-    micro-batches) plus a round of P, its prefill and the P batches ahead of it."""
+    """Issue 39: without the bound (an hour: never, here) wave 2 waits for wave 1's 400
+    tokens; with ``tdpipe_max_wait_s`` = 1 s it gets its first tokens within 1 s of engine
+    time (100 micro-batches) plus a round of P, its prefill and the P batches ahead of it."""
     p, dt = 2, 0.01
-    off, s_off = _two_waves(1e9, dt, p)
+    off, s_off = _two_waves(3600.0, dt, p)
     assert min(off) > 300 and s_off.aged_switches == 0  # the intensity rule alone: starved
     on, s_on = _two_waves(1.0, dt, p)
     bound = round(1.0 / dt) + 3 * p

@@ -94,7 +94,7 @@ def test_ids_and_chat_prompt_match_transformers(bpe_model_dir):
 def test_server_uses_the_checkpoint_tokenizer(bpe_model_dir, tmp_path):
     ref_tok = transformers.AutoTokenizer.from_pretrained(bpe_model_dir)
     hf = transformers.LlamaForCausalLM.from_pretrained(bpe_model_dir).eval()
-    proc, base = start_server(bpe_model_dir, tmp_path, "serve.scheduler=sequential")
+    proc, base = start_server(bpe_model_dir, tmp_path, "serve.scheduler.kind=sequential")
     try:
         assert "the checkpoint's tokenizer.json" in proc.log_path.read_text()
         c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)

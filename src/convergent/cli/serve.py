@@ -21,13 +21,14 @@ QUANT_OPT = typer.Option(
     None,
     "--quantize",
     help="INT8 inference: int8 (weight-only, per-channel) or int8-dynamic (torch, CPU fp32); "
-    "sets serve.quantize.",
+    "sets serve.engine.quantize.",
 )
 
 
 def _with_quant(sets: list[str] | None, quantize: str | None) -> list[str] | None:
-    """``--quantize X`` as ``--set serve.quantize=X`` (so dispatched instances get it too)."""
-    return [*(sets or []), f"serve.quantize={quantize}"] if quantize else sets
+    """``--quantize X`` as ``--set serve.engine.quantize=X`` (so dispatched instances get it
+    too)."""
+    return [*(sets or []), f"serve.engine.quantize={quantize}"] if quantize else sets
 
 
 def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
@@ -52,7 +53,8 @@ def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
 def _predictor(cfg, scale: float = 1.0):
     from convergent.serve.predictor import make_predictor
 
-    return make_predictor(cfg.serve.predictor, cfg.serve.predictor_path, length_scale=scale)
+    sc = cfg.serve.scheduler
+    return make_predictor(sc.predictor, sc.predictor_path, length_scale=scale)
 
 
 def _serve(
@@ -60,8 +62,12 @@ def _serve(
     sets: list[str] | None = SET_OPT,
     model: Path | None = MODEL_OPT,
     quantize: str | None = QUANT_OPT,
-    host: str | None = typer.Option(None, help="Bind address (default serve.host, 127.0.0.1)."),
-    port: int | None = typer.Option(None, min=1, max=65535, help="Port (default serve.port)."),
+    host: str | None = typer.Option(
+        None, help="Bind address (default serve.http.host, 127.0.0.1)."
+    ),
+    port: int | None = typer.Option(
+        None, min=1, max=65535, help="Port (default serve.http.port)."
+    ),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="CONVERGENT_API_KEY", help="Require this bearer key."
     ),
@@ -70,31 +76,42 @@ def _serve(
         "--instances",
         min=1,
         max=64,
-        help="Instances behind one dispatcher (serve.instances; given, even 1, a dispatcher runs).",
+        help="Instances behind one dispatcher (serve.dispatch.instances; given, even 1, a "
+        "dispatcher runs).",
     ),
 ) -> None:
     """OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, streaming,
-    /health, /metrics); with serve.instances > 1 (or --instances), N instances behind
-    a load-aware dispatcher."""
+    /health, /metrics); with serve.dispatch.instances > 1 (or --instances), N instances
+    behind a load-aware dispatcher."""
     sets = _with_quant(sets, quantize)
     cfg = config_from_cli(config, sets)
     from convergent.resources import check_port_free
 
-    check_port_free(host or cfg.serve.host, port or cfg.serve.port)  # before loading anything
+    sc = _with_options(cfg.serve, host, port, api_key, instances)
+    check_port_free(sc.http.host, sc.http.port)  # before loading anything
     mdir = _model_dir(cfg, model)
-    sc = cfg.serve
-    if instances is not None:
-        sc = sc.model_copy(update={"instances": instances})
-    key = api_key if api_key is not None else sc.api_key
-    if sc.instances > 1 or sc.instance_urls or instances is not None:  # dispatched
+    d = sc.dispatch
+    if d.instances > 1 or d.instance_urls or instances is not None:  # dispatched
         from convergent.serve.dispatch import run_dispatcher
 
-        run_dispatcher(mdir, sc, host or sc.host, port or sc.port, key, config, sets)
+        run_dispatcher(mdir, sc, config, sets)
         return
     from convergent.serve.server import serve_forever
 
-    pred = _predictor(cfg) if sc.scheduler == "tdpipe" and sc.predictor != "oracle" else None
-    serve_forever(mdir, sc, host or sc.host, port or sc.port, key, pred)
+    s = sc.scheduler
+    pred = _predictor(cfg) if s.kind == "tdpipe" and s.predictor != "oracle" else None
+    serve_forever(mdir, sc, pred)
+
+
+def _with_options(sc, host: str | None, port: int | None, key: str | None, instances: int | None):
+    """The ``serve`` section with the command-line options in their places (``--host``,
+    ``--port``, ``--api-key`` in ``http``; ``--instances`` in ``dispatch``)."""
+    given = {"host": host, "port": port, "api_key": key}
+    http = sc.http.model_copy(update={k: v for k, v in given.items() if v is not None})
+    update = {"http": http}
+    if instances is not None:
+        update["dispatch"] = sc.dispatch.model_copy(update={"instances": instances})
+    return sc.model_copy(update=update)
 
 
 def _generate(
@@ -121,7 +138,8 @@ def _generate(
     tok, note = load_tokenizer(mdir, read_config(mdir).vocab_size)
     if tok is None:
         raise InputError(note.removeprefix("tokenizer: "))
-    with Engine(mdir, cfg.serve.model_copy(update={"profile_costs": False})) as eng:
+    sched = cfg.serve.scheduler.model_copy(update={"profile_costs": False})
+    with Engine(mdir, cfg.serve.model_copy(update={"scheduler": sched})) as eng:
         prompt_ids = tok.encode(prompt)
         why = eng.context_error(len(prompt_ids), max_tokens)
         if why is not None:
@@ -162,12 +180,12 @@ def _bench(
     res = run_trace(mdir, sc, trace, predictor=pred, progress=True)
     res = {k: v for k, v in res.items() if not k.startswith("_")}
     res["trace"] = trace_stats(trace)
-    res["predictor"] = sc.predictor
+    res["predictor"] = sc.scheduler.predictor
     out.mkdir(parents=True, exist_ok=True)
-    png = plot_kv_timeline({sc.scheduler: res}, out / "kv_usage.png")
+    png = plot_kv_timeline({sc.scheduler.kind: res}, out / "kv_usage.png")
     atomic_write_text(out / "bench_serve.json", dumps_json(res, indent=1, default=str))
     typer.echo(
-        f"{sc.scheduler}: {res['requests']} requests in {res['wall_s']:.1f} s | "
+        f"{sc.scheduler.kind}: {res['requests']} requests in {res['wall_s']:.1f} s | "
         f"{res['req_s']:.2f} req/s | input {res['input_tok_s']:.0f} tok/s | "
         f"output {res['output_tok_s']:.0f} tok/s | total {res['total_tok_s']:.0f} tok/s"
     )

@@ -7,7 +7,7 @@
 (and :func:`convergent.models.llama.load_pretrained`) refuse it loudly: the ``*.weight``
 tensors they need are absent. :func:`load_llama` loads plain and quantised checkpoints,
 whole or as a pipeline stage, and quantises a plain one on the fly when asked
-(``serve.quantize``). ``int8-dynamic`` is never stored packed: a plain checkpoint is
+(``serve.engine.quantize``). ``int8-dynamic`` is never stored packed: a plain checkpoint is
 quantised at load (torch's packed format is not portable across kernels).
 
 **Surrogate.** :func:`save_quantized_surrogate` writes the usual ``model_config.json`` +
@@ -100,16 +100,16 @@ def load_llama(
     quantised with ``quantize_method`` when the checkpoint is plain."""
     from convergent.models.llama import LlamaForCausalLM, Rotary, load_pretrained, read_config
 
-    _check_method(quantize_method, "serve.quantize")
+    _check_method(quantize_method, "serve.engine.quantize")
     info = quant_info(path)
     if info is None:
         model = load_pretrained(path, layers, embed, head, dtype=dtype)
         if quantize_method == "int8-dynamic" and dtype != torch.float32:
-            raise ConfigError("serve.quantize=int8-dynamic needs serve.dtype=float32")
+            raise ConfigError("serve.engine.quantize=int8-dynamic needs serve.engine.dtype=float32")
         return quantize(model, quantize_method)[0].eval()
     if quantize_method not in ("none", info.method):
         raise ConfigError(f"{path}: already quantised ({info.method}); "
-                          f"serve.quantize={quantize_method} cannot apply on top")
+                          f"serve.engine.quantize={quantize_method} cannot apply on top")
     from safetensors import safe_open
 
     p = Path(path)

@@ -8,12 +8,12 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 validated by :mod:`convergent.serve.protocol` (400 naming the field); text is tokenized
 with the checkpoint's own tokenizer and chat template (:mod:`convergent.serve.tokenizer`)
 in a worker thread, so a long prompt does not hold up the event loop, and only once the
-body is known to be within ``serve.max_request_bytes`` (413 otherwise,
+body is known to be within ``serve.http.max_request_bytes`` (413 otherwise,
 :mod:`convergent.serve.http_body`). With an API key set, every ``/v1`` request needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
 Failures: a request whose engine request ends with ``finish_reason="error"`` (a stage died,
-the server is shutting down, ``serve.request_timeout_s`` passed) gets a 503 with the reason,
+the server is shutting down, ``serve.http.request_timeout_s`` passed) gets a 503 with the reason,
 or, when streaming, an ``error`` event before ``[DONE]``; while the engine is unhealthy
 or draining new requests get 503 at once.
 
@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from convergent.serve.api_requests import build_requests, error_response
 from convergent.serve.api_stream import TokenChannel, events, final_response, sse_chunks
+from convergent.serve.config import HttpConfig
 from convergent.serve.engine import Engine
 from convergent.serve.http_body import BodyTooLarge, read_body, too_large
 from convergent.serve.messages import TokenEvent
@@ -59,14 +60,15 @@ class _Api:
     def __init__(
         self,
         engine: Engine,
+        http: HttpConfig,
         model_name: str,
-        api_key: str,
         predictor: LengthPredictor | None,
         tok: Any,
     ) -> None:
         self.engine = engine
+        self.http = http
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_key = http.api_key
         self.predictor = predictor
         self.tok = tok
         self.streams: dict[int, TokenChannel] = {}
@@ -125,7 +127,7 @@ class _Api:
         """The validated body and its engine requests and choices, or the 413 / 400 / 404.
         The body is read under the size limit first; parsing and tokenizing run in a
         worker thread."""
-        limit = self.engine.cfg.max_request_bytes
+        limit = self.http.max_request_bytes
         try:
             raw = await read_body(request, limit)
             return await asyncio.to_thread(self.build, raw, chat)
@@ -150,7 +152,9 @@ class _Api:
                     param="model",
                 )
             )
-        reqs, outs = build_requests(self.engine, body, chat, self.tok, self.predictor)
+        reqs, outs = build_requests(
+            self.engine, body, chat, self.tok, self.predictor, self.http.default_max_tokens
+        )
         return body, reqs, outs
 
     def start(self, reqs: list, t_arrival: float) -> TokenChannel:
@@ -195,14 +199,24 @@ class _Api:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = sse_chunks(
-                self.engine, stream, reqs, outs, chat, rid, created, self.model_name, include_usage
+                self.engine,
+                stream,
+                reqs,
+                outs,
+                chat=chat,
+                rid=rid,
+                created=created,
+                model_name=self.model_name,
+                include_usage=include_usage,
+                timeout_s=self.http.request_timeout_s,
             )
             return StreamingResponse(
                 self.sse_body(chunks, reqs, outs), media_type="text/event-stream"
             )
         cancelled = True
         try:
-            async for _o, _d in events(self.engine, stream, reqs, outs):
+            timeout_s = self.http.request_timeout_s
+            async for _o, _d in events(self.engine, stream, reqs, outs, timeout_s):
                 pass
             cancelled = False
         finally:
@@ -272,12 +286,14 @@ def _add_openai_routes(app, api: _Api) -> None:
 
 def create_app(
     engine: Engine,
+    http: HttpConfig | None = None,
+    *,
     model_name: str = "convergent-llama",
-    api_key: str = "",
     predictor: LengthPredictor | None = None,
     tokenizer: Any = "auto",
 ):
-    """Build the FastAPI app; the engine must be started (:meth:`Engine.start`).
+    """Build the FastAPI app over a started engine (:meth:`Engine.start`) with the
+    ``serve.http`` settings (API key, request limits; default: the engine's own).
 
     ``tokenizer="auto"`` loads the checkpoint's (:func:`~convergent.serve.tokenizer.load_tokenizer`).
     """
@@ -287,7 +303,7 @@ def create_app(
         from convergent.serve.tokenizer import load_tokenizer
 
         tokenizer, _ = load_tokenizer(engine.model_dir, engine.vocab_size)
-    api = _Api(engine, model_name, api_key, predictor, tokenizer)
+    api = _Api(engine, http or engine.cfg.http, model_name, predictor, tokenizer)
     app = FastAPI(title="convergent serve", version="0.2")
     app.state.metrics = api.metrics
     app.state.tokenizer = tokenizer

@@ -75,9 +75,11 @@ def build_requests(
     chat: bool,
     tok: Any,
     predictor: LengthPredictor | None,
+    default_max_tokens: int,
 ) -> tuple[list[Request], list[ChoiceOutput]]:
     """Engine requests (not yet added) and their choice outputs, prompt-major, ``n`` each;
-    choice ``j`` samples with ``body.sampling_params(j)``."""
+    choice ``j`` samples with ``body.sampling_params(j)``; without ``max_tokens``, up to
+    ``default_max_tokens`` (``serve.http.default_max_tokens``) within the context."""
     vocab = engine.vocab_size
     prompts = prompt_ids(body, chat, tok, vocab)
     mt = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -93,7 +95,7 @@ def build_requests(
     reqs, outs = [], []
     for i, p_ids in enumerate(prompts):
         max_tokens = (
-            mt if mt is not None else max(1, min(engine.cfg.default_max_tokens, limit - len(p_ids)))
+            mt if mt is not None else max(1, min(default_max_tokens, limit - len(p_ids)))
         )
         show = max_tokens > 0
         max_tokens = max(1, max_tokens)  # 0 (echo): the prefill and one token not shown

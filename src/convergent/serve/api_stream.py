@@ -2,7 +2,7 @@
 
 The engine thread pushes each sampled token into the request's :class:`TokenChannel`;
 :func:`events` turns them into ``(choice, text delta)`` on the event loop (ending the
-request after ``serve.request_timeout_s``), :func:`sse_chunks` renders a streamed answer as
+request after ``serve.http.request_timeout_s``), :func:`sse_chunks` renders a streamed answer as
 server-sent events ending in ``data: [DONE]`` (or an ``error`` event), and
 :func:`final_response` the whole answer (or the 503 / 504 of a failed one).
 """
@@ -58,11 +58,16 @@ def sse(obj) -> str:
 
 
 async def events(
-    engine: Engine, stream: TokenChannel, reqs: list[Request], outs: list[ChoiceOutput]
+    engine: Engine,
+    stream: TokenChannel,
+    reqs: list[Request],
+    outs: list[ChoiceOutput],
+    timeout_s: float,
 ) -> AsyncIterator[tuple[ChoiceOutput, str]]:
-    """Yield ``(choice, delta)`` as tokens arrive, until every choice is done."""
+    """Yield ``(choice, delta)`` as tokens arrive, until every choice is done or
+    ``timeout_s`` after the request arrived."""
     by_rid = {r.rid: o for r, o in zip(reqs, outs, strict=True)}
-    deadline = stream.arrival + engine.cfg.request_timeout_s
+    deadline = stream.arrival + timeout_s
     while not all(o.done for o in outs):
         try:
             ev = await asyncio.wait_for(
@@ -74,7 +79,7 @@ async def events(
                     engine.abort(o.req.rid)
                     o.req.error = (
                         "request timed out after "
-                        f"serve.request_timeout_s={engine.cfg.request_timeout_s:g} s"
+                        f"serve.http.request_timeout_s={timeout_s:g} s"
                     )
                     o.finish_reason, o.error = "error", o.req.error
                     yield o, ""
@@ -91,11 +96,13 @@ async def sse_chunks(
     stream: TokenChannel,
     reqs: list[Request],
     outs: list[ChoiceOutput],
+    *,
     chat: bool,
     rid: str,
     created: int,
     model_name: str,
     include_usage: bool,
+    timeout_s: float,
 ) -> AsyncIterator[str]:
     """The streamed answer as server-sent events; returns early after an ``error`` event."""
     if chat:
@@ -112,7 +119,7 @@ async def sse_chunks(
                     ],
                 )
             )
-    async for o, delta in events(engine, stream, reqs, outs):
+    async for o, delta in events(engine, stream, reqs, outs, timeout_s):
         if o.error is not None:
             err = {
                 "error": {

@@ -1,4 +1,13 @@
-"""Config of LLM serving (``serve`` section). Defaults work on a 2-core laptop."""
+"""Config of LLM serving (``serve`` section). Defaults work on a 2-core laptop.
+
+``serve`` holds the checkpoint (``model``) and one typed sub-section per concern, each
+handed whole to the code that reads it: ``engine`` (how the model runs: dtype, INT8, device,
+KV cache; the stages' :class:`~convergent.serve.stage.StageSpec`), ``scheduler`` (the
+policy, its pipeline stages and budgets; the schedulers of
+:mod:`convergent.serve.scheduler`), ``http`` (the API: address, key, request limits),
+``faults`` (stage failures and restarts) and ``dispatch`` (many instances behind one
+dispatcher). :data:`MOVED_KEYS` maps every key of the earlier flat layout to its place.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +17,42 @@ from pydantic import Field
 
 from convergent.configbase import Count, Port, Section
 
+__all__ = [
+    "MOVED_KEYS",
+    "DispatchConfig",
+    "EngineConfig",
+    "FaultsConfig",
+    "HttpConfig",
+    "SchedulerConfig",
+    "ServeConfig",
+]
 
-class ServeConfig(Section):
-    """Pipeline-parallel serving settings.
 
-    ``model`` is a Hugging Face Llama checkpoint directory (config.json + safetensors);
-    empty means "create a tiny random Llama under ``<run dir>/serve-model``" so the
-    commands work out of the box. ``kv_budget_bytes`` caps the KV cache of the whole
-    pipeline (summed over stages; each stage holds the K/V of its own layers).
-    """
+class EngineConfig(Section):
+    """``serve.engine``: how the model runs. ``kv_budget_bytes`` caps the KV cache of the
+    whole pipeline (summed over stages; each stage holds the K/V of its own layers)."""
 
-    model: str = ""
-    scheduler: Literal["sequential", "interleaved", "tdpipe"] = "tdpipe"
-    stages: Count = 2  # pipeline stages (processes); sequential always uses one process
-    predictor: Literal["learned", "oracle", "constant"] = "learned"
-    predictor_path: str = ""  # a trained predictor (.json); empty: train on a trace at start
-    host: str = Field("127.0.0.1", min_length=1)
-    port: Port = 8000
-    api_key: str = ""  # empty: no authentication
-    kv_budget_bytes: Count = 256 * 2**20  # bytes of K+V over all stages
-    block_size: Count = 16  # tokens per KV block
-    max_num_seqs: Count = 256  # sequences per micro-batch (decode)
-    max_batched_tokens: Count = 1024  # token budget of a micro-batch (prefill)
-    chunked_prefill: bool = False  # interleaved only: split prompts to fit the budget
-    max_model_len: Count = 2048  # prompt + output tokens per request
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights, KV, attention
     # int8: weight-only per-channel INT8; int8-dynamic: torch dynamic INT8 (CPU, fp32); see convergent.compress
     quantize: Literal["none", "int8", "int8-dynamic"] = "none"
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
     torch_threads: Count = 1  # per stage process
+    kv_budget_bytes: Count = 256 * 2**20  # bytes of K+V over all stages
+    block_size: Count = 16  # tokens per KV block
+    max_model_len: Count = 2048  # prompt + output tokens per request
+
+
+class SchedulerConfig(Section):
+    """``serve.scheduler``: which tokens go into each micro-batch (see
+    :mod:`convergent.serve.scheduler`), over how many pipeline stages."""
+
+    kind: Literal["sequential", "interleaved", "tdpipe"] = "tdpipe"
+    stages: Count = 2  # pipeline stages (processes); sequential always uses one process
+    predictor: Literal["learned", "oracle", "constant"] = "learned"  # tdpipe's output lengths
+    predictor_path: str = ""  # a trained predictor (.json); empty: train on a trace at start
+    max_num_seqs: Count = 256  # sequences per micro-batch (decode)
+    max_batched_tokens: Count = 1024  # token budget of a micro-batch (prefill)
+    chunked_prefill: bool = False  # interleaved only: split prompts to fit the budget
     profile_costs: bool = True  # tdpipe: profile the stage cost table in situ at start-up
     # tdpipe: predicted peak KV use (whole blocks) allowed by prefill; a mispredicted
     # request that outgrows it is preempted by recompute
@@ -45,22 +61,83 @@ class ServeConfig(Section):
     # tdpipe: a request queued this long forces a prefill phase (when the KV cache can take
     # it), bounding its wait for a first token while others decode
     tdpipe_max_wait_s: float = Field(1.0, gt=0, le=3600.0, allow_inf_nan=False)
-    default_max_tokens: Count = 128  # API requests without max_tokens
-    # -- failure handling (see convergent.serve.engine)
+
+
+class HttpConfig(Section):
+    """``serve.http``: the OpenAI-compatible API of an instance (or the dispatcher)."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: Port = 8000
+    api_key: str = ""  # empty: no authentication
+    default_max_tokens: Count = 128  # requests without max_tokens
+    request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, allow_inf_nan=False)  # then 504
+    # SIGTERM: finish what runs for this long, then cancel
+    shutdown_timeout_s: float = Field(10.0, ge=0.0, le=3600.0, allow_inf_nan=False)
+    # a larger request body is refused (413) before it is parsed or tokenized
+    max_request_bytes: int = Field(8 * 2**20, ge=1024, le=2**31)
+
+
+class FaultsConfig(Section):
+    """``serve.faults``: stage failures (see :mod:`convergent.serve.engine_faults`); the
+    dispatcher restarts its instances by the same budget."""
+
     restart_on_failure: bool = True  # a dead stage: end its requests with an error, restart
     max_restarts: int = Field(3, ge=0, le=100)  # restarts within 10 minutes before giving up
-    heartbeat_timeout_s: float = Field(30.0, gt=0.5, le=3600.0, allow_inf_nan=False)  # silent stage = dead
-    shutdown_timeout_s: float = Field(10.0, ge=0.0, le=3600.0, allow_inf_nan=False)  # SIGTERM: finish, then cancel
-    request_timeout_s: float = Field(600.0, gt=0.0, le=86400.0, allow_inf_nan=False)  # API: end a request after this
-    # API: a larger request body is refused (413) before it is parsed or tokenized
-    max_request_bytes: int = Field(8 * 2**20, ge=1024, le=2**31)
-    # -- many instances behind one dispatcher (`convergent serve --instances N`)
+    heartbeat_timeout_s: float = Field(30.0, gt=0.5, le=3600.0, allow_inf_nan=False)  # silent = dead
+
+
+class DispatchConfig(Section):
+    """``serve.dispatch``: many instances behind one dispatcher (`convergent serve
+    --instances N`, :mod:`convergent.serve.dispatch`)."""
+
     instances: int = Field(1, ge=1, le=64)
-    dispatch_policy: Literal["load", "round_robin"] = "load"
-    dispatch_max_outstanding: int = Field(64, ge=1, le=100000)  # per instance; rest queue
+    policy: Literal["load", "round_robin"] = "load"
+    max_outstanding: int = Field(64, ge=1, le=100000)  # per instance; the rest queue
     pin_cpus: bool = True  # instance i runs on core i mod cores (Linux)
     # instances started elsewhere (e.g. one per cluster node): the dispatcher routes to these
     # URLs instead of starting its own; their restarts are their own (or the batch system's)
     instance_urls: list[Annotated[str, Field(pattern=r"^https?://[^/\s]+/?$")]] = Field(
         default_factory=list, max_length=64
     )
+
+
+class ServeConfig(Section):
+    """Pipeline-parallel serving settings.
+
+    ``model`` is a Hugging Face Llama checkpoint directory (config.json + safetensors);
+    empty means "create a tiny random Llama under ``<run dir>/serve-model``" so the
+    commands work out of the box.
+    """
+
+    model: str = ""
+    engine: EngineConfig = EngineConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    http: HttpConfig = HttpConfig()
+    faults: FaultsConfig = FaultsConfig()
+    dispatch: DispatchConfig = DispatchConfig()
+
+
+def _moved(section: str, keys: str) -> dict[str, str]:
+    return {f"serve.{k}": f"serve.{section}.{k}" for k in keys.split()}
+
+
+# Keys of the flat layout (before the sub-sections) and where each went; ``serve.scheduler``
+# was the policy's name and is now a section (its ``kind``).
+MOVED_KEYS: dict[str, str] = {
+    **_moved("engine", "dtype quantize device torch_threads kv_budget_bytes block_size max_model_len"),
+    **_moved(
+        "scheduler",
+        "stages predictor predictor_path max_num_seqs max_batched_tokens chunked_prefill "
+        "profile_costs tdpipe_memory_fraction work_stealing tdpipe_max_wait_s",
+    ),
+    **_moved(
+        "http",
+        "host port api_key default_max_tokens request_timeout_s shutdown_timeout_s "
+        "max_request_bytes",
+    ),
+    **_moved("faults", "restart_on_failure max_restarts heartbeat_timeout_s"),
+    **_moved("dispatch", "instances pin_cpus instance_urls"),
+    "serve.scheduler": "serve.scheduler.kind",
+    "serve.dispatch_policy": "serve.dispatch.policy",
+    "serve.dispatch_max_outstanding": "serve.dispatch.max_outstanding",
+}

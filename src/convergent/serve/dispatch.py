@@ -1,12 +1,12 @@
 """Many serving instances behind one dispatcher (``convergent serve --instances N``).
 
 :func:`run_dispatcher` starts N ``convergent serve`` processes on free 127.0.0.1 ports
-(instance ``i`` pinned to core ``i mod cores`` with ``serve.pin_cpus``), supervises them
+(instance ``i`` pinned to core ``i mod cores`` with ``serve.dispatch.pin_cpus``), supervises them
 (a dead process is restarted while its :class:`~convergent.serve.restarts.RestartBudget`
-allows, as the engine's stages: ``serve.max_restarts`` per 10 minutes) and serves the
+allows, as the engine's stages: ``serve.faults.max_restarts`` per 10 minutes) and serves the
 same OpenAI API on the public port through :class:`Dispatcher`:
 
-* **queue** — each instance gets at most ``serve.dispatch_max_outstanding`` requests; the
+* **queue** — each instance gets at most ``serve.dispatch.max_outstanding`` requests; the
   rest wait here, so an instance's death never loses them;
 * **routing** — ``load``: the healthy instance with room and the fewest outstanding tokens
   (prompt + max_tokens of the requests it holds), then the lowest KV use it reports on
@@ -55,14 +55,16 @@ async def _watch(disp: Dispatcher, client, poll_s: float = 0.5) -> None:
 
 def _spawn(
     inst: Instance,
+    *,
     mdir: Path,
     sc: ServeConfig,
-    key: str,
     config: Path | None,
     sets: list[str] | None,
     port: int,
 ) -> subprocess.Popen:
-    """Start one instance's ``convergent serve`` on 127.0.0.1:``port`` (pinned with ``serve.pin_cpus``)."""
+    """Start one instance's ``convergent serve`` on 127.0.0.1:``port`` (pinned with
+    ``serve.dispatch.pin_cpus``; the API key of ``serve.http`` by the environment)."""
+    key = sc.http.api_key
     cmd = [
         sys.executable,
         "-c",
@@ -75,7 +77,7 @@ def _spawn(
         cmd += ["--config", str(config)]
     for s in sets or []:
         cmd += ["--set", s]
-    cmd += ["--set", "serve.instances=1", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--set", "serve.dispatch.instances=1", "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ}
     if key:
         env["CONVERGENT_API_KEY"] = key
@@ -83,7 +85,7 @@ def _spawn(
     cpu = inst.index % ncpu
 
     def pin():
-        if sc.pin_cpus and hasattr(os, "sched_setaffinity"):
+        if sc.dispatch.pin_cpus and hasattr(os, "sched_setaffinity"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, {cpu})
 
@@ -105,8 +107,8 @@ async def _supervise(
                 code = inst.proc.returncode
                 await disp.set_health(inst, False)
                 inst.failures.record()
-                if not inst.failures.allows(sc):
-                    why = inst.failures.refusal(sc)
+                if not inst.failures.allows(sc.faults):
+                    why = inst.failures.refusal(sc.faults)
                     log(f"instance {inst.index} exited ({code}); not restarted ({why})")
                     inst.proc = None
                     continue
@@ -119,13 +121,12 @@ async def _supervise(
 def run_dispatcher(
     mdir: Path,
     sc: ServeConfig,
-    host: str,
-    port: int,
-    key: str,
     config: Path | None = None,
     sets: list[str] | None = None,
 ) -> None:
-    """Start ``sc.instances`` instances and serve the dispatcher until SIGTERM / SIGINT."""
+    """Start ``serve.dispatch.instances`` instances (or use ``instance_urls``) and serve
+    the dispatcher on ``serve.http``'s address until SIGTERM / SIGINT; the instances get
+    the same ``config`` and ``sets`` (and the API key)."""
     import uvicorn
 
     from convergent.models.llama import read_config
@@ -136,15 +137,16 @@ def run_dispatcher(
         print(msg, file=sys.stderr, flush=True)
 
     tok, _ = load_tokenizer(mdir, read_config(mdir).vocab_size)
-    external = [u.rstrip("/") for u in sc.instance_urls]
-    ports = [free_port() for _ in range(0 if external else sc.instances)]
+    d, http = sc.dispatch, sc.http
+    external = [u.rstrip("/") for u in d.instance_urls]
+    ports = [free_port() for _ in range(0 if external else d.instances)]
     urls = external or [f"http://127.0.0.1:{p}" for p in ports]
     insts = [Instance(i, u) for i, u in enumerate(urls)]
-    disp = Dispatcher(insts, sc.dispatch_policy, sc.dispatch_max_outstanding)
-    app = create_dispatch_app(disp, sc, tok, key)
+    disp = Dispatcher(insts, d.policy, d.max_outstanding)
+    app = create_dispatch_app(disp, http, tok)
 
     def spawn(inst):
-        return _spawn(inst, mdir, sc, key, config, sets, ports[inst.index])
+        return _spawn(inst, mdir=mdir, sc=sc, config=config, sets=sets, port=ports[inst.index])
 
     if not external:
         for inst in insts:
@@ -164,15 +166,15 @@ def run_dispatcher(
     app.router.lifespan_context = lifespan
 
     log(
-        f"dispatching ({sc.dispatch_policy}) over {len(insts)} instances "
-        f"({', '.join(i.url for i in insts)}) on http://{host}:{port}/v1"
+        f"dispatching ({d.policy}) over {len(insts)} instances "
+        f"({', '.join(i.url for i in insts)}) on http://{http.host}:{http.port}/v1"
     )
     config_ = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=http.host,
+        port=http.port,
         log_level="warning",
-        timeout_graceful_shutdown=sc.shutdown_timeout_s + 5,
+        timeout_graceful_shutdown=http.shutdown_timeout_s + 5,
     )
     from convergent.serve.server import quiet_signals
 
@@ -186,6 +188,6 @@ def run_dispatcher(
         for inst in insts:
             if inst.proc is not None:
                 try:
-                    inst.proc.wait(timeout=sc.shutdown_timeout_s + 15)
+                    inst.proc.wait(timeout=http.shutdown_timeout_s + 15)
                 except subprocess.TimeoutExpired:
                     inst.proc.kill()

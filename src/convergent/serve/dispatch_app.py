@@ -21,7 +21,7 @@ from fastapi import Request as HTTPRequest  # module level: FastAPI resolves ann
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from convergent.fsutil import dumps_json
-from convergent.serve.config import ServeConfig
+from convergent.serve.config import HttpConfig
 from convergent.serve.dispatch_queue import Dispatcher, Instance
 from convergent.serve.http_body import BodyTooLarge, read_body, too_large
 
@@ -80,17 +80,17 @@ def _json_object(raw: bytes) -> dict:
 class _Forwarder:
     """Sends ``/v1`` requests to instances, routes again what never started, relays answers."""
 
-    def __init__(self, disp: Dispatcher, sc: ServeConfig, tok, client, routed) -> None:
+    def __init__(self, disp: Dispatcher, http: HttpConfig, tok, client, routed) -> None:
         self.disp = disp
-        self.sc = sc
+        self.http = http
         self.tok = tok
         self.client = client
         self.routed = routed  # the requests counter, by instance and outcome
 
     async def forward(self, request: HTTPRequest, path: str):
         """Forward one ``/v1`` POST and relay the instance's answer."""
-        try:  # within serve.max_request_bytes, then parsed and counted off the event loop
-            raw = await read_body(request, self.sc.max_request_bytes)
+        try:  # within serve.http.max_request_bytes, then parsed and counted off the event loop
+            raw = await read_body(request, self.http.max_request_bytes)
         except BodyTooLarge as e:
             return too_large(e.limit, "messages" if path.endswith("chat/completions") else "prompt")
         body, tokens = await asyncio.to_thread(self.cost, raw)
@@ -114,11 +114,11 @@ class _Forwarder:
     def cost(self, raw: bytes) -> tuple[dict, int]:
         """(Worker thread.) The body's JSON object and its estimated tokens."""
         body = _json_object(raw)
-        return body, _estimate_tokens(body, self.tok, self.sc.default_max_tokens)
+        return body, _estimate_tokens(body, self.tok, self.http.default_max_tokens)
 
     async def send(self, path: str, raw: bytes, headers: dict, tokens: int):
         """``(instance, response)`` of the first instance that took the request, or the error response."""
-        deadline = time.monotonic() + self.sc.request_timeout_s
+        deadline = time.monotonic() + self.http.request_timeout_s
         while True:
             inst = await self.disp.acquire(tokens, max(0.0, deadline - time.monotonic()))
             if inst is None:
@@ -264,8 +264,9 @@ def _add_status_routes(app, disp: Dispatcher, reg) -> None:
         return Response(generate_latest(reg), media_type="text/plain; version=0.0.4")
 
 
-def create_dispatch_app(disp: Dispatcher, sc: ServeConfig, tok=None, api_key: str = ""):
-    """The dispatcher's FastAPI app (the same /v1 routes as an instance)."""
+def create_dispatch_app(disp: Dispatcher, http: HttpConfig, tok=None):
+    """The dispatcher's FastAPI app (the same /v1 routes as an instance) under the
+    ``serve.http`` limits (the instances check the API key)."""
     from fastapi import FastAPI
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -283,9 +284,9 @@ def create_dispatch_app(disp: Dispatcher, sc: ServeConfig, tok=None, api_key: st
     qlen.set_function(lambda: disp.waiting)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     client = httpx.AsyncClient(
-        timeout=httpx.Timeout(sc.request_timeout_s, connect=5.0), limits=limits
+        timeout=httpx.Timeout(http.request_timeout_s, connect=5.0), limits=limits
     )
     app.state.client = client
-    _add_openai_routes(app, _Forwarder(disp, sc, tok, client, routed))
+    _add_openai_routes(app, _Forwarder(disp, http, tok, client, routed))
     _add_status_routes(app, disp, reg)
     return app

@@ -50,12 +50,7 @@ from convergent.serve.messages import (
 )
 from convergent.serve.restarts import RestartBudget
 from convergent.serve.sampling import SamplingParams
-from convergent.serve.scheduler import (
-    MicroBatch,
-    Request,
-    SchedulerConfig,
-    make_scheduler,
-)
+from convergent.serve.scheduler import MicroBatch, Request, make_scheduler
 from convergent.serve.stats import EngineLoad, EngineStats, KVUsage, ServingStats
 
 __all__ = ["Engine", "EngineStats", "LocalExecutor", "ProcessExecutor", "StageFailure", "free_port"]
@@ -71,9 +66,11 @@ class Engine(FailureHandling):
     until all requests finish) or :meth:`start` (a background thread, for the HTTP API).
     Token listeners (:meth:`add_token_listener`) run on the engine thread.
 
-    Without ``costs``, the stage cost table is profiled in situ at start-up (a short
-    sweep through the stages, :mod:`convergent.serve.insitu`) when the scheduler is
-    ``tdpipe`` or ``profile`` is true, and ``cfg.profile_costs`` allows it.
+    ``cfg`` is the ``serve`` section; the engine reads its ``engine``, ``scheduler`` and
+    ``faults`` sub-sections (the API's ``http`` is the HTTP layer's). Without ``costs``,
+    the stage cost table is profiled in situ at start-up (a short sweep through the stages,
+    :mod:`convergent.serve.insitu`) when the scheduler is ``tdpipe`` or ``profile`` is
+    true, and ``serve.scheduler.profile_costs`` allows it.
     """
 
     def __init__(
@@ -98,20 +95,20 @@ class Engine(FailureHandling):
         self.model_dir = model_dir
         check_weights(model_dir)
         self.mcfg = read_config(model_dir)
-        p = self.num_stages = pipeline_stages(cfg, self.mcfg)
-        self.bm = BlockManager(kv_blocks(cfg, self.mcfg), cfg.block_size)
+        p = self.num_stages = pipeline_stages(cfg.scheduler, cfg.engine.device, self.mcfg)
+        self.bm = BlockManager(kv_blocks(cfg.engine, self.mcfg), cfg.engine.block_size)
         layers = [len(x) for x in split_layers(self.mcfg.num_hidden_layers, p)]
         self.costs = costs.with_stages(layers) if costs is not None else None
         self.model_context = self.mcfg.max_context
-        self._scfg = SchedulerConfig.from_serve(cfg, ignore_eos)
-        self._scfg.max_model_len = min(cfg.max_model_len, self.model_context)
+        self.ignore_eos = ignore_eos
         self.sched = self._new_scheduler()
-        self._specs = stage_specs(model_dir, cfg, p, self.bm.num_blocks)
+        self._specs = stage_specs(model_dir, cfg.engine, p, self.bm.num_blocks)
         self._use_local = executor == "local" or (executor == "auto" and p == 1)
         self.executor = self._make_executor()
         self.kv_bytes = self.executor.kv_bytes
         self.profile_s = 0.0
-        if costs is None and cfg.profile_costs and (cfg.scheduler == "tdpipe" or profile):
+        sc = cfg.scheduler
+        if costs is None and sc.profile_costs and (sc.kind == "tdpipe" or profile):
             self._profile(layers)
         self.stats = EngineStats(p, [[] for _ in range(p)])
         self.in_flight: dict[int, MicroBatch] = {}
@@ -132,10 +129,16 @@ class Engine(FailureHandling):
         self.last_loop = time.monotonic()  # the engine thread's own liveness
 
     def _new_scheduler(self):
-        """A scheduler of ``serve.scheduler`` on the block manager, timing queue waits with
+        """The scheduler of ``serve.scheduler`` on the block manager, timing queue waits with
         the monotonic clock (TD-Pipe's wait bound)."""
         return make_scheduler(
-            self.cfg.scheduler, self._scfg, self.bm, self.num_stages, self.costs, time.monotonic
+            self.cfg.scheduler,
+            self.bm,
+            self.num_stages,
+            self.costs,
+            max_model_len=min(self.cfg.engine.max_model_len, self.model_context),
+            ignore_eos=self.ignore_eos,
+            clock=time.monotonic,
         )
 
     def _profile(self, layers_per_stage: list[int]) -> None:
@@ -144,14 +147,21 @@ class Engine(FailureHandling):
 
         t, base = time.monotonic(), CostTable(layers_per_stage=layers_per_stage)
         depth, blocks = self.sched.depth, self.bm.num_blocks
-        self.costs = profile_in_situ(self.executor, depth, base, blocks, self.cfg)
+        self.costs = profile_in_situ(
+            self.executor,
+            base,
+            depth=depth,
+            num_blocks=blocks,
+            engine=self.cfg.engine,
+            scheduler=self.cfg.scheduler,
+        )
         self.sched.costs = self.costs
         self.profile_s = time.monotonic() - t
 
     def _make_executor(self) -> LocalExecutor | ProcessExecutor:
         if self._use_local:
             return LocalExecutor(self._specs)
-        return ProcessExecutor(self._specs, heartbeat_timeout=self.cfg.heartbeat_timeout_s)
+        return ProcessExecutor(self._specs, heartbeat_timeout=self.cfg.faults.heartbeat_timeout_s)
 
     # -- what the HTTP layer reads
     @property
@@ -161,11 +171,11 @@ class Engine(FailureHandling):
 
     @property
     def context_limit(self) -> int:
-        """Longest prompt + output of one request: the smallest of ``serve.max_model_len``,
+        """Longest prompt + output of one request: the smallest of ``serve.engine.max_model_len``,
         the model's own context (``max_position_embeddings``, times a linear/dynamic RoPE
         factor, or Mistral's ``sliding_window``: :func:`context_source`) and the KV
         cache's capacity."""
-        return min(self.cfg.max_model_len, self.model_context, self.bm.capacity_tokens)
+        return min(self.cfg.engine.max_model_len, self.model_context, self.bm.capacity_tokens)
 
     def context_error(self, n_prompt: int, max_tokens: int) -> str | None:
         """Why ``n_prompt + max_tokens`` does not fit (naming every limit), or ``None``."""
@@ -174,7 +184,8 @@ class Engine(FailureHandling):
         return (
             f"This model's maximum context length is {self.context_limit} tokens "
             f"({context_source(self.mcfg)} allows {self.model_context}, the KV cache holds "
-            f"{self.bm.capacity_tokens}, serve.max_model_len is {self.cfg.max_model_len}). "
+            f"{self.bm.capacity_tokens}, serve.engine.max_model_len is "
+            f"{self.cfg.engine.max_model_len}). "
             f"However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
             f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens."
         )
@@ -204,7 +215,7 @@ class Engine(FailureHandling):
             kv_blocks=kv.blocks,
             kv_used_blocks=kv.used,
             kv_peak_blocks=kv.peak,
-            kv_budget_bytes=self.cfg.kv_budget_bytes,
+            kv_budget_bytes=self.cfg.engine.kv_budget_bytes,
             kv_allocated_bytes=self.kv_bytes,
             context_limit=self.context_limit,
             preemptions=self.sched.num_preemptions,
@@ -444,7 +455,7 @@ class Engine(FailureHandling):
             {
                 "scheduler": self.sched.name,
                 "num_stages": self.num_stages,
-                "kv_budget_bytes": self.cfg.kv_budget_bytes,
+                "kv_budget_bytes": self.cfg.engine.kv_budget_bytes,
                 "kv_allocated_bytes": self.kv_bytes,
                 "kv_peak_blocks_manager": self.bm.peak_used,
                 "preemptions": self.sched.num_preemptions,

@@ -61,7 +61,7 @@ class FailureHandling:
         self.failures.record()
         self._fail_running(reason)
         self.executor.close(kill=True)
-        while self.failures.allows(self.cfg) and not self._stop.is_set():
+        while self.failures.allows(self.cfg.faults) and not self._stop.is_set():
             try:
                 self.executor = self._make_executor()
             except Exception as again:
@@ -75,7 +75,7 @@ class FailureHandling:
         self._fail_all(reason)  # no pipeline will run the queue
         if self._stop.is_set():
             return False
-        self.error = StageFailure(f"{reason} (no restart: {self.failures.refusal(self.cfg)})")
+        self.error = StageFailure(f"{reason} (no restart: {self.failures.refusal(self.cfg.faults)})")
         for fn in self._fatal_listeners:
             fn(self.error)
         return False
@@ -95,5 +95,5 @@ class FailureHandling:
 
     @property
     def stalled(self) -> bool:
-        """The engine thread has not looped for ``serve.heartbeat_timeout_s``."""
-        return time.monotonic() - self.last_loop > self.cfg.heartbeat_timeout_s
+        """The engine thread has not looped for ``serve.faults.heartbeat_timeout_s``."""
+        return time.monotonic() - self.last_loop > self.cfg.faults.heartbeat_timeout_s

@@ -65,7 +65,7 @@ class LocalExecutor:
     def __init__(self, specs: list[StageSpec]) -> None:
         import torch
 
-        torch.set_num_threads(max(1, specs[0].threads))
+        torch.set_num_threads(max(1, specs[0].engine.torch_threads))
         self.runners = [StageRunner(s) for s in specs]
         self.kv_bytes = sum(r.kv.nbytes for r in self.runners)
         self._done: list[StageReport] = []
@@ -224,7 +224,7 @@ class ProcessExecutor:
             if now - self.last_beat[i] > self.heartbeat_timeout:
                 raise StageFailure(
                     f"stage {i} (pid {p.pid}) sent no heartbeat for "
-                    f"{now - self.last_beat[i]:.1f} s (serve.heartbeat_timeout_s)"
+                    f"{now - self.last_beat[i]:.1f} s (serve.faults.heartbeat_timeout_s)"
                 )
 
     def close(self, kill: bool = False) -> None:

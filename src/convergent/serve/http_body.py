@@ -1,4 +1,4 @@
-"""Reading a request body under ``serve.max_request_bytes``, before anything parses or
+"""Reading a request body under ``serve.http.max_request_bytes``, before anything parses or
 tokenizes it (the instance API and the dispatcher share the rule).
 
 A ``Content-Length`` over the limit is refused before a byte is read; a body sent without
@@ -40,7 +40,7 @@ def too_large(limit: int, param: str | None):
     from fastapi.responses import JSONResponse
 
     message = (
-        f"request body is larger than serve.max_request_bytes={limit} bytes "
+        f"request body is larger than serve.http.max_request_bytes={limit} bytes "
         f"(shorten the {param or 'request'})"
     )
     return JSONResponse(

@@ -16,7 +16,7 @@ import random
 import time
 from typing import TYPE_CHECKING
 
-from convergent.serve.config import ServeConfig
+from convergent.serve.config import EngineConfig, SchedulerConfig
 from convergent.serve.costs import BatchShape, CostTable, calibrate_from_run
 from convergent.serve.messages import BatchMeta, BatchResult, StageBusy
 from convergent.serve.sampling import SamplingParams
@@ -86,20 +86,25 @@ def _shape(ql: list[int], cl: list[int]) -> BatchShape:
 
 def profile_in_situ(
     executor: LocalExecutor | ProcessExecutor,
-    depth: int,
     base: CostTable,
+    *,
+    depth: int,
     num_blocks: int,
-    cfg: ServeConfig,
+    engine: EngineConfig,
+    scheduler: SchedulerConfig,
     reps: int = 2,
     seed: int = 0,
 ) -> CostTable:
     """Run the sweep ``reps`` times (shuffled) through ``executor`` with ``depth``
-    micro-batches in flight, within ``num_blocks`` KV blocks and the budgets of ``cfg``;
-    return per-stage models fitted on the busy intervals (``source = "profiled in
-    situ"``). ``base.layers_per_stage`` gives the stages."""
-    bs = cfg.block_size
+    micro-batches in flight, within ``num_blocks`` KV blocks of ``engine.block_size``, the
+    scheduler's budgets and ``engine.max_model_len``; return per-stage models fitted on the
+    busy intervals (``source = "profiled in situ"``). ``base.layers_per_stage`` gives the
+    stages."""
+    bs = engine.block_size
     capacity = num_blocks * bs
-    shapes = sweep_shapes(cfg.max_batched_tokens, cfg.max_num_seqs, cfg.max_model_len, capacity)
+    shapes = sweep_shapes(
+        scheduler.max_batched_tokens, scheduler.max_num_seqs, engine.max_model_len, capacity
+    )
     shapes = shapes * max(1, reps)
     random.Random(seed).shuffle(shapes)
     shapes = [([1], [16])] * depth + shapes  # warm-up, discarded

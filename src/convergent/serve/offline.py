@@ -91,7 +91,7 @@ def run_trace(
             from rich.progress import Progress
 
             with Progress(transient=True) as bar:
-                task = bar.add_task(f"{cfg.scheduler}", total=len(reqs))
+                task = bar.add_task(f"{cfg.scheduler.kind}", total=len(reqs))
                 done = eng.run(progress=lambda n: bar.advance(task, n))
         else:
             done = eng.run()
@@ -101,8 +101,8 @@ def run_trace(
         eng.close()
     lat = np.array([(r.finish_time or t0) - t0 for r in done])
     out = {
-        "scheduler": cfg.scheduler,
-        "chunked_prefill": cfg.chunked_prefill,
+        "scheduler": cfg.scheduler.kind,
+        "chunked_prefill": cfg.scheduler.chunked_prefill,
         "setup_s": setup_s,
         "profile_s": eng.profile_s,
         **throughput(done, wall),

@@ -2,8 +2,8 @@
 
 One rule for the engine's stage pipeline (:mod:`convergent.serve.engine`) and the
 dispatcher's instance processes (:mod:`convergent.serve.dispatch`): after a failure, a
-restart is allowed while ``serve.restart_on_failure`` holds and at most
-``serve.max_restarts`` failures happened within the last :data:`FAILURE_WINDOW_S`.
+restart is allowed while ``serve.faults.restart_on_failure`` holds and at most
+``serve.faults.max_restarts`` failures happened within the last :data:`FAILURE_WINDOW_S`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from convergent.serve.config import ServeConfig
+from convergent.serve.config import FaultsConfig
 
 __all__ = ["FAILURE_WINDOW_S", "RestartBudget"]
 
-FAILURE_WINDOW_S = 600.0  # serve.max_restarts counts failures within this window
+FAILURE_WINDOW_S = 600.0  # serve.faults.max_restarts counts failures within this window
 
 
 @dataclass
@@ -36,13 +36,13 @@ class RestartBudget:
         """Failures counted (within the window when last recorded)."""
         return len(self.times)
 
-    def allows(self, cfg: ServeConfig) -> bool:
+    def allows(self, cfg: FaultsConfig) -> bool:
         """Whether ``cfg`` allows another restart after the failures counted."""
         return cfg.restart_on_failure and self.recent <= cfg.max_restarts
 
-    def refusal(self, cfg: ServeConfig) -> str:
+    def refusal(self, cfg: FaultsConfig) -> str:
         """Why no restart, naming the settings (for the error message)."""
         return (
-            f"serve.restart_on_failure={cfg.restart_on_failure}, {self.recent} failure(s) "
-            f"in {self.window_s:.0f} s, serve.max_restarts={cfg.max_restarts}"
+            f"serve.faults.restart_on_failure={cfg.restart_on_failure}, {self.recent} "
+            f"failure(s) in {self.window_s:.0f} s, serve.faults.max_restarts={cfg.max_restarts}"
         )

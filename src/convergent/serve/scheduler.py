@@ -13,13 +13,13 @@ the sampled tokens when one comes back from the last stage.
 * ``tdpipe`` — prefill and decode separated in time (TD-Pipe): (a) a prefill phase
   admits requests greedily (FIFO) while the *predicted* peak KV use (prompts + predicted
   output lengths, counted in whole blocks per sequence at every future step) stays under
-  ``memory_fraction`` of the budget; (b) decode micro-batches are rebuilt every round from
+  ``tdpipe_memory_fraction`` of the budget; (b) decode micro-batches are rebuilt every round from
   all ready sequences so the ``P`` batches stay balanced as requests finish (inter-batch
   work stealing); (c) at each round boundary it switches back to prefill when decode's
   computational intensity (throughput of its current per-batch size relative to a large
   batch, from the cost table) drops below the useful fraction of a prefill round (its
   prompts packed into budget-sized micro-batches) after its pipeline bubbles, or (d) when
-  the head of the queue has waited ``max_wait_s`` (``serve.tdpipe_max_wait_s``) and the KV
+  the head of the queue has waited ``tdpipe_max_wait_s`` and the KV
   cache can take it: a bound on time to first token that intensity alone does not give
   (a few requests arriving while a large batch decodes are never worth a switch). While
   prefilling it keeps ``2P`` micro-batches in flight: prompt batches do not depend on
@@ -37,15 +37,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from convergent.serve.config import SchedulerConfig
 from convergent.serve.costs import CostTable
 from convergent.serve.kv_cache import BlockManager
 from convergent.serve.scheduler_base import (
+    MAX_MODEL_LEN,
     Item,
     MicroBatch,
     Request,
     RequestStatus,
     Scheduler,
-    SchedulerConfig,
 )
 from convergent.serve.tdpipe import TDPipeScheduler, predicted_peak_blocks, predicted_peak_tokens
 
@@ -130,15 +131,18 @@ class SequentialScheduler(InterleavedScheduler):
 
 
 def make_scheduler(
-    name: str,
     cfg: SchedulerConfig,
     blocks: BlockManager,
     num_stages: int,
     costs: CostTable | None = None,
+    *,
+    max_model_len: int = MAX_MODEL_LEN,
+    ignore_eos: bool = False,
     clock: Callable[[], float] | None = None,
 ) -> Scheduler:
-    """Build a scheduler by name (``sequential``, ``interleaved``, ``tdpipe``); ``clock``
-    times queue waits (see :class:`~convergent.serve.scheduler_base.Scheduler`)."""
+    """The scheduler of ``cfg.kind`` (``sequential``, ``interleaved``, ``tdpipe``); the
+    keywords are :class:`~convergent.serve.scheduler_base.Scheduler`'s."""
+    name = cfg.kind
     cls = {
         "sequential": SequentialScheduler,
         "interleaved": InterleavedScheduler,
@@ -146,4 +150,7 @@ def make_scheduler(
     }.get(name)
     if cls is None:
         raise ValueError(f"unknown scheduler {name!r} (sequential, interleaved, tdpipe)")
-    return cls(cfg, blocks, 1 if name == "sequential" else num_stages, costs, clock)
+    p = 1 if name == "sequential" else num_stages
+    return cls(
+        cfg, blocks, p, costs, max_model_len=max_model_len, ignore_eos=ignore_eos, clock=clock
+    )

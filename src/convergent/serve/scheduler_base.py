@@ -2,8 +2,9 @@
 
 :class:`Request` (a request's tokens, KV progress and sampling settings, its
 :class:`RequestStatus`), :class:`Item` / :class:`MicroBatch` (what one micro-batch
-computes), :class:`SchedulerConfig` (budgets and knobs) and :class:`Scheduler` (queueing,
-admission, completion, preemption by recompute, stall resolution). The policies are in
+computes) and :class:`Scheduler` (queueing, admission, completion, preemption by
+recompute, stall resolution), which takes the ``serve.scheduler`` section
+(:class:`~convergent.serve.config.SchedulerConfig`: budgets and knobs) as it is. The policies are in
 :mod:`convergent.serve.scheduler` (sequential, interleaved) and
 :mod:`convergent.serve.tdpipe`.
 """
@@ -16,12 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from convergent.serve.config import ServeConfig
+from convergent.serve.config import SchedulerConfig
 from convergent.serve.costs import BatchShape, CostTable
 from convergent.serve.kv_cache import BlockManager
 from convergent.serve.sampling import SamplingParams, TokenLogprobs
 
 __all__ = ["Item", "MicroBatch", "Request", "RequestStatus", "Scheduler", "SchedulerConfig"]
+
+MAX_MODEL_LEN = 2048  # serve.engine.max_model_len's default
 
 
 class RequestStatus(StrEnum):
@@ -100,37 +103,11 @@ class MicroBatch:
         return sum(it.n for it in self.items)
 
 
-@dataclass
-class SchedulerConfig:
-    """Budgets (tokens, sequences) and policy knobs; defaults fit a 2-core laptop."""
-
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 1024
-    chunked_prefill: bool = False
-    max_model_len: int = 2048
-    memory_fraction: float = 1.0  # tdpipe: predicted peak KV use allowed
-    work_stealing: bool = True  # tdpipe
-    max_wait_s: float = 1.0  # tdpipe: a request queued this long forces a prefill phase
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_serve(cls, cfg: ServeConfig, ignore_eos: bool = False) -> SchedulerConfig:
-        """The scheduler budgets and knobs of a ``serve`` config section."""
-        return cls(
-            max_num_seqs=cfg.max_num_seqs,
-            max_batched_tokens=cfg.max_batched_tokens,
-            chunked_prefill=cfg.chunked_prefill,
-            max_model_len=cfg.max_model_len,
-            memory_fraction=cfg.tdpipe_memory_fraction,
-            work_stealing=cfg.work_stealing,
-            max_wait_s=cfg.tdpipe_max_wait_s,
-            ignore_eos=ignore_eos,
-        )
-
-
 class Scheduler:
     """Common request bookkeeping; subclasses implement :meth:`schedule`.
 
+    ``max_model_len``: prompt + output tokens of one request (the engine's context limit
+    without the KV capacity); ``ignore_eos``: requests end only at their ``max_tokens``.
     ``clock`` (seconds; the engine passes ``time.monotonic``) times how long requests wait
     in the queue (``Request.queued_at``); without one (the simulator, unit tests) nothing
     is timed and TD-Pipe's wait bound is off.
@@ -144,12 +121,17 @@ class Scheduler:
         blocks: BlockManager,
         num_stages: int = 1,
         costs: CostTable | None = None,
+        *,
+        max_model_len: int = MAX_MODEL_LEN,
+        ignore_eos: bool = False,
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.cfg = cfg
         self.bm = blocks
         self.P = max(1, num_stages)
         self.costs = costs
+        self.max_model_len = max_model_len
+        self.ignore_eos = ignore_eos
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (hold KV), in admission order
@@ -169,7 +151,7 @@ class Scheduler:
         """Queue a request; one that can never fit finishes at once with ``length``."""
         self.requests[req.rid] = req
         if (
-            len(req.prompt) >= self.cfg.max_model_len
+            len(req.prompt) >= self.max_model_len
             or self.bm.blocks_for(len(req.prompt) + 1) > self.bm.num_blocks
         ):
             self._finish(req, "length", None)
@@ -218,9 +200,9 @@ class Scheduler:
                 r.first_token_time = now
             if len(r.output) >= r.max_tokens:
                 self._finish(r, "length", now)
-            elif not self.cfg.ignore_eos and tok in r.stop_ids:
+            elif not self.ignore_eos and tok in r.stop_ids:
                 self._finish(r, "stop", now)
-            elif r.total_len >= self.cfg.max_model_len:
+            elif r.total_len >= self.max_model_len:
                 self._finish(r, "length", now)
             if r.state == RequestStatus.FINISHED:
                 done.append(r)

@@ -1,7 +1,7 @@
 """Run one serving instance: engine + API under uvicorn, with failure and signal handling.
 
 SIGTERM / SIGINT: the listening socket closes (no new requests), the engine ends requests
-still running after ``serve.shutdown_timeout_s`` with an error (streams get an error
+still running after ``serve.http.shutdown_timeout_s`` with an error (streams get an error
 event), uvicorn waits for the responses to finish, the stages stop, the process exits 0.
 When the engine gives up after a stage failure (restarts exhausted or disabled) the
 server stops and :func:`serve_forever` raises :class:`~convergent.serve.executor.StageFailure`
@@ -31,12 +31,11 @@ def quiet_signals() -> None:
 def serve_forever(
     model_dir: Path,
     sc: ServeConfig,
-    host: str,
-    port: int,
-    api_key: str = "",
     predictor=None,
     log=lambda msg: print(msg, file=sys.stderr, flush=True),
 ) -> None:
+    """Serve ``model_dir`` on ``serve.http``'s address until SIGTERM / SIGINT, or until the
+    engine gives up after a stage failure (then its error is raised)."""
     import uvicorn
 
     from convergent.serve.api import create_app
@@ -48,19 +47,20 @@ def serve_forever(
     log(note)
     engine.start()
     try:
-        app = create_app(engine, api_key=api_key, predictor=predictor, tokenizer=tok)
+        http = sc.http
+        app = create_app(engine, http, predictor=predictor, tokenizer=tok)
 
         class _Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:
-                engine.begin_shutdown(sc.shutdown_timeout_s)
+                engine.begin_shutdown(http.shutdown_timeout_s)
                 super().handle_exit(sig, frame)
 
         config = uvicorn.Config(
             app,
-            host=host,
-            port=port,
+            host=http.host,
+            port=http.port,
             log_level="warning",
-            timeout_graceful_shutdown=sc.shutdown_timeout_s + 5.0,
+            timeout_graceful_shutdown=http.shutdown_timeout_s + 5.0,
         )
         server = _Server(config)
 
@@ -70,8 +70,8 @@ def serve_forever(
 
         engine.add_fatal_listener(fatal)
         log(
-            f"serving {model_dir} ({sc.scheduler}, {engine.num_stages} stage(s), context "
-            f"{engine.context_limit} tokens) on http://{host}:{port}/v1"
+            f"serving {model_dir} ({sc.scheduler.kind}, {engine.num_stages} stage(s), context "
+            f"{engine.context_limit} tokens) on http://{http.host}:{http.port}/v1"
         )
         quiet_signals()
         server.run()

@@ -17,10 +17,11 @@ import queue
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from convergent.models.layersplit import split_layers, stage_layers
+from convergent.serve.config import EngineConfig
 from convergent.serve.messages import (
     BatchMeta,
     BatchResult,
@@ -43,17 +44,15 @@ PROMPT_LOGPROB_CHUNK = 256  # prompt rows per LM-head call when scoring a prompt
 
 @dataclass
 class StageSpec:
-    """How to build one stage."""
+    """How to build one stage: stage ``stage`` of ``num_stages`` of the checkpoint at
+    ``model_dir``, with ``num_blocks`` KV blocks, run as ``serve.engine`` says (dtype,
+    INT8, device: on CUDA stage s uses cuda:s, one GPU per stage; torch threads)."""
 
     model_dir: str
     stage: int
     num_stages: int
     num_blocks: int
-    block_size: int
-    dtype: str = "float32"
-    threads: int = 1
-    device: str = "cpu"  # "cpu" or "cuda" (stage s uses cuda:s; one GPU per stage)
-    quantize: str = "none"  # serve.quantize (convergent.compress)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 class StageRunner:
@@ -67,13 +66,14 @@ class StageRunner:
 
         self.spec = spec
         self.torch = torch
-        self.dtype = getattr(torch, spec.dtype)
+        eng = spec.engine
+        self.dtype = getattr(torch, eng.dtype)
         cfg = read_config(spec.model_dir)
         self.config = cfg
         self.layers = stage_layers(cfg.num_hidden_layers, spec.stage, spec.num_stages)
         self.first = spec.stage == 0
         self.last = spec.stage == spec.num_stages - 1
-        if spec.device.startswith("cuda"):
+        if eng.device.startswith("cuda"):
             from convergent.placement import check_serve_stages
 
             # stage s on cuda:s (within CUDA_VISIBLE_DEVICES); never two stages on one GPU
@@ -85,13 +85,13 @@ class StageRunner:
         from convergent.compress.qcheckpoint import load_llama
 
         self.model = load_llama(
-            spec.model_dir, self.layers, self.first, self.last, self.dtype, spec.quantize
+            spec.model_dir, self.layers, self.first, self.last, self.dtype, eng.quantize
         ).to(self.device)
         self.model.model.rotary.to(self.device)
         self.kv = KVCache(
             len(self.layers),
             spec.num_blocks,
-            spec.block_size,
+            eng.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
             self.dtype,
@@ -116,7 +116,7 @@ class StageRunner:
                 meta.query_lens,
                 meta.context_lens,
                 meta.block_tables,
-                self.spec.block_size,
+                self.spec.engine.block_size,
             )
             h = self.model.model.forward_paged(x, batch, self.kv.layers)
             if not self.last:
@@ -218,7 +218,7 @@ def stage_main(
     try:
         import torch
 
-        torch.set_num_threads(max(1, spec.threads))
+        torch.set_num_threads(max(1, spec.engine.torch_threads))
         parent = os.getppid()
         runner = StageRunner(spec)
         if spec.num_stages > 1:

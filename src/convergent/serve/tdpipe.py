@@ -77,7 +77,7 @@ class TDPipeScheduler(Scheduler):
         return predicted_peak_blocks(ents, self.bm.block_size)
 
     def _mem_cap(self) -> float:
-        return self.cfg.memory_fraction * self.bm.num_blocks
+        return self.cfg.tdpipe_memory_fraction * self.bm.num_blocks
 
     def _prefill_candidates(self) -> list[Request]:
         """The longest FIFO prefix of the waiting queue whose admission keeps the predicted
@@ -173,10 +173,10 @@ class TDPipeScheduler(Scheduler):
             self._switch(True)
 
     def _waited_too_long(self) -> bool:
-        """The head of the queue has waited ``max_wait_s`` (on the scheduler's clock)."""
+        """The head of the queue has waited ``tdpipe_max_wait_s`` (on the scheduler's clock)."""
         if self.clock is None or not self.waiting:
             return False
-        return self.clock() - self.waiting[0].queued_at >= self.cfg.max_wait_s
+        return self.clock() - self.waiting[0].queued_at >= self.cfg.tdpipe_max_wait_s
 
     def _switch(self, prefill: bool) -> None:
         if prefill != self.prefill_mode:
