@@ -13,15 +13,19 @@ submits a replacement. This module closes those gaps with Slurm's own commands:
 * :class:`JobAdaptive` scales in whole jobs: dask-jobqueue's adaptive loop counts
   workers, and with several workers per job it retires one worker of a job that is still
   starting, which cancels the whole job, resubmits it, and so on forever;
+  :class:`KindAdaptive` is the same for one job kind of a pool with several kinds under
+  one scheduler (CPU jobs and GPU jobs): it counts only the tasks and workers of its kind;
 * :class:`JobWatch` (a thread) polls ``squeue`` for the cluster's jobs: it counts pending
   and running jobs for the progress line, removes ended jobs from the cluster's plan (the
   adaptive loop then submits a replacement), and reports an error when no worker has been
   connected for ``cluster.slurm.start_timeout_s`` while work waits (or at once when Slurm
-  says a pending job can never start), with each pending job's reason.
+  says a pending job can never start), with each pending job's reason. One watch per job
+  kind: it counts the workers of its own cluster's jobs.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import shutil
@@ -29,10 +33,13 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import dask
+from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
 from convergent.errors import ConfigError, ConvergentError
@@ -84,27 +91,31 @@ def resolved_job_size(cores: int | None, memory: str | None, queue: str | None) 
     return (cores if cores is not None else node_cores), (memory or node_memory)
 
 
-def _fields_for(message: str) -> str:
+def _fields_for(message: str, section: str = "cluster.slurm") -> str:
     m = message.lower()
     if "partition" in m:
-        return "cluster.slurm.queue"
+        return f"{section}.queue"
+    if "gres" in m or "generic resource" in m:
+        return f"{section}.gres"
     if "memory" in m:
-        return "cluster.slurm.memory"
+        return f"{section}.memory"
     if "time limit" in m:
-        return "cluster.slurm.walltime"
+        return f"{section}.walltime"
     if "account" in m or "association" in m:
-        return "cluster.slurm.account"
+        return f"{section}.account"
     if "qos" in m:
-        return "cluster.slurm.job_extra_directives"
-    return "cluster.slurm.cores / cluster.slurm.memory"
+        return f"{section}.job_extra_directives"
+    return f"{section}.cores / {section}.memory"
 
 
-def describe_request(cores: int, memory: str, queue: str | None) -> str:
+def describe_request(cores: int, memory: str, queue: str | None, section: str = "cluster.slurm",
+                     gres: str | None = None) -> str:
     where = f"partition {queue!r}" if queue else "the default partition"
-    return f"cluster.slurm.cores={cores}, cluster.slurm.memory={memory} on {where}"
+    extra = f", {section}.gres={gres}" if gres else ""
+    return f"{section}.cores={cores}, {section}.memory={memory}{extra} on {where}"
 
 
-def preflight(job_script: str, request: str) -> None:
+def preflight(job_script: str, request: str, section: str = "cluster.slurm") -> None:
     """``sbatch --test-only`` the worker job; ConfigError naming the field if refused."""
     if shutil.which("sbatch") is None:
         raise ConfigError("cluster.kind=slurm needs sbatch on PATH",
@@ -120,7 +131,7 @@ def preflight(job_script: str, request: str) -> None:
     lines = [ln.strip() for ln in (out.stderr or out.stdout).splitlines() if ln.strip()]
     msg = lines[-1] if lines else f"exit code {out.returncode}"
     raise ConfigError(
-        f"Slurm refuses the Dask worker job ({request}): {msg}; change {_fields_for(msg)}",
+        f"Slurm refuses the Dask worker job ({request}): {msg}; change {_fields_for(msg, section)}",
         hint="sinfo -o '%P %c %m %l' lists partitions with their node CPUs, memory and "
         "time limit",
     )
@@ -160,10 +171,11 @@ class JobWatch(threading.Thread):
     def __init__(self, cluster, client, start_timeout_s: float, request: str,
                  on_error: Callable[[ConvergentError], None] | None = None,
                  on_change: Callable[[JobCounts], None] | None = None,
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, section: str = "cluster.slurm") -> None:
         super().__init__(name="convergent-slurm-jobs", daemon=True)
         self.cluster, self.client = cluster, client
         self.start_timeout_s, self.request = start_timeout_s, request
+        self.section = section  # the config section of this job kind, for messages
         self.on_error, self.on_change = on_error, on_change
         self.interval_s = interval_s
         self.counts = JobCounts()
@@ -206,7 +218,9 @@ class JobWatch(threading.Thread):
         jobs = self._jobs()
         self.seen_ids.update(jobs.values())
         states = squeue_states(list(jobs.values()))
-        workers = len(self.client.scheduler_info().get("workers", {}))
+        # this cluster's workers only: another job kind may share the scheduler
+        workers = sum(1 for w in self.client.scheduler_info().get("workers", {}).values()
+                      if job_name(str(w.get("name"))) in jobs)
         self.max_workers = max(self.max_workers, workers)
         counts = JobCounts(workers=workers, replaced=self.counts.replaced)
         ended = []
@@ -227,7 +241,7 @@ class JobWatch(threading.Thread):
         self.counts = counts
         if self.on_change is not None:
             self.on_change(counts)
-        if workers:
+        if workers or not self.cluster.worker_spec:  # connected, or no job wanted
             self._no_workers_since = None
         elif self._no_workers_since is None:
             self._no_workers_since = now
@@ -261,7 +275,7 @@ class JobWatch(threading.Thread):
                    f"{self.start_timeout_s:g} s ({self.request}): "
                    f"{'; '.join(pending) or 'no job in the queue'}")
         self.error = ConfigError(
-            msg, hint="change cluster.slurm.cores/memory/queue/walltime (squeue -j ID "
+            msg, hint=f"change {self.section}.cores/memory/queue/walltime (squeue -j ID "
             "shows why a job waits) or raise cluster.slurm.start_timeout_s")
         if self.on_error is not None:
             self.on_error(self.error)
@@ -299,3 +313,51 @@ class JobAdaptive(Adaptive):
         # close a job only when every one of its workers is connected and chosen
         close = [w for job, ws in jobs.items() if ws <= chosen for w in sorted(ws)]
         return {"status": "down", "workers": close} if close else {"status": "same"}
+
+
+class KindAdaptive(JobAdaptive):
+    """:class:`JobAdaptive` for one job kind of a pool whose kinds share one scheduler.
+
+    The kinds are told apart by Dask resources: this kind's workers carry ``resources``
+    (e.g. ``{"GPU": 1}``), and its tasks are those whose resource restrictions these
+    workers satisfy, plus, with ``unrestricted``, the tasks that ask for none. The target
+    is :meth:`distributed.Scheduler.adaptive_target`'s rule over those tasks and this
+    kind's workers only (expected run time over ``target_duration``, at most a worker per
+    task, one while tasks wait and none is there), and only this kind's idle workers are
+    closed; the stock target counts every task and worker of the scheduler, so one kind's
+    backlog would grow the other. ``cluster.scheduler`` must be the scheduler object
+    itself (in this process), as for the clusters of :mod:`convergent.cluster`.
+    """
+
+    def __init__(self, cluster=None, *, resources: Mapping[str, float],
+                 unrestricted: bool = False, **kwargs: Any) -> None:
+        self.resources, self.unrestricted = dict(resources), unrestricted
+        super().__init__(cluster, **kwargs)
+
+    def runs(self, ts) -> bool:
+        """Whether a task (a scheduler TaskState) runs on this kind's workers."""
+        need = ts.resource_restrictions
+        if not need:
+            return self.unrestricted
+        return all(self.resources.get(r, 0) >= q for r, q in need.items())
+
+    def _mine(self) -> list:
+        plan = {str(w) for w in self.plan}
+        return [ws for ws in self.cluster.scheduler.workers.values() if str(ws.name) in plan]
+
+    async def target(self) -> int:
+        sched = self.cluster.scheduler
+        unknown = parse_timedelta(dask.config.get("distributed.scheduler.unknown-task-duration"))
+        waiting = [ts for ts in itertools.chain(sched.queued, sched.unrunnable) if self.runs(ts)]
+        workers = self._mine()
+        occupancy = sum(ws.occupancy for ws in workers) + sum(
+            ts.prefix.duration_average if ts.prefix.duration_average >= 0 else unknown
+            for ts in waiting)
+        tasks = len(waiting) + sum(len(ws.processing) for ws in workers)
+        n = min(tasks, math.ceil(occupancy / self.target_duration))
+        return max(1, n) if waiting and not workers else n
+
+    async def workers_to_close(self, target: int) -> list[str]:
+        workers = self._mine()
+        idle = sorted((ws for ws in workers if not ws.processing), key=lambda ws: ws.nbytes)
+        return [str(ws.name) for ws in idle[:max(0, len(workers) - target)]]

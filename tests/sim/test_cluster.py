@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from convergent.cluster import WORKER_MALLOC, local_workers, make_cluster, make_slurm_cluster
-from convergent.clusterconfig import ClusterConfig, SlurmConfig
+from convergent.clusterconfig import ClusterConfig, GpuJobsConfig, SlurmConfig
 from convergent.errors import ConfigError
 from convergent.resources import usable_cpus
 
@@ -45,6 +45,42 @@ def test_slurm_cluster_job_script_and_adapt():
         assert (adaptive.minimum, adaptive.maximum) == (0, 8)
     finally:
         cluster.close()
+
+
+def test_gpu_job_kind_joins_the_cpu_jobs_scheduler():
+    """cluster.gpu: a second SLURMCluster whose jobs ask for the GRES and whose worker carries
+    GPU=1, on the CPU cluster's scheduler (the CPU workers carry CPU); closing it leaves the
+    scheduler running. Off by default; one GPU per job."""
+    pytest.importorskip("dask_jobqueue")
+    from pydantic import ValidationError
+
+    from convergent.cluster import make_gpu_jobs
+
+    assert ClusterConfig().gpu.enabled is False
+    with pytest.raises(ValidationError, match="gres"):
+        GpuJobsConfig(gres="gpu:2")
+    cfg = ClusterConfig(kind="slurm", dashboard_address=None,
+                        slurm=SlurmConfig(queue="debug", cores=2, memory="4GB"),
+                        gpu=GpuJobsConfig(enabled=True, gres="gpu:a100:1", cores=8, memory="32GB",
+                                          walltime="00:30:00", job_script_prologue=["module load cuda"],
+                                          adapt_max=3))
+    cpu = make_slurm_cluster(cfg, check=False, shared=True)
+    try:
+        gpu = make_gpu_jobs(cfg, cpu, check=False)
+        try:
+            assert gpu.scheduler is cpu.scheduler and gpu.scheduler_address == cpu.scheduler_address
+            script = gpu.job_script()
+            assert "#SBATCH --gres=gpu:a100:1" in script and "#SBATCH -J dask-gpu-worker" in script
+            assert "#SBATCH -p debug" in script and "#SBATCH --cpus-per-task=8" in script
+            assert "--resources GPU=1" in script and "module load cuda" in script
+            assert "--resources CPU=1" in cpu.job_script() and "gres" not in cpu.job_script()
+            assert (gpu._adaptive.minimum, gpu._adaptive.maximum) == (0, 3)
+            assert gpu._adaptive.resources == {"GPU": 1} and cpu._adaptive.unrestricted
+        finally:
+            gpu.close()
+        assert cpu.scheduler.status.name == "running"
+    finally:
+        cpu.close()
 
 
 def test_local_nanny_survives_back_to_back_restarts(sim_client):
