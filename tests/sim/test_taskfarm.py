@@ -86,3 +86,57 @@ def test_the_device_follows_the_kind(client):
     assert farm.result(farm.submit("train", "t", 1, where, device="x")) == "cpu"
     assert farm.device("train") == "cpu" and farm.device("label") == "cpu"
     assert TaskFarm(client, None, {}, gpu_kinds=("train",), gpu=True).device("train") == "cuda"
+
+
+def worker_name(seconds: float = 0.0) -> str:
+    import time
+
+    time.sleep(seconds)
+    return str(distributed.get_worker().name)
+
+
+@pytest.fixture
+def two_kinds():
+    """A client whose scheduler has a worker with the resource CPU and one with GPU (the two
+    job kinds of a Slurm pool with cluster.gpu, here in-process)."""
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as c:
+        async def start(name, resources):
+            return await distributed.Worker(cluster.scheduler_address, nthreads=2, name=name,
+                                            resources=resources, dashboard_address=":0")
+
+        workers = [c.sync(start, "cpu-0", {"CPU": 2}), c.sync(start, "gpu-0", {"GPU": 1})]
+        c.wait_for_workers(2)
+        yield c
+        for w in workers:
+            c.sync(w.close)
+
+
+def test_with_cpu_resource_each_kind_stays_on_its_workers(two_kinds):
+    farm = TaskFarm(two_kinds, None, {"train": 1, "label": 1}, gpu_kinds=("train",), gpu=True,
+                    cpu_resource=True)
+    assert farm.resources("train") == {"GPU": 1} and farm.resources("label") == {"CPU": 1}
+    got: dict[str, set[str]] = {"train": set(), "label": set()}
+
+    def on_done(job, value):
+        got[job.kind].add(value)
+        return []
+
+    jobs = [Job(kind, f"{kind}{i}", worker_name, (0.05,)) for kind in got for i in range(6)]
+    farm.run(jobs, retries=0, on_done=on_done, on_failed=lambda j, e: [])
+    assert got == {"train": {"gpu-0"}, "label": {"cpu-0"}}
+    assert TaskFarm(two_kinds, None, {}).resources("label") is None  # a plain pool asks nothing
+
+
+def test_abort_ends_a_wait_with_the_error(two_kinds):
+    import threading
+
+    from convergent.errors import ConfigError
+
+    farm = TaskFarm(two_kinds, None, {}, gpu_kinds=("train",), gpu=True, cpu_resource=True)
+    waiting = farm.submit("train", "slow", 0, worker_name, 3.0)
+    threading.Timer(0.2, farm.abort, [ConfigError("no GPU job started")]).start()
+    with pytest.raises(ConfigError, match="no GPU job started"):
+        farm.result(waiting)
+    with pytest.raises(ConfigError, match="no GPU job started"):  # and nothing more is sent
+        farm.submit("label", "late", 0, worker_name)

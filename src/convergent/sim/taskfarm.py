@@ -3,7 +3,9 @@
 The learner decides, the farm executes (colmena's split). A caller describes work as
 :class:`Job` values (a kind, a name, the function and its arguments, and whatever the
 caller needs back in ``tag``); :class:`TaskFarm` submits them with the Dask priority and
-resources of their kind (a GPU worker carries the Dask resource ``GPU=1``), records every
+resources of their kind (a GPU worker carries the Dask resource ``GPU=1``; in a Slurm pool
+with a GPU job kind the CPU jobs' workers carry ``CPU`` and the other kinds ask for it, so
+they stay off the GPU jobs: :mod:`convergent.cluster`), records every
 attempt in the timeline as a :class:`TaskRecord` (kind, key, attempt, span, failure) and,
 in :meth:`TaskFarm.run`, applies the one retry rule (:func:`next_attempt`): a failed job
 runs again until it has had ``retries`` re-runs; then the caller's ``on_failed`` decides
@@ -15,13 +17,16 @@ retry rule; active learning (:mod:`convergent.learn`) runs every task kind here.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from convergent.cluster import CPU_RESOURCE, GPU_RESOURCE
 from convergent.fsutil import dumps_json
 
 __all__ = ["Job", "Span", "TaskFarm", "TaskRecord", "Timed", "next_attempt", "timed"]
@@ -29,7 +34,8 @@ __all__ = ["Job", "Span", "TaskFarm", "TaskRecord", "Timed", "next_attempt", "ti
 
 @dataclass
 class Span:
-    """When and where one task ran (wall-clock seconds since the epoch)."""
+    """When and where one task ran (wall-clock seconds since the epoch; ``job``: the Slurm
+    job of the worker, if it runs in one)."""
 
     kind: str
     name: str
@@ -40,6 +46,7 @@ class Span:
     device: str = "cpu"
     round: int = 0
     ok: bool = True
+    job: str | None = None
 
 
 @dataclass
@@ -104,7 +111,8 @@ def timed(kind: str, name: str, rnd: int, device: str, fn: Callable[..., Any], *
     """Run ``fn(*args)`` and wrap its value with its :class:`Span`."""
     t0 = time.time()
     value = fn(*args)
-    return Timed(value, Span(kind, name, t0, time.time(), _worker_address(), os.getpid(), device, rnd))
+    return Timed(value, Span(kind, name, t0, time.time(), _worker_address(), os.getpid(), device,
+                             rnd, job=os.environ.get("SLURM_JOB_ID")))
 
 
 def _call(kind: str, name: str, rnd: int, device: str, fn: Callable[..., Any], args: tuple,
@@ -114,17 +122,39 @@ def _call(kind: str, name: str, rnd: int, device: str, fn: Callable[..., Any], a
 
 class TaskFarm:
     """Jobs of several kinds on one Dask cluster, ordered by ``priorities`` (higher runs
-    first); kinds in ``gpu_kinds`` ask for the resource ``GPU=1`` when ``gpu`` is set.
-    Every attempt is appended to ``timeline`` (JSON lines; none when ``None``)."""
+    first); kinds in ``gpu_kinds`` ask for the resource ``GPU=1`` when ``gpu`` is set, and
+    with ``cpu_resource`` (the CPU workers carry the resource ``CPU``) the other kinds ask
+    for ``CPU=1``. Every attempt is appended to ``timeline`` (JSON lines; none when
+    ``None``). :meth:`abort` (from any thread) ends the farm's work with an error."""
 
     def __init__(self, client: Any, timeline: Path | None, priorities: Mapping[str, int],
-                 gpu_kinds: Iterable[str] = (), gpu: bool = False) -> None:
+                 gpu_kinds: Iterable[str] = (), gpu: bool = False,
+                 cpu_resource: bool = False) -> None:
         self.client, self.timeline, self.gpu = client, timeline, gpu
+        self.cpu_resource = cpu_resource
         self.priorities, self.gpu_kinds = dict(priorities), frozenset(gpu_kinds)
         self.started = time.time()
         self.n_workers = len(client.scheduler_info().get("workers", {}))
         self.session = f"{int(self.started)}-{id(self) & 0xFFFF:04x}"
         self.jobs: dict[str, Job] = {}  # future key -> the job it runs
+        self.futures: dict[str, Any] = {}  # future key -> the future, while it is pending
+        self.abort_error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def abort(self, error: BaseException) -> None:
+        """Stop from another thread (e.g. a Slurm job watch): pending futures are cancelled
+        and whoever waits on one (:meth:`result`, :meth:`run`) raises ``error``."""
+        self.abort_error = error
+        with self._lock:
+            pending = list(self.futures.values())
+        with contextlib.suppress(Exception):
+            self.client.cancel(pending)
+
+    def resources(self, kind: str) -> dict[str, int] | None:
+        """The Dask resources a task of ``kind`` asks for."""
+        if self.device(kind) == "cuda":
+            return {GPU_RESOURCE: 1}
+        return {CPU_RESOURCE: 1} if self.cpu_resource else None
 
     def device(self, kind: str) -> str:
         return "cuda" if self.gpu and kind in self.gpu_kinds else "cpu"
@@ -137,11 +167,16 @@ class TaskFarm:
         if "device" in kwargs:
             kwargs["device"] = device
         key = f"task-{job.kind}-r{job.round}-{job.name}-a{job.attempt}-{time.monotonic_ns()}"
+        if self.abort_error is not None:
+            raise self.abort_error
         fut = self.client.submit(_call, job.kind, job.name, job.round, device, job.fn, job.args,
                                  kwargs, priority=self.priorities.get(job.kind, 0),
-                                 resources={"GPU": 1} if device == "cuda" else None, pure=False,
-                                 key=key)
-        self.jobs[fut.key] = job
+                                 resources=self.resources(job.kind), pure=False, key=key)
+        with self._lock:
+            self.jobs[fut.key] = job
+            self.futures[fut.key] = fut
+        if self.abort_error is not None:  # aborted meanwhile: abort() may have missed it
+            self.client.cancel([fut])
         return fut
 
     def submit(self, kind: str, name: str, rnd: int, fn: Callable[..., Any], *args: Any,
@@ -152,13 +187,19 @@ class TaskFarm:
     def result(self, future: Any) -> Any:
         """The value of a finished future, its attempt recorded; raises the task's error
         (recorded as the attempt's failure)."""
-        job = self.jobs.pop(future.key, None) or Job("?", future.key, _call)
+        job = self.jobs.get(future.key) or Job("?", future.key, _call)
         try:
-            out: Timed = future.result()
+            out: Timed = future.result()  # still in self.futures: abort() can cancel it
         except Exception as exc:
             self.record(TaskRecord(job.kind, future.key, job.attempt, None,
                                    f"{type(exc).__name__}: {exc}"))
+            if self.abort_error is not None:
+                raise self.abort_error from None
             raise
+        finally:
+            with self._lock:
+                self.jobs.pop(future.key, None)
+                self.futures.pop(future.key, None)
         self.record(TaskRecord(job.kind, future.key, job.attempt, out.span))
         return out.value
 
@@ -176,6 +217,8 @@ class TaskFarm:
             try:
                 value = self.result(fut)
             except Exception as exc:  # a crashed worker or the task's own error
+                if self.abort_error is not None:
+                    raise
                 again = next_attempt(job, retries)
                 follow = [again] if again is not None else list(on_failed(job, exc))
             else:
