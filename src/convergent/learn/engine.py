@@ -7,7 +7,9 @@ and work stealing place them. Long low-priority work is chunked (one short traje
 one chunk of candidates per task), so a free core takes the highest-priority ready task
 within seconds. On a machine with a GPU, a GPU worker joins the cluster with the Dask
 resource ``GPU=1``; training, exploration and scoring then ask for that resource while
-the CPU workers label.
+the CPU workers label. On a Slurm cluster with the GPU job kind (``cluster.gpu``), the GPU
+jobs' workers carry ``GPU=1`` instead and labelling asks for the CPU jobs' resource
+``CPU``, so it stays off the GPU jobs (:mod:`convergent.cluster`).
 
 Every attempt of every task is appended to the campaign's ``timeline.jsonl`` (kind,
 start, end, worker, pid, device, round; key, attempt and failure).
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from convergent.cluster import WORKER_ENV
+from convergent.cluster import GPU_RESOURCE, WORKER_ENV
 from convergent.errors import ConfigError
 from convergent.sim.taskfarm import TaskFarm
 
@@ -32,10 +34,12 @@ GPU_KINDS = ("train", "explore", "score", "eval")
 
 
 class Pool(TaskFarm):
-    """The campaign's task farm: learn's priorities and GPU kinds."""
+    """The campaign's task farm: learn's priorities and GPU kinds (``cpu_resource``: the
+    other kinds ask for the CPU jobs' resource of a Slurm pool with a GPU job kind)."""
 
-    def __init__(self, client: Any, timeline: Path, gpu: bool = False) -> None:
-        super().__init__(client, timeline, PRIORITY, GPU_KINDS, gpu)
+    def __init__(self, client: Any, timeline: Path, gpu: bool = False,
+                 cpu_resource: bool = False) -> None:
+        super().__init__(client, timeline, PRIORITY, GPU_KINDS, gpu, cpu_resource)
 
 
 def read_timeline(path: Path) -> list[dict[str, Any]]:
@@ -63,7 +67,8 @@ def gpu_wanted(device: str) -> bool:
         ok = False
     if device == "cuda" and not ok:
         raise ConfigError("learn.device=cuda but no CUDA device is visible",
-                          hint="use learn.device=auto or cpu")
+                          hint="use learn.device=auto or cpu, or GPU worker jobs on Slurm "
+                          "(cluster.kind=slurm, cluster.gpu.enabled=true)")
     return ok
 
 
@@ -75,7 +80,7 @@ def gpu_worker(client) -> Iterator[None]:
     address = client.scheduler.address
 
     async def start():
-        return await Nanny(address, nthreads=1, resources={"GPU": 1}, name="gpu-0",
+        return await Nanny(address, nthreads=1, resources={GPU_RESOURCE: 1}, name="gpu-0",
                            env=dict(WORKER_ENV))
 
     nanny = client.sync(start)

@@ -30,7 +30,7 @@ import numpy as np
 from ase.data import atomic_numbers
 from rich.console import Console
 
-from convergent.cluster import dask_client
+from convergent.cluster import dask_client, job_kinds, watch_jobs
 from convergent.config import ConvergentConfig
 from convergent.data.format import MANIFEST_NAME
 from convergent.data.manifest import check_dataset
@@ -465,14 +465,24 @@ def run_learning(cfg: ConvergentConfig, run: RunDir, client=None, progress: bool
         if client is not None:
             yield client
         else:
-            with dask_client(cfg.cluster, echo=console.print if progress else None) as c:
+            with dask_client(cfg.cluster, echo=console.print if progress else None,
+                             gpu_jobs=cfg.learn.device != "cpu") as c:
                 yield c
 
     with _client() as c:
-        gpu = gpu_wanted(cfg.learn.device) and client is None
-        with gpu_worker(c) if gpu else contextlib.nullcontext():
-            campaign.pool = Pool(c, Paths(run).timeline, gpu)
-            summary = campaign.run()
+        # a Slurm pool: a watch per job kind replaces jobs that end early; with the GPU job
+        # kind (cluster.gpu, asked for unless learn.device=cpu) GPU tasks go to its jobs
+        kinds = job_kinds(c) if client is None else {}
+        slurm_gpu = "gpu" in kinds
+        gpu = slurm_gpu or (gpu_wanted(cfg.learn.device) and client is None)
+        with gpu_worker(c) if gpu and not slurm_gpu else contextlib.nullcontext():
+            campaign.pool = Pool(c, Paths(run).timeline, gpu, cpu_resource=slurm_gpu)
+            watches = watch_jobs(c, cfg.cluster, campaign.pool.abort) if kinds else []
+            try:
+                summary = campaign.run()
+            finally:
+                for watch in watches:
+                    watch.stop()
     summary["wall_s"] = time.time() - t0
     summary["report"] = str(build_learn_report(run.path))
     return summary
