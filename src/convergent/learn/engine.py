@@ -12,7 +12,7 @@ jobs' workers carry ``GPU=1`` instead and labelling asks for the CPU jobs' resou
 ``CPU``, so it stays off the GPU jobs (:mod:`convergent.cluster`).
 
 Every attempt of every task is appended to the campaign's ``timeline.jsonl`` (kind,
-start, end, worker, pid, device, round; key, attempt and failure).
+start, end, worker, pid, device, round, the Slurm job; key, attempt and failure).
 """
 
 from __future__ import annotations
