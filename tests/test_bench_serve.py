@@ -60,6 +60,26 @@ def test_simulator_charges_engine_latency_and_decisions():
     assert timed.output_tokens == untimed.output_tokens
 
 
+def test_simulator_runs_tdpipe_wait_bound_on_the_simulated_clock():
+    """The scheduler reads the replay's time, as the engine's reads time.monotonic: a wait
+    bound longer than the whole replay changes nothing, a 1 s bound (the default) forces
+    prefill phases in this several-second replay; every token is produced either way."""
+    reqs = [(r.total_len, r.max_tokens, r.max_tokens) for r in _reqs(120, seed=9)]
+    cfg = SchedulerConfig(max_num_seqs=64, max_batched_tokens=256)
+
+    def run(wait_s):
+        return simulate("tdpipe", reqs, COSTS, 200, 4,
+                        cfg.model_copy(update={"tdpipe_max_wait_s": wait_s}))
+
+    never = run(3600.0)
+    assert never.makespan_s > 2.0
+    assert run(never.makespan_s + 1.0).to_dict() == never.to_dict()
+    bounded = run(1.0)
+    assert bounded.micro_batches != never.micro_batches
+    for r in (never, bounded):
+        assert r.output_tokens == sum(o for _, o, _ in reqs) and r.preemptions == 0
+
+
 def test_simulator_charges_the_stage_turnaround():
     """A stage that restarts 20 ms after its previous micro-batch (the turnaround
     calibrate_from_run measures, tests/serve/test_serve_scheduler.py) lengthens the run."""

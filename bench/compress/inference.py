@@ -59,7 +59,7 @@ LLAMA = ["model.kind=llama", "text.source=stdlib", "text.vocab_size=4096", "mode
          "model.layers=4", "model.heads=4", "model.mlp_ratio=4", "train.seq_len=64",
          "train.global_batch_seqs=16", "train.lr=3e-3", "train.warmup_steps=20",
          "train.val_max_batches=16", "train.batch_seqs=8"]
-# side -> (serve.quantize, dtype of activations/unquantised weights)
+# side -> (serve.engine.quantize, serve.engine.dtype: activations/unquantised weights)
 LLAMA_SIDES = {"fp32": ("none", "float32"), "int8": ("int8", "float32"),
                "int8-dynamic": ("int8-dynamic", "float32"), "bf16": ("none", "bfloat16"),
                "int8-bf16": ("int8", "bfloat16")}
@@ -156,8 +156,9 @@ def llama_table(final: Path, extra: dict[str, Path], rounds: int) -> tuple[dict,
     served = {n: v for n, v in sides.items() if n not in QUALITY_ONLY}
     prompts = [wins[i, :16].tolist() for i in range(0, 256, 16)]  # 16 prompts of 16 tokens
     new = 64
-    engines = {n: Engine(d, ServeConfig(scheduler="sequential", stages=1, quantize=qm, dtype=dt,
-                                        profile_costs=False, max_model_len=128), ignore_eos=True)
+    sched = {"kind": "sequential", "stages": 1, "profile_costs": False}
+    engines = {n: Engine(d, ServeConfig(engine={"quantize": qm, "dtype": dt, "max_model_len": 128},
+                                        scheduler=sched), ignore_eos=True)
                for n, (d, qm, dt) in served.items()}
     outputs: dict[str, list[list[int]]] = {}
 

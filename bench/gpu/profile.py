@@ -106,9 +106,10 @@ def profile_serve(tmp: Path, requests: int, max_output: int) -> dict[str, Any]:
     # decode steps x 22 layers x ~25 kernels) took minutes to collect on an H100 (2026-11-26).
     trace = [dataclasses.replace(r, output_len=min(r.output_len, max_output))
              for r in scale_trace(make_trace(256, seed=0), 0.5)[:requests]]
-    cfg = ServeConfig(scheduler="interleaved", stages=1, device="cuda", dtype="bfloat16",
-                      kv_budget_bytes=16 * 2**30, max_num_seqs=HF_BATCH,
-                      max_batched_tokens=8192, profile_costs=False)
+    cfg = ServeConfig(
+        engine={"device": "cuda", "dtype": "bfloat16", "kv_budget_bytes": 16 * 2**30},
+        scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
+                   "max_batched_tokens": 8192, "profile_costs": False})
     run_trace(mdir, cfg, trace[:8])  # warm-up: kernels, allocator
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

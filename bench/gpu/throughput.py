@@ -285,9 +285,10 @@ def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
     trace = scale_trace(make_trace(256, seed=0), 0.5)
 
     def ours(dtype: str) -> Callable[[], dict]:
-        cfg = ServeConfig(scheduler="interleaved", stages=1, device="cuda", dtype=dtype,
-                          kv_budget_bytes=16 * 2**30, max_num_seqs=HF_BATCH,
-                          max_batched_tokens=8192, profile_costs=False)
+        cfg = ServeConfig(
+            engine={"device": "cuda", "dtype": dtype, "kv_budget_bytes": 16 * 2**30},
+            scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
+                       "max_batched_tokens": 8192, "profile_costs": False})
 
         def run() -> dict:
             res = run_trace(mdir, cfg, trace)

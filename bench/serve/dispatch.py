@@ -2,7 +2,7 @@
 bench.serve.throughput --dispatch``) -> bench/results/serve_dispatch.json.
 
 Real ``convergent serve --instances N`` processes on 127.0.0.1, single-stage instances
-(one core each, ``serve.pin_cpus``), driven by an async HTTP client:
+(one core each, ``serve.dispatch.pin_cpus``), driven by an async HTTP client:
 
 * throughput: 2 instances vs 1 on the same trace (all requests submitted at once);
 * routing: load-aware vs round-robin p99 latency on a skewed-length trace (2 instances);
@@ -39,11 +39,11 @@ def _start(model, run_root, instances, policy, extra=()):
     from tests.serve.servers import start_server
 
     sets = [
-        "serve.scheduler=sequential",
-        "serve.torch_threads=1",
-        f"serve.dispatch_policy={policy}",
-        "serve.max_model_len=512",
-        "serve.kv_budget_bytes=268435456",
+        "serve.scheduler.kind=sequential",
+        "serve.engine.torch_threads=1",
+        f"serve.dispatch.policy={policy}",
+        "serve.engine.max_model_len=512",
+        "serve.engine.kv_budget_bytes=268435456",
         *extra,
     ]
     return start_server(model, run_root, *sets, instances=instances)
@@ -123,7 +123,8 @@ async def _fire(base, trace, kill=None):
     }
 
 
-MAX_OUTSTANDING = 64  # serve.dispatch_max_outstanding's default
+MAX_OUTSTANDING = 64  # serve.dispatch.max_outstanding's default
+# each side's settings in the result (labels kept from the flat layout: the JSON's keys)
 SETTINGS = {
     "dispatch_max_outstanding": MAX_OUTSTANDING,
     "scheduler": "sequential",
@@ -205,7 +206,7 @@ def run(model, rounds: int = 3, n: int = 128, quick: bool = False, n_skew: int =
     same = ["same model, trace, client and settings; only the instance count differs",
             "the 1-instance side uses one core, the 2-instance side two (that is the point)",
             f"{n} requests at t=0: more than one instance admits "
-            f"(serve.dispatch_max_outstanding={MAX_OUTSTANDING}), so each instance runs "
+            f"(serve.dispatch.max_outstanding={MAX_OUTSTANDING}), so each instance runs "
             "saturated, as when one adds instances; the rest wait at the dispatcher"]
     thr = interleave(
         "serve_dispatch.throughput",
@@ -223,7 +224,7 @@ def run(model, rounds: int = 3, n: int = 128, quick: bool = False, n_skew: int =
          Side("round_robin", lambda r: _served(model, run_root, 2, "round_robin", skew, warmup=0),
               {**SETTINGS, "instances": 2, "dispatch_policy": "round_robin"})],
         rounds=rounds,
-        differences=[f"only serve.dispatch_policy differs; same skewed trace of {n_skew} "
+        differences=[f"only serve.dispatch.policy differs; same skewed trace of {n_skew} "
                      "requests (20% long: 40-word prompt, 160 tokens; the rest 2 words, "
                      f"16 tokens), Poisson arrivals at {skew_rate} requests/s (seed 1)"],
     )
@@ -234,7 +235,7 @@ def run(model, rounds: int = 3, n: int = 128, quick: bool = False, n_skew: int =
         "serve_dispatch.failover",
         [Side("kill_one_of_two", lambda r: _served(
             model, run_root, 2, "load", trace, warmup=0,
-            extra=("serve.dispatch_max_outstanding=8",), kill_after=2.0), fo_settings)],
+            extra=("serve.dispatch.max_outstanding=8",), kill_after=2.0), fo_settings)],
         rounds=rounds,
     )
     fo_rows = failover.per_round["kill_one_of_two"]

@@ -22,6 +22,7 @@ from typing import Any
 from convergent.serve.costs import CostTable
 from convergent.serve.kv_cache import BlockManager
 from convergent.serve.scheduler import Request, SchedulerConfig, make_scheduler
+from convergent.serve.scheduler_base import MAX_MODEL_LEN
 
 __all__ = ["SimResult", "simulate", "project_gpu", "PAPER_FIGURES"]
 
@@ -83,7 +84,7 @@ class _Replay:
     bm: BlockManager
     costs: CostTable
     engine_overhead: float
-    clock: Callable[[], float] | None
+    wall: Callable[[], float] | None  # times the scheduler's decisions (time_decisions)
     p: int
     turn: list[float]
     t: float = 0.0
@@ -101,10 +102,10 @@ class _Replay:
 
     def decide(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call a scheduler method, charging its wall time to the engine when timed."""
-        t0 = self.clock() if self.clock else 0.0
+        t0 = self.wall() if self.wall else 0.0
         out = fn(*args)
-        if self.clock:
-            dt = self.clock() - t0
+        if self.wall:
+            dt = self.wall() - t0
             self.t += dt
             self.engine_s += dt
         return out
@@ -164,6 +165,7 @@ def simulate(
     cfg: SchedulerConfig | None = None,
     engine_overhead: float = 0.0,
     time_decisions: bool = False,
+    max_model_len: int = MAX_MODEL_LEN,
 ) -> SimResult:
     """Replay ``requests`` = ``[(input_len, output_len, predicted_len), ...]`` (all at t=0).
 
@@ -175,19 +177,27 @@ def simulate(
     costs.dispatch`` seconds after its decision. ``time_decisions``: also charge the
     measured wall time of every ``schedule``/``complete`` call of the scheduler (the
     same Python the real engine runs) to the engine's clock.
+
+    ``cfg`` is the ``serve.scheduler`` section (its ``kind`` is set to ``scheduler``);
+    ``max_model_len`` is ``serve.engine.max_model_len``. The scheduler reads the simulated
+    clock where the engine reads ``time.monotonic``, so TD-Pipe's wait bound
+    (``tdpipe_max_wait_s``) forces prefill phases in the replay as it does when served.
     """
-    cfg = cfg or SchedulerConfig()
-    cfg = SchedulerConfig(**{**cfg.__dict__, "ignore_eos": True})
+    cfg = (cfg or SchedulerConfig()).model_copy(update={"kind": scheduler})
     if scheduler == "sequential" and len(costs.layers_per_stage) > 1:
         costs = costs.with_stages([sum(costs.layers_per_stage)])
         costs.stage_coef = None
     p = len(costs.layers_per_stage)
     bm = BlockManager(num_blocks, block_size)
-    sched = make_scheduler(scheduler, cfg, bm, p, costs)
+    # the scheduler reads the simulated clock (TD-Pipe's wait bound, as the engine's
+    # time.monotonic); the replay exists before the first request is added
+    sched = make_scheduler(
+        cfg, bm, p, costs, max_model_len=max_model_len, ignore_eos=True, clock=lambda: rep.t
+    )
+    wall = time.perf_counter if time_decisions else None
+    rep = _Replay(sched, bm, costs, engine_overhead, wall, p, _stage_turnaround(costs, p))
     for i, (n_in, n_out, pred) in enumerate(requests):
         sched.add(Request(i, [0] * n_in, n_out, predicted_len=pred))
-    clock = time.perf_counter if time_decisions else None
-    rep = _Replay(sched, bm, costs, engine_overhead, clock, p, _stage_turnaround(costs, p))
     rep.run()
     out_tok = sum(len(r.output) for r in sched.finished)
     in_tok = sum(len(r.prompt) for r in sched.finished)
@@ -213,7 +223,10 @@ def project_gpu(
     cfg: SchedulerConfig | None = None,
 ) -> dict:
     """Project 4-GPU (L20, Llama-2-13B fp16) throughput of the schedulers from the
-    roofline cost table (:func:`~convergent.serve.costs.published_l20_llama2_13b`)."""
+    roofline cost table (:func:`~convergent.serve.costs.published_l20_llama2_13b`).
+
+    TD-Pipe runs as served, with ``cfg.tdpipe_max_wait_s`` (1 s by default) bounding a
+    queued request's wait on the simulated clock; the paper's TD-Pipe has no such bound."""
     from convergent.serve.costs import published_l20_llama2_13b
 
     costs = published_l20_llama2_13b(stages)
@@ -224,7 +237,7 @@ def project_gpu(
     out = {"cost_table": costs.source, "stages": stages, "kv_blocks": num_blocks, "results": {}}
     for name, c in (
         ("interleaved", cfg),
-        ("interleaved_chunked", SchedulerConfig(**{**cfg.__dict__, "chunked_prefill": True})),
+        ("interleaved_chunked", cfg.model_copy(update={"chunked_prefill": True})),
         ("tdpipe", cfg),
     ):
         sch = "interleaved" if name.startswith("interleaved") else name

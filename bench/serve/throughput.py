@@ -199,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         LearnedPredictor,
         OraclePredictor,
     )
-    from convergent.serve.scheduler import SchedulerConfig
     from convergent.serve.stage import split_layers
     from convergent.serve.workload import scale_trace, trace_stats
 
@@ -235,17 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     costs_isolated = profile_costs(mcfg, layers, 16)
     print(f"one-process cost table profiled in {time.monotonic() - t:.1f} s", flush=True)
 
-    base = dict(stages=args.stages, kv_budget_bytes=kv_budget, block_size=16,
-                max_num_seqs=256, max_batched_tokens=args.max_batched_tokens,
-                max_model_len=4096, profile_costs=True, torch_threads=1)
+    engine = dict(kv_budget_bytes=kv_budget, block_size=16, max_model_len=4096, torch_threads=1)
+    sched = dict(stages=args.stages, max_num_seqs=256, max_batched_tokens=args.max_batched_tokens,
+                 profile_costs=True)
+
+    def serve_cfg(kind: str, **over) -> ServeConfig:
+        return ServeConfig(engine=engine, scheduler={**sched, "kind": kind, **over})
+
     specs = {
-        "sequential": (ServeConfig(scheduler="sequential", **base), None),
-        "interleaved": (ServeConfig(scheduler="interleaved", **base), None),
-        "interleaved_chunked": (ServeConfig(scheduler="interleaved", chunked_prefill=True, **{
-            **base, "max_batched_tokens": args.chunk_tokens}), None),
-        "tdpipe_oracle": (ServeConfig(scheduler="tdpipe", **base), "oracle"),
-        "tdpipe_learned": (ServeConfig(scheduler="tdpipe", **base), "learned"),
-        "tdpipe_constant": (ServeConfig(scheduler="tdpipe", **base), "constant"),
+        "sequential": (serve_cfg("sequential"), None),
+        "interleaved": (serve_cfg("interleaved"), None),
+        "interleaved_chunked": (serve_cfg("interleaved", chunked_prefill=True,
+                                          max_batched_tokens=args.chunk_tokens), None),
+        "tdpipe_oracle": (serve_cfg("tdpipe"), "oracle"),
+        "tdpipe_learned": (serve_cfg("tdpipe"), "learned"),
+        "tdpipe_constant": (serve_cfg("tdpipe"), "constant"),
     }
     timelines: dict[str, dict] = {}
     t = time.monotonic()  # one in-situ start-up profile (both stages active), shared by all
@@ -256,19 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     def ours(name: str):
         cfg, pred_name = specs[name]
         pred = predictors[pred_name] if pred_name else None
+        scfg, ecfg = cfg.scheduler, cfg.engine
+        seq = scfg.kind == "sequential"
 
         def run(rnd: int) -> dict:
-            tdp = cfg.scheduler == "tdpipe"  # only TD-Pipe's switch rule reads the table
+            tdp = scfg.kind == "tdpipe"  # only TD-Pipe's switch rule reads the table
             res = run_trace(model_dir, cfg, trace, predictor=pred, costs=costs if tdp else None)
             reqs = [(r.input_len, r.output_len,
                      pred.predict(r.prompt, r.output_len) if pred else r.output_len)
                     for r in trace]
-            scfg, nb = SchedulerConfig.from_serve(cfg), res["kv_blocks"]
-            st = layers if cfg.scheduler != "sequential" else [sum(layers)]
-            sim = simulate(cfg.scheduler, reqs, costs.with_stages(st), nb, 16, scfg,
-                           time_decisions=True)
-            iso = simulate(cfg.scheduler, reqs, costs_isolated.with_stages(st), nb, 16, scfg,
-                           time_decisions=True)
+            nb = res["kv_blocks"]
+            st = [sum(layers)] if seq else layers
+            sim = simulate(scfg.kind, reqs, costs.with_stages(st), nb, ecfg.block_size, scfg,
+                           time_decisions=True, max_model_len=ecfg.max_model_len)
+            iso = simulate(scfg.kind, reqs, costs_isolated.with_stages(st), nb, ecfg.block_size,
+                           scfg, time_decisions=True, max_model_len=ecfg.max_model_len)
             timelines[name] = {"kv_timeline": res["kv_timeline"], "kv_blocks": nb}
             keep = ("req_s", "input_tok_s", "output_tok_s", "total_tok_s", "wall_s",
                     "latency_p50_s", "latency_p99_s", "preemptions", "kv_peak_blocks",
@@ -281,15 +286,14 @@ def main(argv: list[str] | None = None) -> int:
                 abs(iso.makespan_s - res["wall_s"]) / res["wall_s"])
             return row
 
-        settings = {"scheduler": cfg.scheduler, "predictor": pred_name,
-                    "chunked_prefill": cfg.chunked_prefill,
-                    "processes": 1 if cfg.scheduler == "sequential" else cfg.stages,
-                    "torch_threads_per_process": cfg.torch_threads,
-                    "threads_total": cfg.torch_threads * (
-                        1 if cfg.scheduler == "sequential" else cfg.stages),
-                    "requests": len(trace), "max_batched_tokens": cfg.max_batched_tokens,
-                    "kv_budget_bytes": cfg.kv_budget_bytes, "block_size": cfg.block_size,
-                    "dtype": cfg.dtype, "sampling": "greedy, EOS ignored, trace lengths"}
+        settings = {"scheduler": scfg.kind, "predictor": pred_name,
+                    "chunked_prefill": scfg.chunked_prefill,
+                    "processes": 1 if seq else scfg.stages,
+                    "torch_threads_per_process": ecfg.torch_threads,
+                    "threads_total": ecfg.torch_threads * (1 if seq else scfg.stages),
+                    "requests": len(trace), "max_batched_tokens": scfg.max_batched_tokens,
+                    "kv_budget_bytes": ecfg.kv_budget_bytes, "block_size": ecfg.block_size,
+                    "dtype": ecfg.dtype, "sampling": "greedy, EOS ignored, trace lengths"}
         return Side(name, run, settings)
 
     threads = args.stages  # the pipeline's total: `stages` processes x 1 thread

@@ -109,8 +109,8 @@ class Scheduler:
     ``max_model_len``: prompt + output tokens of one request (the engine's context limit
     without the KV capacity); ``ignore_eos``: requests end only at their ``max_tokens``.
     ``clock`` (seconds; the engine passes ``time.monotonic``) times how long requests wait
-    in the queue (``Request.queued_at``); without one (the simulator, unit tests) nothing
-    is timed and TD-Pipe's wait bound is off.
+    in the queue (``Request.queued_at``; bench/serve/sim.py passes its simulated time);
+    without one (unit tests) nothing is timed and TD-Pipe's wait bound is off.
     """
 
     name = "base"
