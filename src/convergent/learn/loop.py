@@ -196,7 +196,8 @@ class Campaign:
             init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.members.init_model
             member = tasks.MemberJob(self.member_config(rnd, k, steps, init, extra),
                                      str(self.p.member(rnd, k)), fault)
-            return Job("train", f"m{k}", tasks.train_member, (member,), round=rnd, tag=k)
+            return Job("train", f"m{k}", tasks.train_member, (member,), {"device": "cpu"},
+                       round=rnd, tag=k)  # the farm sets device to where "train" runs
 
         summaries: list[dict[str, Any]] = []
         retried = 0

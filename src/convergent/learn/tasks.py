@@ -61,9 +61,9 @@ def member_config(base: Any, train: Any) -> dict[str, Any]:
     """A member's whole config: ``base``'s model and precision (a ConvergentConfig) and
     ``train`` (a TrainConfig: data, steps, lr, seed, ...) with the committee's fixed
     choices — records sorted by key (arrival order does not matter), cosine to zero
-    without warm-up, gradients clipped at 10, one process on the CPU with one thread, no
+    without warm-up, gradients clipped at 10, one process with one thread, no
     validation, no checkpoint (the model is exported from memory), no sinks but the
-    member's metrics.jsonl, no MFU."""
+    member's metrics.jsonl, no MFU. (:func:`train_member` puts it on the pool's device.)"""
     from convergent.monitor.config import MetricsConfig
     from convergent.tracking.config import TrackingConfig
     from convergent.train.config import CheckpointConfig, ParallelConfig
@@ -79,16 +79,19 @@ def member_config(base: Any, train: Any) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
 
 
-def train_member(job: MemberJob) -> dict[str, Any]:
+def train_member(job: MemberJob, device: str = "cpu") -> dict[str, Any]:
     """Train one member with the one training loop (:func:`convergent.train.fit.fit`, the
-    Trainer of ``convergent train`` in this process) and save it to ``job.out_dir``; its
-    metrics stay in ``<out_dir>/train/metrics.jsonl``. Returns its training summary."""
-    _torch_setup("cpu")
+    Trainer of ``convergent train`` in this process) on ``device`` (the pool's place for
+    training: ``cuda`` on a GPU worker when torch sees one, else the CPU) and save it to
+    ``job.out_dir``; its metrics stay in ``<out_dir>/train/metrics.jsonl``. Returns its
+    training summary."""
+    _, device = _torch_setup(device)
     _fault_once(job.fault_marker)
     from convergent.config import ConvergentConfig
     from convergent.train.fit import fit
 
-    cfg = ConvergentConfig.model_validate(job.config)
+    config = {**job.config, "train": {**job.config["train"], "device": device}}
+    cfg = ConvergentConfig.model_validate(config)
     out = Path(job.out_dir)
     t0 = time.perf_counter()
     summary = fit(cfg, out / "train", export_to=out)
