@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo      run the converged loop on small data (runs/demo, about 3 min on 2 cores, install included)"
-	@echo "make test      run the default test suite (about 13 min on 2 cores, install included)"
+	@echo "make test      run the default test suite over pytest-xdist workers (TEST_JOBS; install included)"
 	@echo "make test-all  also run tests marked slow"
 	@echo "make test-portability  the tests marked numerics under each CPU kernel setting (ATen/oneDNN ISA caps; about 2.5 min on 2 cores)"
 	@echo "make test-slurm  the real-Slurm tests (starts a 2-node Slurm; root)"
@@ -36,8 +36,14 @@ demo: $(STAMP)
 clean-demo:
 	rm -rf runs/demo
 
+# The default suite over TEST_JOBS pytest-xdist workers (up to 4; none on one core): many
+# tests wait on subprocesses (torchrun, Dask, Slurm), so two workers on two cores nearly
+# halve the wall time. Tests are grouped by folder (tests/conftest.py). TEST_JOBS=0: one process.
+TEST_JOBS ?= $(shell n=$$(nproc); [ $$n -ge 2 ] && echo $$(( n < 4 ? n : 4 )) || echo 0)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@xd=""; [ "$(TEST_JOBS)" -gt 0 ] && xd="-n $(TEST_JOBS) --dist loadgroup"; \
+	  echo "$(BIN)/python -m pytest $$xd $(PYTEST_ARGS)"; $(BIN)/python -m pytest $$xd $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
@@ -62,7 +68,7 @@ test-gpu:
 	@[ "$(GPU_CHECK)" = 0 ] || $(GPU_PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make test-gpu: no CUDA device here (torch.cuda.is_available() is False); run make test")'
 	@jobs=$(GPU_JOBS); if [ "$$jobs" -gt 0 ] && ! $(GPU_PYTHON) -c 'import xdist' 2>/dev/null; then \
 	  echo "make test-gpu: pytest-xdist is not installed; running on one process" >&2; jobs=0; fi; \
-	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadfile"; \
+	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadgroup"; \
 	  if ! command -v convergent >/dev/null && [ ! -x "$$(dirname $(GPU_PYTHON))/convergent" ]; then \
 	    py=$$(command -v $(GPU_PYTHON)); bin=$$PWD/.gpu-bin/$$(printf %s "$$py" | cksum | cut -d' ' -f1); \
 	    mkdir -p $$bin; printf '#!/bin/sh\nexec %s -c "import sys; from convergent.cli import entry; sys.exit(entry())" "$$@"\n' \
