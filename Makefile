@@ -38,11 +38,14 @@ clean-demo:
 
 # The default suite over TEST_JOBS pytest-xdist workers (up to 4; none on one core): many
 # tests wait on subprocesses (torchrun, Dask, Slurm), so two workers on two cores nearly
-# halve the wall time. Tests are grouped by folder (tests/conftest.py). TEST_JOBS=0: one process.
+# halve the wall time. One file's tests run on one worker (its module fixtures are built
+# once); each worker's Slurm fixture has its own ports (tests/slurm/conftest.py). TEST_JOBS=0:
+# one process. (--dist loadgroup would group folders, but with pytest-xdist 3.8 on this
+# pytest its xdist_group marks did not keep a group on one worker.)
 TEST_JOBS ?= $(shell n=$$(nproc); [ $$n -ge 2 ] && echo $$(( n < 4 ? n : 4 )) || echo 0)
 
 test: $(STAMP)
-	@xd=""; [ "$(TEST_JOBS)" -gt 0 ] && xd="-n $(TEST_JOBS) --dist loadgroup"; \
+	@xd=""; [ "$(TEST_JOBS)" -gt 0 ] && xd="-n $(TEST_JOBS) --dist loadfile"; \
 	  echo "$(BIN)/python -m pytest $$xd $(PYTEST_ARGS)"; $(BIN)/python -m pytest $$xd $(PYTEST_ARGS)
 
 test-all: $(STAMP)
@@ -68,7 +71,7 @@ test-gpu:
 	@[ "$(GPU_CHECK)" = 0 ] || $(GPU_PYTHON) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "make test-gpu: no CUDA device here (torch.cuda.is_available() is False); run make test")'
 	@jobs=$(GPU_JOBS); if [ "$$jobs" -gt 0 ] && ! $(GPU_PYTHON) -c 'import xdist' 2>/dev/null; then \
 	  echo "make test-gpu: pytest-xdist is not installed; running on one process" >&2; jobs=0; fi; \
-	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadgroup"; \
+	  xd=""; [ "$$jobs" -gt 0 ] && xd="-n $$jobs --dist loadfile"; \
 	  if ! command -v convergent >/dev/null && [ ! -x "$$(dirname $(GPU_PYTHON))/convergent" ]; then \
 	    py=$$(command -v $(GPU_PYTHON)); bin=$$PWD/.gpu-bin/$$(printf %s "$$py" | cksum | cut -d' ' -f1); \
 	    mkdir -p $$bin; printf '#!/bin/sh\nexec %s -c "import sys; from convergent.cli import entry; sys.exit(entry())" "$$@"\n' \

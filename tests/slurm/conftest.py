@@ -34,8 +34,10 @@ def slurm(tmp_path_factory):
     reason = slurm_cluster.unavailable_reason()
     if reason:
         pytest.skip(reason)
-    # its own ports, so a fixture started by hand (scripts/slurm_cluster.py) can keep running
-    fx = slurm_cluster.SlurmFixture(tmp_path_factory.mktemp("slurm"), port=16917)
+    # its own ports, so a fixture started by hand (scripts/slurm_cluster.py) can keep running,
+    # and one per pytest-xdist worker (gw0, gw1, ...: make test runs files side by side)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    fx = slurm_cluster.SlurmFixture(tmp_path_factory.mktemp("slurm"), port=16917 + 40 * worker)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", str(fx.conf))
         try:

@@ -152,10 +152,12 @@ def test_gpu_job_kind_refused_or_never_starting_is_one_error(slurm, tmp_path, ca
     assert main(refused) == 2
     err = capsys.readouterr().err
     assert "cluster.gpu.queue" in err and "Invalid partition name" in err
-    held = [*base, "--run-dir", str(tmp_path / "b"), "--set", "cluster.slurm.start_timeout_s=5",
+    # 20 s: long enough for the CPU jobs to start on a busy machine (make test runs files
+    # side by side), the held GPU job never does
+    held = [*base, "--run-dir", str(tmp_path / "b"), "--set", "cluster.slurm.start_timeout_s=20",
             "--set", 'cluster.gpu.job_extra_directives=["--begin=now+1hour"]']
     assert main(held) == 2  # the CPU jobs label the initial set; the GPU job never starts
     err = capsys.readouterr().err
-    assert "cluster.slurm.start_timeout_s=5" in err and "BeginTime" in err
+    assert "cluster.slurm.start_timeout_s=20" in err and "BeginTime" in err
     assert "cluster.gpu.gres=gpu:1" in err and err.count("error:") == 1
     assert not [i for i, (name, _) in _squeue().items() if name.startswith("dask-")]
