@@ -7,7 +7,7 @@ import pytest
 
 from bench.train import commcost as cc
 from convergent.config import load_config
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 FAST = cc.Link(1e-6, 1e-10)
 SLOW = cc.Link(1e-4, 1e-8)

@@ -29,8 +29,8 @@ TINY = Nci2kSettings(max_compounds=3, n_conf=2, md_frames=2, md_interval=3, md_w
 def built(tmp_path_factory):
     """The tiny dataset, built once on a one-worker LocalCluster."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from convergent.cluster import dask_client
-    from convergent.clusterconfig import ClusterConfig
+    from convergent.cluster.config import ClusterConfig
+    from convergent.cluster.pool import dask_client
 
     root = tmp_path_factory.mktemp("nci2k")
     cfg = ClusterConfig(n_workers=1, dashboard_address=None)

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench.dataio.stream import MixedStreamingDataset, StreamingDataset, StreamingLoader
+from convergent.core.errors import DataError
 from convergent.data.reader import open_dataset
 from convergent.data.writer import DatasetWriter
-from convergent.errors import DataError
 from tests.data.datarecords import molecular_records
 
 

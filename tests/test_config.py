@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from convergent.config import ConvergentConfig, dump_config, load_config, parse_overrides
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 
 def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path):
@@ -83,7 +83,7 @@ def _numeric_fields(model=ConvergentConfig, prefix=""):
     """Dotted names of every int/float field (also inside ``X | None``) of every section."""
     import typing
 
-    from convergent.configbase import Section
+    from convergent.core.configbase import Section
 
     for name, info in model.model_fields.items():
         ann = info.annotation
@@ -157,7 +157,7 @@ def test_yaml_validation_errors_name_the_line(tmp_path):
 
 
 def test_json_and_yaml_side_files_name_their_line(tmp_path):
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
     from convergent.models.llama import read_config
     from convergent.train.topology import read_topology_file
 

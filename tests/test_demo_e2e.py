@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from convergent.trainrecords import read_train_records
+from convergent.runsdb.trainrecords import read_train_records
 from tests.cli_exe import EXE
 
 TINY = ["--set", "simulate.frames=24", "--set", "simulate.max_atoms=5",

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from convergent.fsutil import atomic_open, atomic_write_text
+from convergent.core.fsutil import atomic_open, atomic_write_text
 
 
 def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from convergent.errors import ConfigError
-from convergent.placement import check_serve_stages, gpu_names, plan_training, visible_gpus
+from convergent.cluster.placement import check_serve_stages, gpu_names, plan_training, visible_gpus
+from convergent.core.errors import ConfigError
 
 
 def test_auto_is_one_rank_per_gpu_on_cuda_and_two_on_cpu():

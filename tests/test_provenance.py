@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from convergent.provenance import UNKNOWN, CodeVersion, code_version, git_version
+from convergent.core.provenance import UNKNOWN, CodeVersion, code_version, git_version
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from convergent.config import ConvergentConfig
-from convergent.errors import RunDirError
+from convergent.core.errors import RunDirError
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.monitor.report import PREDICTIONS, build_report
-from convergent.runs import open_run
-from convergent.trainrecords import TrainStep, ValRecord
+from convergent.runsdb.rundir import open_run
+from convergent.runsdb.trainrecords import TrainStep, ValRecord
 
 
 def _steps(n=20, data=0.001, compute=0.01, comm=0.02, opt=0.001):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from convergent.config import ConvergentConfig, load_config
-from convergent.errors import RunDirError
-from convergent.runs import open_run
+from convergent.core.errors import RunDirError
+from convergent.runsdb.rundir import open_run
 
 
 def test_new_run_has_layout_and_resolved_config(tmp_path):
@@ -61,7 +61,7 @@ def test_default_run_directory_is_named_after_the_command(tmp_path):
 
 
 def test_a_failed_check_creates_nothing(tmp_path):
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
 
     def check():
         raise InputError("bad input")
@@ -97,7 +97,7 @@ def test_a_run_in_use_by_another_process_is_refused(tmp_path):
     import sys
 
     code = ("import sys; from convergent.config import ConvergentConfig; "
-            "from convergent.runs import open_run; "
+            "from convergent.runsdb.rundir import open_run; "
             f"open_run(ConvergentConfig(), {str(tmp_path / 'r')!r}); print('ready', flush=True); "
             "sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from convergent.fsutil import dumps_json, loads_strict
+from convergent.core.fsutil import dumps_json, loads_strict
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "convergent"
 # json.dumps kept only where the text is hashed, never written
@@ -37,6 +37,6 @@ def test_no_module_writes_json_through_plain_json_dumps():
     plain = []
     for p in SRC.rglob("*.py"):
         rel = p.relative_to(SRC).as_posix()
-        if rel != "fsutil.py" and rel not in HASHED and re.search(r"\bjson\.dumps?\(", p.read_text()):
+        if rel != "core/fsutil.py" and rel not in HASHED and re.search(r"\bjson\.dumps?\(", p.read_text()):
             plain.append(rel)
     assert not plain, f"use fsutil.dumps_json in {plain}"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from convergent.runs import RunDir
 from convergent.runsdb.records import latest
+from convergent.runsdb.rundir import RunDir
+from convergent.runsdb.trainrecords import TIME_PARTS, TrainStep, ValRecord, read_train_records
 from convergent.train.command import progress_line
-from convergent.trainrecords import TIME_PARTS, TrainStep, ValRecord, read_train_records
 
 # a train_step line as the trainer wrote it before the typed records (molecular task)
 OLD_STEP = {

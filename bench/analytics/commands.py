@@ -187,7 +187,7 @@ def measure(side: str, cmd: str, src: Path, out: Path, workers: int, tol: float,
     if side in ("dask", "naive"):
         from distributed import Client
 
-        from convergent.cluster import make_local_cluster
+        from convergent.cluster.pool import make_local_cluster
         from convergent.sim.config import ClusterConfig
 
         cluster = make_local_cluster(ClusterConfig(n_workers=workers, threads_per_worker=1))

@@ -72,9 +72,9 @@ def train(name: str, overrides: list[str], steps: int, nproc: int = 2) -> tuple[
     import shutil
 
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
+    from convergent.runsdb.trainrecords import read_train_records
     from convergent.train.launch import launch_training
-    from convergent.trainrecords import read_train_records
 
     run_dir = WORK / name
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -209,7 +209,7 @@ def machine(load_at_start: tuple[float, float, float]) -> dict:
     import psutil
 
     from convergent import __version__
-    from convergent.resources import usable_cpus
+    from convergent.cluster.resources import usable_cpus
 
     cpu = ""
     with open("/proc/cpuinfo") as fh:

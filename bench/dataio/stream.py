@@ -34,8 +34,8 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from bench.dataio import order as order_mod
+from convergent.core.errors import DataError
 from convergent.data.reader import Dataset, open_dataset
-from convergent.errors import DataError
 
 STATE_VERSION = 2  # 2: block shuffle by per-window Fisher-Yates (the order of 1 differs)
 MAPPED_SHARDS = 3  # shards a reader keeps mapped at once (block shuffle reads 1-2 at a time)

@@ -93,7 +93,7 @@ def make_molecules(root: Path, n: int, seed: int = 0) -> Path:
 def _trainer_run(tmp: Path, sets: list[str], name: str, warmup: int) -> dict[str, float]:
     """Our trainer in this process (strategy single); medians over the timed steps."""
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
     from convergent.train.trainer import Trainer
 
     cfg = load_config(None, [

@@ -114,7 +114,7 @@ def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) ->
     from convergent.learn.engine import read_timeline
     from convergent.learn.loop import run_learning
     from convergent.learn.report import utilisation
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
 
     path = WORK / name
     shutil.rmtree(path, ignore_errors=True)
@@ -200,7 +200,7 @@ def killed_and_resumed(seed: int, reference: Path) -> dict[str, Any]:
     # the pool files are put in place first: the run directory must already be a run
     from convergent.config import load_config, save_config
     from convergent.learn.config import LEARN_PRESET
-    from convergent.runs import RunDir
+    from convergent.runsdb.rundir import RunDir
 
     save_config(load_config(None, overrides("uncertainty", seed), preset=LEARN_PRESET),
                 RunDir(path).config)

@@ -40,13 +40,13 @@ ORACLE = {"learn.select.acquisition": "top"}
 def pool_labels(seed: int) -> dict[str, Any]:
     """Reference energy of every pool structure of ``seed`` (key -> eV), labelled with the
     campaign's own code on a fresh LocalCluster; and how many were quarantined."""
-    from convergent.cluster import dask_client
+    from convergent.cluster.pool import dask_client
     from convergent.config import load_config
     from convergent.data.reader import open_dataset
     from convergent.learn.config import LEARN_PRESET
     from convergent.learn.engine import Pool
     from convergent.learn.loop import Campaign
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
 
     path = al.WORK / f"pool-labels-s{seed}"
     shutil.rmtree(path, ignore_errors=True)

@@ -47,7 +47,7 @@ MACE_DEFAULTS: dict[str, Any] = {
 def mace_import() -> Any:
     """Import ``mace.modules`` quietly, undoing its import-time side effects (the one
     definition: :func:`convergent.models.mace.import_mace`, which ``model.kind: mace``
-    uses too). :class:`~convergent.errors.NotAvailableError` if mace-torch is missing."""
+    uses too). :class:`~convergent.core.errors.NotAvailableError` if mace-torch is missing."""
     from convergent.models.mace import import_mace
 
     return import_mace()[0]

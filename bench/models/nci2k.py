@@ -223,9 +223,9 @@ def build(settings: Nci2kSettings = Nci2kSettings(), root: Path = ROOT, chunks: 
           client: Any = None, progress: bool = True) -> dict[str, Any]:
     """Build (or resume) the first ``chunks`` chunks (None: all). Returns what was done;
     appends one line per chunk built to ``root/build.jsonl`` (wall s, campaign summary)."""
-    from convergent.cluster import dask_client
-    from convergent.clusterconfig import ClusterConfig
-    from convergent.fsutil import atomic_write_text
+    from convergent.cluster.config import ClusterConfig
+    from convergent.cluster.pool import dask_client
+    from convergent.core.fsutil import atomic_write_text
     from convergent.sim.campaign import run_campaign
 
     all_chunks = _chunks(settings)

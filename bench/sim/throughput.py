@@ -64,7 +64,7 @@ def _versions() -> dict[str, str]:
 
 
 def _machine() -> dict:
-    from convergent.resources import cpu_name, usable_cpus
+    from convergent.cluster.resources import cpu_name, usable_cpus
 
     return {
         "host": socket.gethostname(),
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     for var in THREAD_VARS:
         os.environ[var] = "1"  # before tblite loads: one thread, like a Dask worker
 
-    from convergent.cluster import dask_client
+    from convergent.cluster.pool import dask_client
     from convergent.sim.calculators import CalcSpec
     from convergent.sim.config import ClusterConfig, SimulateConfig
 

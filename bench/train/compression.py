@@ -42,9 +42,9 @@ METRICS = ("bytes_per_step_median", "bytes_per_step_first", "final_loss_mean_las
 
 
 def one_run(cfg, path: Path) -> dict:
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
+    from convergent.runsdb.trainrecords import read_train_records
     from convergent.train.launch import launch_training
-    from convergent.trainrecords import read_train_records
 
     run = open_run(cfg, path)
     try:

@@ -37,9 +37,9 @@ STRATEGIES = {
 
 
 def one_run(cfg, nproc: int, path: Path, pipeline: bool, n_micro: int) -> dict:
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
+    from convergent.runsdb.trainrecords import read_train_records
     from convergent.train.launch import launch_training
-    from convergent.trainrecords import read_train_records
 
     run = open_run(cfg, path)
     try:

@@ -212,9 +212,9 @@ def run_peer(kind: str, data: Path, steps: int, dtype: str, tmp: Path) -> dict:
 def run_ours(data: Path, steps: int, dtype: str, tmp: Path, nproc: int, threads: int,
              rep: int = 0) -> dict:
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
+    from convergent.runsdb.trainrecords import TIME_PARTS, read_train_records
     from convergent.train.launch import launch_training
-    from convergent.trainrecords import TIME_PARTS, read_train_records
 
     strategy = "single" if nproc == 1 else "ddp"
     cfg = load_config(None, [*overrides(data, steps, dtype), f"parallel.strategy={strategy}",

@@ -2,7 +2,7 @@
 
 Every field has a default that works on a 2-core laptop, so ``ConvergentConfig()`` is a
 valid config. ``load_config(path, ["train.lr=3e-4"])`` reads YAML, applies overrides with
-type validation and raises :class:`~convergent.errors.ConfigError` naming the bad key.
+type validation and raises :class:`~convergent.core.errors.ConfigError` naming the bad key.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import yaml
 from pydantic import ValidationError
 
 from convergent.analytics.config import AnalyticsConfig
-from convergent.clusterconfig import ClusterConfig
-from convergent.configbase import Name, PathStr, Section
+from convergent.cluster.config import ClusterConfig
+from convergent.core.configbase import Name, PathStr, Section
+from convergent.core.errors import ConfigError, parse_error_text
+from convergent.core.fsutil import atomic_write_text
 from convergent.data.config import DataConfig, TextConfig
-from convergent.errors import ConfigError, parse_error_text
-from convergent.fsutil import atomic_write_text
 from convergent.learn.config import MOVED_KEYS as LEARN_MOVED_KEYS
 from convergent.learn.config import LearnConfig
 from convergent.models.config import ModelConfig

@@ -20,9 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from convergent.config import ConvergentConfig
 from convergent.monitor.accuracy import HeldoutPredictions
 from convergent.monitor.report import PREDICTIONS, build_report
-from convergent.runs import RunDir, open_run
+from convergent.runsdb.rundir import RunDir, open_run
+from convergent.runsdb.trainrecords import TrainStep, read_train_records
 from convergent.runsdb.usage import timed_stage
-from convergent.trainrecords import TrainStep, read_train_records
 
 console = Console(stderr=True)
 

@@ -13,11 +13,11 @@ from convergent.analytics.engine import Engine
 from convergent.analytics.ops import filter_dataset, merge_datasets
 from convergent.analytics.split import split_dataset
 from convergent.analytics.stats import compute_stats, write_stats
+from convergent.core.errors import ConvergentError
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.data.writer import write_records
-from convergent.errors import ConvergentError
 from tests.analytics.analyticsdata import distinct_records, plant_duplicates, ring_records
 
 
@@ -248,7 +248,7 @@ def test_report_includes_dataset_stats(demo_like, tmp_path, capsys):
     from convergent.cli import main
     from convergent.config import ConvergentConfig
     from convergent.monitor.report import build_report
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
 
     run = open_run(ConvergentConfig(), tmp_path / "r")
     assert main(["data", "stats", str(demo_like), "--run", str(run.path), "--single-process", "--json"]) == 0

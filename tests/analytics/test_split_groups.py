@@ -10,6 +10,8 @@ from convergent.analytics import groupkeys as gk
 from convergent.analytics import split as split_mod
 from convergent.analytics.engine import Engine, plan
 from convergent.analytics.split import GREEDY_MAX_GROUPS, _assign, split_dataset
+from convergent.core.errors import DataError
+from convergent.core.fsutil import start_writeback
 from convergent.data import writer as writer_mod
 from convergent.data.index import strings
 from convergent.data.indexscan import IndexScan
@@ -17,8 +19,6 @@ from convergent.data.manifest import read_manifest
 from convergent.data.reader import ShardReader, open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.data.writer import write_records
-from convergent.errors import DataError
-from convergent.fsutil import start_writeback
 from tests.analytics.analyticsdata import distinct_records, shard_records_plus
 
 

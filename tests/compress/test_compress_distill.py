@@ -55,7 +55,7 @@ def test_teacher_labels_are_the_committee_mean_and_the_student_learns_them(tmp_p
 
 def test_teacher_dataset_refuses_bad_input(tmp_path):
     from convergent.compress.distill import teacher_dataset
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
 
     with pytest.raises(InputError, match="no teacher"):
         teacher_dataset([], tmp_path, tmp_path / "x")

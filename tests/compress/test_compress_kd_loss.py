@@ -53,7 +53,7 @@ def test_temperature_squared_keeps_the_soft_gradient_on_one_scale():
 
 def test_teacher_gets_no_gradient_and_mismatched_vocabularies_are_refused():
     from convergent.compress.distill import kd_loss
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
 
     s, t = _logits(0).requires_grad_(True), _logits(1).requires_grad_(True)
     kd_loss(s, t, torch.zeros(3, 5, dtype=torch.long), 2.0, 0.5)[0].backward()

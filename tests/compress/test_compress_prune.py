@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from convergent.compress.prune import prune_llama, save_pruned_llama
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.llama import LlamaConfig, LlamaForCausalLM, load_pretrained
 
 

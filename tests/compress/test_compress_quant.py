@@ -32,7 +32,7 @@ from convergent.compress.quant import (
     quantize_weight_only,
     weight_bytes,
 )
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.llama import LlamaConfig, LlamaForCausalLM, load_pretrained, save_pretrained
 
 REL_TOL = 0.05

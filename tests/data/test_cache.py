@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
+from convergent.core.errors import DataError
 from convergent.data.cache import ShardCache
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset
 from convergent.data.writer import DatasetWriter
-from convergent.errors import DataError
 from tests.data.datarecords import molecular_records
 
 

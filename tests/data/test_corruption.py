@@ -9,11 +9,11 @@ import subprocess
 import numpy as np
 import pytest
 
+from convergent.core.errors import DataError
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
 from convergent.data.writer import DatasetWriter
-from convergent.errors import DataError
 from tests.cli_exe import EXE
 from tests.data.datarecords import bytes_records, molecular_records
 

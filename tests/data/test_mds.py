@@ -16,9 +16,9 @@ import pytest
 import xxhash
 
 from bench.lib.paths import child_env
+from convergent.core.errors import DataError
 from convergent.data.export import export_dataset
 from convergent.data.writer import DatasetWriter
-from convergent.errors import DataError
 from tests.data.datarecords import bytes_records, molecular_records
 
 ROOT = Path(__file__).resolve().parents[2]

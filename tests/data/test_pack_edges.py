@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
+from convergent.core.errors import InputError
 from convergent.data.pack import frame_molecule_ids, pack_directory
 from convergent.data.reader import open_dataset, split_by_molecule
 from convergent.data.verify import clean_leftovers, verify_dataset
-from convergent.errors import InputError
 
 
 def _frames():

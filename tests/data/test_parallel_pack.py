@@ -7,12 +7,12 @@ import subprocess
 import numpy as np
 import pytest
 
+from convergent.core.errors import DataError, InputError
 from convergent.data.manifest import read_manifest
 from convergent.data.pack import pack_directory
 from convergent.data.parallel import write_parallel
 from convergent.data.reader import open_dataset
 from convergent.data.verify import verify_dataset
-from convergent.errors import DataError, InputError
 from tests.cli_exe import EXE
 from tests.data.datarecords import assert_same_record, molecular_records
 

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from convergent.core.errors import DataError
 from convergent.data.manifest import read_manifest
 from convergent.data.reader import open_dataset, split_by_molecule
 from convergent.data.writer import DatasetWriter, write_subset
-from convergent.errors import DataError
 from tests.data.datarecords import assert_same_record, bytes_records, molecular_records
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)

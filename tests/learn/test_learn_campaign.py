@@ -135,7 +135,7 @@ def test_killed_driver_resumes_to_the_same_dataset(uninterrupted, tmp_path):
 def test_failed_label_is_quarantined_and_the_batch_refilled(tmp_path):
     from ase.build import molecule
 
-    from convergent.cluster import dask_client
+    from convergent.cluster.pool import dask_client
     from convergent.learn.engine import Pool
     from convergent.learn.label import label_batch
     from convergent.learn.pool import Candidate
@@ -165,7 +165,7 @@ def test_label_above_the_force_trust_limit_is_quarantined(tmp_path):
     in quarantine and the batch is refilled, so it never reaches the training data."""
     from ase.build import molecule
 
-    from convergent.cluster import dask_client
+    from convergent.cluster.pool import dask_client
     from convergent.learn.engine import Pool
     from convergent.learn.label import label_batch
     from convergent.learn.pool import Candidate

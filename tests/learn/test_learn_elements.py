@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from ase.build import molecule
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 from convergent.learn.loop import _seed
 from convergent.learn.pool import Candidate, cover_elements
 

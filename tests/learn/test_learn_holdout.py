@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from convergent.core.errors import InputError
 from convergent.data.writer import DatasetWriter
-from convergent.errors import InputError
 from convergent.learn.config import LEARN_PRESET, PoolConfig
 from convergent.learn.pool import build_pool, dataset_molecules, is_holdout
 from convergent.sim.config import SimulateConfig

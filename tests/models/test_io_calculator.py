@@ -8,7 +8,7 @@ import torch
 from ase.build import molecule
 from ase.optimize import BFGS
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 from convergent.models.batching import atoms_to_record, collate_records
 from convergent.models.calculator import SurrogateCalculator
 from convergent.models.config import ModelConfig

@@ -12,7 +12,7 @@ import torch
 from convergent.monitor.flops import count_flops, gpu_peak_flops, measure_gemm_flops, mfu
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
-from convergent.trainrecords import TrainStep, read_train_records
+from convergent.runsdb.trainrecords import TrainStep, read_train_records
 
 
 def test_step_timer_accumulates_sections():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from convergent.runs import RunDir
 from convergent.runsdb.records import latest, read_records
-from convergent.trainrecords import TrainStep, read_train_records
+from convergent.runsdb.rundir import RunDir
+from convergent.runsdb.trainrecords import TrainStep, read_train_records
 from tests.runs.runshelpers import run_cli
 
 

@@ -25,7 +25,7 @@ def test_a_restart_with_another_config_gets_a_new_mlflow_run(tmp_path):
 
 def test_an_unusable_store_is_one_error_naming_the_uri(tmp_path):
     from convergent.config import load_config
-    from convergent.errors import NotAvailableError
+    from convergent.core.errors import NotAvailableError
     from convergent.tracking.store import open_tracking
 
     cfg = load_config(None, ["tracking.mlflow=true", "tracking.uri=foo://nowhere"])

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from convergent.runs import RunDir
 from convergent.runsdb.cost import ACCOUNTING_FILE, run_cost
 from convergent.runsdb.records import CostRecord, MetricRecord, last_attempts, next_attempt
-from convergent.trainrecords import read_train_records
+from convergent.runsdb.rundir import RunDir
+from convergent.runsdb.trainrecords import read_train_records
 from tests.runs.runshelpers import TINY, run_cli
 
 
@@ -46,7 +46,7 @@ def test_list_show_and_json(demo_runs):
         assert r["code"] != "" and "val_energy_mae" in r["metrics"]
     assert rows["a"]["metrics"]["step"] == 6 and rows["b"]["metrics"]["step"] == 8
     # the code version is in every stage record, checkpoint marker and exported model
-    from convergent.provenance import code_version
+    from convergent.core.provenance import code_version
 
     here = code_version().to_dict()
     stages = json.loads((demo_runs / "a" / "stages.json").read_text())
@@ -130,13 +130,13 @@ def test_rm_asks_then_removes(demo_runs, tmp_path):
 
 def test_a_resumed_stage_adds_its_launches_and_held_resources(tmp_path):
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
     from convergent.runsdb.usage import allocation, record_stage, timed_stage
 
     cfg = load_config(None, ["parallel.nproc=3", "train.threads=2", "train.device=cpu",
                              "cluster.n_workers=4"])
     assert allocation(cfg, "train") == (6.0, 0.0)
-    from convergent.placement import Placement
+    from convergent.cluster.placement import Placement
 
     assert allocation(cfg, "train", Placement("cpu", 1, "gloo", 0)) == (2.0, 0.0)
     assert allocation(cfg, "train", Placement("cuda", 4, "nccl", 4)) == (8.0, 4.0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from convergent.core.errors import InputError
 from convergent.data.writer import write_records
-from convergent.errors import InputError
 from convergent.screen.baseline import fit_element_baseline, fit_on_dataset
 
 REFS = {1: -13.6, 6: -1030.0, 7: -1485.5, 8: -2040.25}

@@ -50,8 +50,8 @@ def _fit(records: list[dict], steps: int = 1500, seed: int = 0, force_weight: fl
 @pytest.fixture(scope="module")
 def surrogate(tmp_path_factory):
     """A surrogate trained on a real xTB campaign of small G2 molecules (default sampler)."""
-    from convergent.cluster import dask_client
-    from convergent.clusterconfig import ClusterConfig
+    from convergent.cluster.config import ClusterConfig
+    from convergent.cluster.pool import dask_client
     from convergent.data.reader import open_dataset
     from convergent.models.io import save_model
     from convergent.sim.campaign import run_campaign
@@ -180,8 +180,8 @@ def test_a_water_methane_pair_does_not_bind_where_xtb_does_not(tmp_path):
     0.75 eV at most — repels at contact and never binds by more than 0.25 eV (xTB: by 0.03
     eV at most); trained on the same campaign without dimers it gave -1.3 to +2.5 eV over
     the same range."""
-    from convergent.cluster import dask_client
-    from convergent.clusterconfig import ClusterConfig
+    from convergent.cluster.config import ClusterConfig
+    from convergent.cluster.pool import dask_client
     from convergent.data.reader import open_dataset
     from convergent.models.calculator import SurrogateCalculator
     from convergent.models.io import save_model

@@ -16,8 +16,8 @@ import torch
 from ase.build import molecule
 
 from convergent.cli import main
-from convergent.errors import InputError
-from convergent.fsutil import loads_strict
+from convergent.core.errors import InputError
+from convergent.core.fsutil import loads_strict
 from convergent.models.batching import atoms_to_record, collate_records
 from convergent.models.calculator import SurrogateCalculator
 from convergent.models.config import ModelConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.layersplit import split_layers, stage_layers
 from convergent.serve.config import EngineConfig, FaultsConfig, ServeConfig
 from convergent.serve.messages import (

@@ -48,7 +48,7 @@ def test_gpu_serving_matches_transformers_float32(hf_llama_dir):
 
 
 def test_two_stages_on_one_gpu_is_refused_with_the_fix(hf_llama_dir):
-    from convergent.errors import ConfigError
+    from convergent.core.errors import ConfigError
 
     n = torch.cuda.device_count()
     cfg = ServeConfig(

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from convergent.cli import main  # noqa: E402
-from convergent.errors import InputError  # noqa: E402
+from convergent.core.errors import InputError  # noqa: E402
 from convergent.serve.config import ServeConfig  # noqa: E402
 from convergent.serve.engine import Engine  # noqa: E402
 

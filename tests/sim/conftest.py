@@ -10,13 +10,13 @@ import pytest
 # Spinning OpenMP teams on a shared 2-core machine are many times slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from convergent.clusterconfig import ClusterConfig
+from convergent.cluster.config import ClusterConfig
 
 
 @pytest.fixture(scope="session")
 def sim_client():
     """A real Dask LocalCluster (2 single-threaded worker processes) built by our factory."""
-    from convergent.cluster import dask_client
+    from convergent.cluster.pool import dask_client
 
     with dask_client(ClusterConfig(n_workers=2)) as client:
         client.wait_for_workers(2, timeout=120)

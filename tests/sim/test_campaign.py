@@ -17,10 +17,10 @@ import numpy as np
 import psutil
 import pytest
 
-from convergent.clusterconfig import ClusterConfig
+from convergent.cluster.config import ClusterConfig
+from convergent.core.errors import ConfigError, DataError, InputError
 from convergent.data.reader import open_dataset
 from convergent.data.writer import DatasetWriter
-from convergent.errors import ConfigError, DataError, InputError
 from convergent.sim.campaign import (
     FramesTask,
     execute_task,
@@ -229,7 +229,7 @@ _DRIVER = textwrap.dedent(
     import sys
     from pathlib import Path
     from convergent.sim.campaign import run_campaign
-    from convergent.clusterconfig import ClusterConfig
+    from convergent.cluster.config import ClusterConfig
     from convergent.sim.config import SimulateConfig
 
     def report(task, result, summary):

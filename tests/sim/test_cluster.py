@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from convergent.cluster import WORKER_MALLOC, local_workers, make_cluster, make_slurm_cluster
-from convergent.clusterconfig import ClusterConfig, GpuJobsConfig, SlurmConfig
-from convergent.errors import ConfigError
-from convergent.resources import usable_cpus
+from convergent.cluster.config import ClusterConfig, GpuJobsConfig, SlurmConfig
+from convergent.cluster.pool import WORKER_MALLOC, local_workers, make_cluster, make_slurm_cluster
+from convergent.cluster.resources import usable_cpus
+from convergent.core.errors import ConfigError
 
 
 def test_local_default_is_one_worker_per_usable_core(monkeypatch):
@@ -54,7 +54,7 @@ def test_gpu_job_kind_joins_the_cpu_jobs_scheduler():
     pytest.importorskip("dask_jobqueue")
     from pydantic import ValidationError
 
-    from convergent.cluster import make_gpu_jobs
+    from convergent.cluster.pool import make_gpu_jobs
 
     assert ClusterConfig().gpu.enabled is False
     with pytest.raises(ValidationError, match="gres"):
@@ -86,7 +86,7 @@ def test_gpu_job_kind_joins_the_cpu_jobs_scheduler():
 def test_local_nanny_survives_back_to_back_restarts(sim_client):
     """Each restart leaves SpecCluster a 15 s "lost worker" timer; one that fired while a
     later restart of the same worker was under way closed that worker's nanny for good
-    (a CI failure; without the fix in convergent.cluster this test loses the worker)."""
+    (a CI failure; without the fix in convergent.cluster.pool this test loses the worker)."""
     import time
 
     sim_client.wait_for_workers(2, timeout=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from convergent.elements import covalent_bonds
+from convergent.core.elements import covalent_bonds
 from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import g2_molecules
 from convergent.sim.plan import plan_tasks

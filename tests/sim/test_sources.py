@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 from convergent.sim.smiles import (
     embed_smiles,
     nci_smiles_path,

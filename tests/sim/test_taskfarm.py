@@ -131,7 +131,7 @@ def test_with_cpu_resource_each_kind_stays_on_its_workers(two_kinds):
 def test_abort_ends_a_wait_with_the_error(two_kinds):
     import threading
 
-    from convergent.errors import ConfigError
+    from convergent.core.errors import ConfigError
 
     farm = TaskFarm(two_kinds, None, {}, gpu_kinds=("train",), gpu=True, cpu_resource=True)
     waiting = farm.submit("train", "slow", 0, worker_name, 3.0)

@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from convergent.clusterconfig import ClusterConfig, SlurmConfig
+from convergent.cluster.config import ClusterConfig, SlurmConfig
 from convergent.data.reader import open_dataset
 from convergent.sim.campaign import run_campaign
 from convergent.sim.config import SimulateConfig
@@ -54,7 +54,7 @@ def test_campaign_on_two_jobs_every_frame_once(slurm, tmp_path):
     text = console.export_text()
     assert "pending" in text and "running" in text and "workers" in text
     # accounting: the campaign's own core-seconds, then Slurm's record of both worker jobs
-    from convergent.accounting import append_usage, collect_slurm, read_usage
+    from convergent.runsdb.accounting import append_usage, collect_slurm, read_usage
 
     append_usage(tmp_path, [s.usage()])
     charged = collect_slurm(tmp_path)
@@ -111,7 +111,7 @@ def test_never_starting_job_ends_after_start_timeout(slurm, tmp_path, capsys):
 
 
 def test_default_job_size_comes_from_sinfo(slurm):
-    from convergent.cluster import make_slurm_cluster
+    from convergent.cluster.pool import make_slurm_cluster
 
     cluster = make_slurm_cluster(ClusterConfig(kind="slurm", dashboard_address=None),
                                  start_adapt=False)  # sbatch --test-only accepts it

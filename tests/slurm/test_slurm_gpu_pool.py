@@ -16,8 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from convergent.cluster import dask_client, job_kinds, watch_jobs
-from convergent.clusterconfig import ClusterConfig, GpuJobsConfig, SlurmConfig
+from convergent.cluster.config import ClusterConfig, GpuJobsConfig, SlurmConfig
+from convergent.cluster.pool import dask_client, job_kinds, watch_jobs
 from convergent.learn.engine import read_timeline
 from convergent.sim.taskfarm import Job, TaskFarm
 from tests.learn.test_learn_campaign import SETS

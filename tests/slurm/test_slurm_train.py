@@ -67,7 +67,7 @@ def _records(run: Path, kind: str) -> list[dict]:
 
 def _losses(run: Path) -> dict[int, float]:
     """The loss of each step, from its last train_step record."""
-    from convergent.trainrecords import read_train_records
+    from convergent.runsdb.trainrecords import read_train_records
 
     steps, _ = read_train_records(run / "metrics.jsonl", last_attempt=True)
     return {r.step: r.loss for r in steps}
@@ -98,7 +98,7 @@ def test_ddp_on_two_nodes(tmp_path, capsys, slurm):
     assert all(r["cpus"] for r in placement["ranks"])  # each rank's affinity is recorded
     assert (run / "train.sbatch").read_text().startswith("#!/bin/bash")
     # accounting: our own core-seconds and, after the job ended, Slurm's record of it
-    from convergent.accounting import collect_slurm, read_usage
+    from convergent.runsdb.accounting import collect_slurm, read_usage
 
     (own,) = [u for u in read_usage(run) if u.source == "self"]
     assert own.stage == "train" and own.job_id == job and own.cores == 2 and own.core_s > 0
@@ -124,7 +124,7 @@ def test_hsdp_groups_follow_slurm_node_names(tmp_path, capsys, slurm):
 
 
 def _wait_steps(run: Path, n: int, timeout_s: float = 180.0) -> None:
-    from convergent.trainrecords import read_train_records
+    from convergent.runsdb.trainrecords import read_train_records
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:  # wait (bounded) until training is under way
@@ -181,7 +181,7 @@ def test_requeue_resumes_from_the_preemption_checkpoint(tmp_path, capsys, slurm)
     losses = _losses(run)
     assert sorted(losses) == list(range(1, steps + 1))
     # accounting: one own record per attempt, one Slurm record per run of the job
-    from convergent.accounting import collect_slurm, read_usage
+    from convergent.runsdb.accounting import collect_slurm, read_usage
 
     assert [u.detail["restart"] for u in read_usage(run) if u.source == "self"] == [0, 1]
     time.sleep(1.0)  # the jobcomp line of the last run is written as the job ends

@@ -7,9 +7,9 @@ from pathlib import Path
 
 def reference_losses(run_dir: Path, overrides: list[str]) -> dict[int, float]:
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
+    from convergent.runsdb.trainrecords import read_train_records
     from convergent.train.launch import launch_training
-    from convergent.trainrecords import read_train_records
 
     cfg = load_config(None, overrides)
     run = open_run(cfg, run_dir)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from convergent.config import load_config
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.train.parallel import compile_mode
 from convergent.train.trainer import _adamw_kernel
 

@@ -16,9 +16,9 @@ import torch
 
 from convergent.cli import main
 from convergent.config import load_config
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.mace import mace_installed
-from convergent.trainrecords import read_train_records
+from convergent.runsdb.trainrecords import read_train_records
 from tests.train.moldataset import make_dataset
 
 # e3nn pickles its generated kernels with torch.jit.save/load when a model is deep-copied
@@ -237,7 +237,7 @@ def test_without_mace_the_train_command_is_one_line_naming_the_extra(tmp_path, d
 def test_without_mace_a_saved_mace_model_is_one_error_naming_the_extra(tmp_path, ddp_run):
     final = ddp_run[0] / "ckpt" / "final"
     code = BLOCK_MACE + (
-        "from convergent.errors import NotAvailableError\n"
+        "from convergent.core.errors import NotAvailableError\n"
         "from convergent.models.calculator import SurrogateCalculator\n"
         "try:\n"
         f"    SurrogateCalculator({str(final)!r})\n"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from tests.train.trainhelpers import mol_overrides, run_training, val_records
 
 RTOL = 1e-5

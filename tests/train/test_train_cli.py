@@ -7,7 +7,7 @@ import json
 import pytest
 
 from convergent.cli import main
-from convergent.trainrecords import parse_train_records
+from convergent.runsdb.trainrecords import parse_train_records
 from tests.train.trainhelpers import LM_BASE
 
 

@@ -86,7 +86,7 @@ def test_cpu_step_timer_snapshot_resolves_sections_and_moves():
 def test_collate_checks_all_atoms_at_once_and_still_names_the_record():
     import numpy as np
 
-    from convergent.errors import DataError
+    from convergent.core.errors import DataError
     from convergent.models.batching import collate_records
 
     good = {"key": "a", "numbers": [1, 8], "positions": np.zeros((2, 3)), "energy": 1.0,
@@ -129,7 +129,7 @@ def _assert_same_batch(a, b):
 def test_column_store_batches_equal_collate_records_including_fallbacks():
     import numpy as np
 
-    from convergent.errors import DataError
+    from convergent.core.errors import DataError
     from convergent.models.batching import collate_records
     from convergent.train.molcolumns import ColumnStore
 

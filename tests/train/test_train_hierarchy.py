@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.train.hierarchy import Tiers, build_tiers, choose_algorithm
 
 HERE = Path(__file__).resolve().parent

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 from bench.train.netemu import EmulatedNetwork, unavailable, wait_all  # noqa: E402
-from convergent.trainrecords import parse_train_records  # noqa: E402
+from convergent.runsdb.trainrecords import parse_train_records  # noqa: E402
 
 REASON = unavailable()
 
@@ -26,7 +26,7 @@ REASON = unavailable()
 @pytest.mark.skipif(REASON is not None, reason=f"emulated network: {REASON}")
 def test_ddp_job_across_emulated_network(tmp_path: Path) -> None:
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
 
     cfg = load_config(None, [
         "model.kind=llama", "model.hidden=64", "model.layers=2", "model.heads=4",

@@ -15,8 +15,8 @@ import shutil
 
 import pytest
 
+from convergent.runsdb.trainrecords import read_train_records
 from convergent.train.checkpoint import complete_checkpoints
-from convergent.trainrecords import read_train_records
 from tests.train.trainhelpers import clean_and_killed, mol_overrides, run_training
 
 
@@ -34,7 +34,7 @@ def test_sigkill_one_rank_resumes_bit_for_bit(moldata, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_sigkill_without_restarts_fails_with_rank_log(moldata, tmp_path):
-    from convergent.errors import ConvergentError
+    from convergent.core.errors import ConvergentError
 
     over = mol_overrides(moldata, "parallel.strategy=ddp", "train.steps=4")
     with pytest.raises(ConvergentError, match="training failed"):
@@ -54,7 +54,7 @@ def test_fsdp_checkpoint_reshards_two_ranks_to_one(moldata, tmp_path):
     shutil.rmtree(resumed / "ckpt" / "final", ignore_errors=True)
     (resumed / "metrics.jsonl").unlink()
     from convergent.config import load_config
-    from convergent.runs import RunDir
+    from convergent.runsdb.rundir import RunDir
     from convergent.train.launch import launch_training
 
     cfg = load_config(None, over)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.train.topology import expand_hostlist, group_ranks, read_topology_file
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from convergent.trainrecords import TrainStep, ValRecord, read_train_records
+from convergent.runsdb.trainrecords import TrainStep, ValRecord, read_train_records
 
 # multi-process tests pin the device they mean (gloo on CPU), on any machine
 MOL_BASE = [
@@ -52,7 +52,7 @@ def run_training(
     """Launch a real torchrun job; returns (TrainResult, last train step record per step,
     run)."""
     from convergent.config import load_config
-    from convergent.runs import open_run
+    from convergent.runsdb.rundir import open_run
     from convergent.train.launch import launch_training
 
     cfg = load_config(None, overrides)

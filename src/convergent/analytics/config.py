@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from convergent.configbase import Count, NonNegative, Section, Seed
+from convergent.core.configbase import Count, NonNegative, Section, Seed
 
 
 class AnalyticsConfig(Section):

@@ -45,8 +45,8 @@ from convergent.analytics.engine import (
     shard_groups,
     sink,
 )
-from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text, dumps_json
+from convergent.core.errors import DataError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 
 OUT = "kept"
 DROPPED = "dropped.jsonl"

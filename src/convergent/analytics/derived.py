@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from convergent.elements import formula, symbol  # noqa: F401 (analytics calls derived.formula/symbol)
+from convergent.core.elements import formula, symbol  # noqa: F401 (analytics calls derived.formula/symbol)
 
 FP_LEN = 32  # fingerprint length: sorted distances, resampled to this many when longer
 

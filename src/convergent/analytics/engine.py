@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from convergent.analytics.batching import units as units_of
+from convergent.core.errors import DataError
 from convergent.data import format as fmt
 from convergent.data.index import strings
 from convergent.data.manifest import (
@@ -47,7 +48,6 @@ from convergent.data.manifest import (
 from convergent.data.reader import ShardReader
 from convergent.data.records import Encoded
 from convergent.data.writer import DatasetWriter
-from convergent.errors import DataError
 
 # --------------------------------------------------------------------------- tasks
 

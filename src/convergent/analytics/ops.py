@@ -24,8 +24,8 @@ from convergent.analytics.engine import (
     sink,
 )
 from convergent.analytics.where import compile_where
+from convergent.core.errors import DataError
 from convergent.data.reader import ShardReader
-from convergent.errors import DataError
 
 OUT = "out"
 

@@ -43,9 +43,9 @@ from convergent.analytics.engine import (
     prepare_outputs,
     sink,
 )
+from convergent.core.errors import DataError, InputError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.indexscan import IndexScan
-from convergent.errors import DataError, InputError
-from convergent.fsutil import atomic_write_text, dumps_json
 
 MODES = ("random", "molecule", "scaffold", "composition")
 REPORT = "split.json"

@@ -20,8 +20,8 @@ import numpy as np
 
 from convergent.analytics import derived
 from convergent.analytics.engine import Engine, ShardTask, ShardView
+from convergent.core.errors import DataError
 from convergent.data.identity import chemical_id
-from convergent.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ import numpy as np
 
 from convergent.analytics import derived
 from convergent.analytics.engine import Engine, ShardTask, ShardView, plan
-from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text, dumps_json
+from convergent.core.errors import DataError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 
 FORCE_EDGES = np.logspace(-4, 4, 1601)  # eV/Å
 STATS_JSON = "stats.json"

@@ -21,7 +21,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 
 NAMES = frozenset({
     "n_atoms", "energy", "e_per_atom", "e_per_atom_z", "max_force", "mean_force", "has_energy",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 data_app = typer.Typer(
     name="data",
@@ -37,8 +37,8 @@ def pack(
     sets: list[str] | None = _SET,
 ) -> None:
     """Turn a tree of many small files into a few checksummed shards."""
+    from convergent.core.errors import InputError
     from convergent.data.pack import pack_directory
-    from convergent.errors import InputError
 
     cfg = _data_config(config, sets)
     if not src.exists():
@@ -103,9 +103,9 @@ def verify(
     from rich.console import Console
     from rich.progress import Progress
 
+    from convergent.core.errors import DataError
     from convergent.data.manifest import read_manifest
     from convergent.data.verify import clean_leftovers, verify_dataset
-    from convergent.errors import DataError
 
     n = len(read_manifest(path).shards)
     err = Console(stderr=True)
@@ -158,9 +158,9 @@ def cache(
     sets: list[str] | None = _SET,
 ) -> None:
     """Show, warm or clear the node-local cache of a dataset."""
+    from convergent.core.errors import ConfigError
     from convergent.data.cache import ShardCache
     from convergent.data.reader import open_dataset
-    from convergent.errors import ConfigError
 
     cfg = _data_config(config, sets)
     directory = cache_dir or (Path(cfg.cache_dir) if cfg.cache_dir else None)

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 _CONFIG = typer.Option(None, "--config", "-c", help="YAML config (analytics, data and cluster sections).")
 _SET = typer.Option(None, "--set", "-s", help="Override a config value, e.g. analytics.seed=3 (repeatable).")
@@ -27,7 +27,7 @@ def _engine(config: Path | None, sets: list[str] | None, workers: int | None, si
 
     from convergent.analytics.engine import Engine
     from convergent.cli.common import config_from_cli
-    from convergent.cluster import dask_client
+    from convergent.cluster.pool import dask_client
 
     cfg = config_from_cli(config, sets)
     cache = cfg.data.cache_dir
@@ -60,8 +60,8 @@ def stats(
     Counts per element/source/sampler/round, atoms per structure, energy-per-atom and
     force-norm quantiles and histograms, label completeness."""
     from convergent.analytics.stats import compute_stats, write_stats
+    from convergent.core.errors import RunDirError
     from convergent.data.manifest import check_dataset
-    from convergent.errors import RunDirError
 
     check_dataset(path, "dataset")
     if run is not None and not (run / "config.yaml").is_file():
@@ -137,8 +137,8 @@ def split(
 
     Reports the leakage check: no molecule/scaffold/composition in two splits."""
     from convergent.analytics.split import MODES, parse_sizes, split_dataset
+    from convergent.core.errors import InputError
     from convergent.data.manifest import check_dataset
-    from convergent.errors import InputError
 
     if by is not None and by not in MODES:
         raise InputError(f"--by {by!r}: unknown split mode", hint=f"use one of: {', '.join(MODES)}")

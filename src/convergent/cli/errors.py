@@ -1,7 +1,7 @@
 """How the command line reports a failure: one line ``error: ...`` on stderr, exit code 2.
 
 Click/Typer usage errors (unknown option or command, a value of the wrong type, a
-missing argument), pydantic validation errors and :class:`~convergent.errors.ConvergentError`
+missing argument), pydantic validation errors and :class:`~convergent.core.errors.ConvergentError`
 all become one line with a hint (``did you mean --frames?`` from difflib close matches
 against the command's own options and sub-commands). Anything else is a bug: one line
 naming the exception, exit code 1, and ``--debug`` shows the traceback.
@@ -19,7 +19,7 @@ from typing import Any
 
 import typer
 
-from convergent.errors import ConvergentError
+from convergent.core.errors import ConvergentError
 
 
 def _click_modules() -> list[Any]:

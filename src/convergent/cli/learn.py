@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
         disagreement -> labels on Dask, until a label, time or error budget is reached."""
         from convergent.learn.config import LEARN_PRESET
         from convergent.learn.loop import check_inputs, run_learning
-        from convergent.runs import open_run
+        from convergent.runsdb.rundir import open_run
 
         cfg = config_from_cli(config, sets, preset=LEARN_PRESET)
         run = open_run(cfg, run_dir, resume=resume, command="learn", check=lambda: check_inputs(cfg))

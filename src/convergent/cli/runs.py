@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 ROOT_OPT = typer.Option(Path("runs"), "--root", help="Directory holding the runs.")
 JSON_OPT = typer.Option(False, "--json", help="Print JSON (for scripts).")
@@ -94,7 +94,7 @@ def _compare(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Config differences and metrics side by side; writes their loss/MAE curves."""
-    from convergent.errors import ConfigError
+    from convergent.core.errors import ConfigError
     from convergent.runsdb.compare import compare_runs
     from convergent.runsdb.index import find_run
 

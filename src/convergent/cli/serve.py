@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from convergent.cli.common import CONFIG_ARG, SET_OPT, config_from_cli
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 MODEL_OPT = typer.Option(
     None,
@@ -32,7 +32,7 @@ def _with_quant(sets: list[str] | None, quantize: str | None) -> list[str] | Non
 
 
 def _model_dir(cfg, model: Path | None, size: str = "tiny") -> Path:
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
     from convergent.serve.engine_setup import check_weights
     from convergent.serve.offline import ensure_random_model
 
@@ -85,7 +85,7 @@ def _serve(
     behind a load-aware dispatcher."""
     sets = _with_quant(sets, quantize)
     cfg = config_from_cli(config, sets)
-    from convergent.resources import check_port_free
+    from convergent.cluster.resources import check_port_free
 
     sc = _with_options(cfg.serve, host, port, api_key, instances)
     check_port_free(sc.http.host, sc.http.port)  # before loading anything
@@ -127,7 +127,7 @@ def _generate(
     """Generate a completion for one prompt through the pipeline."""
     sets = _with_quant(sets, quantize)
     cfg = config_from_cli(config, sets)
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
     from convergent.models.llama import read_config
     from convergent.serve.engine import Engine
     from convergent.serve.tokenizer import load_tokenizer
@@ -164,8 +164,8 @@ def _bench(
     """Offline throughput on a seeded ShareGPT-like trace: req/s, tok/s, bubbles, KV plot."""
     sets = _with_quant(sets, quantize)
     cfg = config_from_cli(config, sets)
-    from convergent.errors import InputError
-    from convergent.fsutil import atomic_write_text
+    from convergent.core.errors import InputError
+    from convergent.core.fsutil import atomic_write_text
     from convergent.serve.offline import plot_kv_timeline, run_trace
     from convergent.serve.workload import make_trace, scale_trace, trace_stats
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from convergent.cli.common import CONFIG_ARG, RESUME_OPT, RUN_DIR_OPT, SET_OPT, config_from_cli
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 
 def _shortcuts(**values: object) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 
 __all__ = ["TeacherSet", "committee_predict", "kd_loss", "teacher_dataset"]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from convergent.errors import ConfigError
-from convergent.fsutil import dumps_json
+from convergent.core.errors import ConfigError
+from convergent.core.fsutil import dumps_json
 
 __all__ = ["PruneInfo", "prune_llama", "save_pruned_llama"]
 
@@ -114,7 +114,7 @@ def save_pruned_llama(model: Any, info: PruneInfo, out: Any, source: Any = None)
     import json
     from pathlib import Path
 
-    from convergent.fsutil import atomic_write_bytes, atomic_write_text
+    from convergent.core.fsutil import atomic_write_bytes, atomic_write_text
     from convergent.models.llama import save_pretrained
 
     p = save_pretrained(model, out)

@@ -31,8 +31,8 @@ from convergent.compress.quant import (
     quantize,
     quantize_weight_only,
 )
-from convergent.errors import ConfigError, InputError
-from convergent.fsutil import atomic_write_bytes, atomic_write_text, dumps_json
+from convergent.core.errors import ConfigError, InputError
+from convergent.core.fsutil import atomic_write_bytes, atomic_write_text, dumps_json
 
 __all__ = [
     "QUANT_KEY",
@@ -68,7 +68,7 @@ def save_quantized_llama(model: nn.Module, info: QuantInfo, out: str | Path,
     from ``source`` when given."""
     from safetensors.torch import save
 
-    from convergent.provenance import code_version
+    from convergent.core.provenance import code_version
 
     if info.method != "int8":
         raise ConfigError(f"only int8 (weight-only) checkpoints are stored, not {info.method}",

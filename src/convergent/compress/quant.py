@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 __all__ = [
     "METHODS",

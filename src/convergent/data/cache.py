@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import xxhash
 
+from convergent.core.errors import DataError
+from convergent.core.fsutil import file_mode, fsync_dir
 from convergent.data.format import SHARD_SUFFIX
-from convergent.errors import DataError
-from convergent.fsutil import file_mode, fsync_dir
 
 if TYPE_CHECKING:
     from convergent.data.manifest import Manifest, ShardInfo
@@ -159,7 +159,7 @@ class ShardCache:
         note = local.parent / ".source"
         if not note.exists():
             # where the copies came from: eviction checks the source still exists
-            from convergent.fsutil import atomic_write_text
+            from convergent.core.fsutil import atomic_write_text
 
             atomic_write_text(note, str(src_dir.resolve()) + "\n")
         with self._lock():

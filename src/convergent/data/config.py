@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from convergent.configbase import PathStr, Section, Seed
+from convergent.core.configbase import PathStr, Section, Seed
 
 
 class DataConfig(Section):

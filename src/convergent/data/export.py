@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from convergent.core.errors import DataError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.mds import write_mds
 from convergent.data.reader import open_dataset
-from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text, dumps_json
 
 _ARRAYS = ("numbers", "positions", "forces", "cell", "pbc")
 

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from convergent.core.errors import DataError
 from convergent.data.index import unpack_index
-from convergent.errors import DataError
 
 _xxh3 = xxhash.xxh3_64_intdigest
 

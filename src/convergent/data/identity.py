@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from convergent.elements import formula, symbol
+from convergent.core.elements import formula, symbol
 
 
 def connectivity_smiles(numbers: Any, positions: Any) -> str | None:

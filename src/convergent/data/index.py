@@ -13,8 +13,8 @@ import struct
 
 import numpy as np
 
-from convergent.errors import DataError
-from convergent.fsutil import dumps_json
+from convergent.core.errors import DataError
+from convergent.core.fsutil import dumps_json
 
 
 def index_head(columns: list[tuple[str, str, int, int]]) -> bytes:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from convergent.core.errors import DataError
 from convergent.data import format as fmt
 from convergent.data.index import column_table
 from convergent.data.manifest import ShardInfo
-from convergent.errors import DataError
 
 _PIECE = 2**20  # bytes per read while checking the index CRC
 

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convergent.core.errors import DataError, parse_error_text
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.format import (
     FORMAT_VERSION,
     MANIFEST_FORMAT,
@@ -21,8 +23,6 @@ from convergent.data.format import (
     SCHEMA_VERSION,
     SCHEMAS,
 )
-from convergent.errors import DataError, parse_error_text
-from convergent.fsutil import atomic_write_text, dumps_json
 
 
 @dataclass

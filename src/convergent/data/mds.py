@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from convergent.errors import DataError
-from convergent.fsutil import atomic_write_text, dumps_json
+from convergent.core.errors import DataError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 
 BYTES_COLUMNS = {"key": "str", "payload": "bytes"}
 MOLECULAR_COLUMNS = {

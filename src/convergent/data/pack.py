@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from convergent.core.errors import DataError, InputError
+from convergent.core.xyzfile import is_xyz, read_frames
 from convergent.data.identity import chemical_id
 from convergent.data.manifest import Manifest
-from convergent.errors import DataError, InputError
-from convergent.xyzfile import is_xyz, read_frames
 
 
 def list_files(root: str | os.PathLike[str]) -> list[str]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from convergent.core.errors import DataError
 from convergent.data import format as fmt
 from convergent.data.index import strings
 from convergent.data.manifest import (
@@ -29,7 +30,6 @@ from convergent.data.manifest import (
     read_manifest,
     write_manifest,
 )
-from convergent.errors import DataError
 
 Partition = Iterable[dict[str, Any]] | Callable[[], Iterable[dict[str, Any]]]
 

@@ -5,7 +5,7 @@
 
 Shards are memory-mapped lazily (per process); every record frame's CRC is checked when
 it is read and every shard's header/index/trailer CRC when it is opened, so corruption
-raises :class:`~convergent.errors.DataError` naming the shard and offset. With a
+raises :class:`~convergent.core.errors.DataError` naming the shard and offset. With a
 :class:`~convergent.data.cache.ShardCache`, shard data is read from node-local copies.
 
 The trainer reads through this map-style view
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from convergent.core.errors import DataError
 from convergent.data import format as fmt
 from convergent.data.index import strings
 from convergent.data.manifest import Manifest, ShardInfo, read_manifest
@@ -34,7 +35,6 @@ from convergent.data.records import (
     decode_plain_bytes_frames,
     molecular_fields,
 )
-from convergent.errors import DataError
 
 if TYPE_CHECKING:
     from convergent.data.cache import ShardCache

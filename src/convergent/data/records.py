@@ -14,9 +14,9 @@ import numpy as np
 import orjson
 import xxhash
 
+from convergent.core.errors import DataError
+from convergent.core.fsutil import dumps_json
 from convergent.data.format import FRAME_SEED_SALT, FRAME_SIZE
-from convergent.errors import DataError
-from convergent.fsutil import dumps_json
 
 _xxh3 = xxhash.xxh3_64_intdigest
 

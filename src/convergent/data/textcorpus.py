@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from convergent.core.errors import ConfigError, InputError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.config import TextConfig
-from convergent.errors import ConfigError, InputError
-from convergent.fsutil import atomic_write_text, dumps_json
 
 __all__ = ["EOT", "TextConfig", "TextCorpus", "corpus_files", "prepare_corpus", "train_tokenizer"]
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import xxhash
 
+from convergent.core.errors import DataError
 from convergent.data import format as fmt
 from convergent.data.index import strings
 from convergent.data.manifest import ShardInfo, read_manifest
 from convergent.data.reader import ShardReader
-from convergent.errors import DataError
 
 
 @dataclass

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from convergent.core.errors import DataError
+from convergent.core.fsutil import file_mode, fsync_dir, start_writeback
 from convergent.data import format as fmt
 from convergent.data.indexbuild import IndexBuilder
 from convergent.data.manifest import (
@@ -36,8 +38,6 @@ from convergent.data.manifest import (
 )
 from convergent.data.reader import Dataset, open_dataset
 from convergent.data.records import Encoded, encode_bytes, encode_molecular
-from convergent.errors import DataError
-from convergent.fsutil import file_mode, fsync_dir, start_writeback
 
 DEFAULT_SHARD_BYTES = 128 * 2**20
 DEFAULT_INLINE_BYTES = 256  # bytes-schema payloads up to this size live in the index

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from convergent.configbase import (
+from convergent.core.configbase import (
     Count,
     Count0,
     Fraction,

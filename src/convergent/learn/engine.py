@@ -9,7 +9,7 @@ within seconds. On a machine with a GPU, a GPU worker joins the cluster with the
 resource ``GPU=1``; training, exploration and scoring then ask for that resource while
 the CPU workers label. On a Slurm cluster with the GPU job kind (``cluster.gpu``), the GPU
 jobs' workers carry ``GPU=1`` instead and labelling asks for the CPU jobs' resource
-``CPU``, so it stays off the GPU jobs (:mod:`convergent.cluster`).
+``CPU``, so it stays off the GPU jobs (:mod:`convergent.cluster.pool`).
 
 Every attempt of every task is appended to the campaign's ``timeline.jsonl`` (kind,
 start, end, worker, pid, device, round, the Slurm job; key, attempt and failure).
@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from convergent.cluster import GPU_RESOURCE, WORKER_ENV
-from convergent.errors import ConfigError
+from convergent.cluster.pool import GPU_RESOURCE, WORKER_ENV
+from convergent.core.errors import ConfigError
 from convergent.sim.taskfarm import TaskFarm
 
 #: Dask priorities (higher runs first) per task kind.

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from convergent.core.fsutil import dumps_json
 from convergent.data.writer import DatasetWriter
-from convergent.fsutil import dumps_json
 from convergent.learn.engine import Pool
 from convergent.learn.pool import Candidate
 from convergent.learn.tasks import label_items

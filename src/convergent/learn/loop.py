@@ -30,14 +30,14 @@ import numpy as np
 from ase.data import atomic_numbers
 from rich.console import Console
 
-from convergent.cluster import dask_client, job_kinds, watch_jobs
+from convergent.cluster.pool import dask_client, job_kinds, watch_jobs
 from convergent.config import ConvergentConfig
+from convergent.core.elements import symbol
+from convergent.core.errors import InputError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.format import MANIFEST_NAME
 from convergent.data.manifest import check_dataset
 from convergent.data.reader import open_dataset
-from convergent.elements import symbol
-from convergent.errors import InputError
-from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.learn import tasks
 from convergent.learn.config import LearnConfig
 from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
@@ -53,7 +53,7 @@ from convergent.learn.pool import (
 )
 from convergent.learn.report import build_learn_report
 from convergent.learn.select import combined_score, select_batch
-from convergent.runs import RunDir
+from convergent.runsdb.rundir import RunDir
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.molecules import stable_int
 from convergent.sim.sources import check_source

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from convergent.runs import RunDir
+from convergent.runsdb.rundir import RunDir
 
 
 @dataclass(frozen=True)

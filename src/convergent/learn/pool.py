@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from convergent.core.elements import symbol
+from convergent.core.errors import InputError
+from convergent.core.fsutil import atomic_write_bytes, dumps_json
 from convergent.data.reader import open_dataset
-from convergent.elements import symbol
-from convergent.errors import InputError
-from convergent.fsutil import atomic_write_bytes, dumps_json
 from convergent.learn.config import PoolConfig
 from convergent.sim.config import SimulateConfig
 from convergent.sim.molecules import Molecule, stable_int

@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from convergent.fsutil import atomic_write_text
+from convergent.core.fsutil import atomic_write_text
 from convergent.learn.engine import read_timeline
 from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from convergent.errors import ConvergentError
+from convergent.core.errors import ConvergentError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from convergent.errors import DataError
+from convergent.core.errors import DataError
 
 
 @dataclass
@@ -83,7 +83,7 @@ def collate_records(
     Each record has ``numbers`` int[N], ``positions`` float[N,3] Å and optionally
     ``energy`` (eV), ``forces`` float[N,3] eV/Å, ``cell`` [3,3] Å, ``pbc`` bool[3],
     ``key``, ``molecule_id``. ``energy``/``forces`` are kept only if every record has
-    them (NaN, as written by the dataset store for unlabelled records, counts as absent). A malformed record raises :class:`~convergent.errors.DataError` naming its key.
+    them (NaN, as written by the dataset store for unlabelled records, counts as absent). A malformed record raises :class:`~convergent.core.errors.DataError` naming its key.
     """
     if len(records) == 0:
         raise DataError("cannot collate an empty list of records")

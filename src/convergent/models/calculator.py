@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from ase.calculators.calculator import Calculator, all_changes
 
-from convergent.elements import formula
+from convergent.core.elements import formula
 from convergent.models.batching import atoms_to_record, collate_records
 from convergent.models.io import check_elements
 

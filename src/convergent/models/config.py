@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from convergent.configbase import Count, Count0, Positive, Section
+from convergent.core.configbase import Count, Count0, Positive, Section
 
 
 class MaceConfig(Section):

@@ -46,9 +46,9 @@ _REFUSED_KEYS = (
 def check_supported(d: dict[str, Any], source: str = "config.json") -> None:
     """Refuse a checkpoint config whose model this implementation would compute wrongly.
 
-    Raises :class:`~convergent.errors.ConfigError` naming the key and its value.
+    Raises :class:`~convergent.core.errors.ConfigError` naming the key and its value.
     """
-    from convergent.errors import ConfigError
+    from convergent.core.errors import ConfigError
 
     def refuse(key: str, value: Any, supported: str) -> None:
         raise ConfigError(

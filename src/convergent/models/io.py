@@ -19,11 +19,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from convergent.elements import symbol
-from convergent.errors import InputError, parse_error_text
-from convergent.fsutil import atomic_write_bytes, atomic_write_text, dumps_json
+from convergent.core.elements import symbol
+from convergent.core.errors import InputError, parse_error_text
+from convergent.core.fsutil import atomic_write_bytes, atomic_write_text, dumps_json
+from convergent.core.provenance import code_version
 from convergent.models.config import ModelConfig
-from convergent.provenance import code_version
 
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
@@ -124,7 +124,7 @@ LEGACY: dict[str, Any] = {"head_norm": True, "repulsion": "none"}
 def load_model(directory: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, ModelConfig]:
     """Load a model saved by :func:`save_model`; returns ``(model in eval mode, cfg)``.
 
-    A missing or unreadable directory raises :class:`~convergent.errors.InputError`.
+    A missing or unreadable directory raises :class:`~convergent.core.errors.InputError`.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file

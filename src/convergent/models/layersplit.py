@@ -8,7 +8,7 @@ call these, so a checkpoint's layers land on the same stage in either.
 
 from __future__ import annotations
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 __all__ = ["split_layers", "stage_layers"]
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from convergent.errors import ConfigError, InputError, parse_error_text
-from convergent.fsutil import atomic_write_text, dumps_json
+from convergent.core.errors import ConfigError, InputError, parse_error_text
+from convergent.core.fsutil import atomic_write_text, dumps_json
+from convergent.core.provenance import code_version
 from convergent.models.hf_check import check_supported
 from convergent.models.llama_config import LlamaConfig
 from convergent.models.llama_model import LlamaForCausalLM
 from convergent.models.llama_rope import Rotary
-from convergent.provenance import code_version
 
 __all__ = ["load_pretrained", "read_config", "save_pretrained"]
 
@@ -24,7 +24,7 @@ __all__ = ["load_pretrained", "read_config", "save_pretrained"]
 def read_config(path: str | Path) -> LlamaConfig:
     """Read and check ``config.json`` of a Hugging Face Llama checkpoint directory.
 
-    An unsupported setting raises :class:`~convergent.errors.ConfigError` (see
+    An unsupported setting raises :class:`~convergent.core.errors.ConfigError` (see
     :func:`convergent.models.hf_check.check_supported`); Mistral's ``sliding_window`` is
     honoured by capping the context at the window (:attr:`LlamaConfig.max_context`), or ignored when
     ``use_sliding_window`` is false.

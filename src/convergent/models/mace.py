@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from convergent.errors import NotAvailableError
+from convergent.core.errors import NotAvailableError
 from convergent.models.atoms import neighbor_list
 from convergent.models.batching import AtomsBatch, batches_by_atom_budget, collate_records
 from convergent.models.config import ModelConfig

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from convergent.elements import formula, symbol
-from convergent.errors import RunDirError
-from convergent.fsutil import atomic_write_text, dumps_json
+from convergent.core.elements import formula, symbol
+from convergent.core.errors import RunDirError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 
 
 def _floats(xs: Any) -> list[float | None]:

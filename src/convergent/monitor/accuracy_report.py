@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from convergent.elements import symbol
+from convergent.core.elements import symbol
 from convergent.monitor.accuracy import (
     HeldoutPredictions,
     element_errors,

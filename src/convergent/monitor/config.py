@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convergent.configbase import Count, Port, Positive, Section
+from convergent.core.configbase import Count, Port, Positive, Section
 
 
 class MetricsConfig(Section):

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from convergent.trainrecords import TIME_PARTS, TrainStep
+from convergent.runsdb.trainrecords import TIME_PARTS, TrainStep
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergent.fsutil import atomic_write_text, dumps_json
-from convergent.resources import cpu_name
+from convergent.cluster.resources import cpu_name
+from convergent.core.fsutil import atomic_write_text, dumps_json
 
 # Dense peak FLOP/s per GPU (vendor datasheets, no structured sparsity).
 GPU_PEAK_FLOPS: dict[str, dict[str, float]] = {

@@ -13,16 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from convergent.accounting import collect_slurm, usage_table
-from convergent.errors import RunDirError
-from convergent.fsutil import atomic_write_text
+from convergent.core.errors import RunDirError
+from convergent.core.fsutil import atomic_write_text
 from convergent.monitor.accuracy import HeldoutPredictions
 from convergent.monitor.accuracy_report import accuracy_sections
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
-from convergent.runs import RunDir
+from convergent.runsdb.accounting import collect_slurm, usage_table
 from convergent.runsdb.records import latest
-from convergent.trainrecords import TIME_PARTS, TrainStep, ValRecord
+from convergent.runsdb.rundir import RunDir
+from convergent.runsdb.trainrecords import TIME_PARTS, TrainStep, ValRecord
 
 PREDICTIONS = Path("screen") / "predictions.json"
 DATASET_STATS = Path("dataset") / "stats.json"  # under report/, written by `data stats --run`

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 
 class JsonlSink:

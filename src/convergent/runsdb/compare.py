@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from convergent.fsutil import atomic_write_bytes
-from convergent.runs import RunDir
+from convergent.core.fsutil import atomic_write_bytes
 from convergent.runsdb.cost import run_cost
 from convergent.runsdb.index import key_metrics, load_config_dict, run_code
 from convergent.runsdb.records import latest
-from convergent.trainrecords import TrainStep, ValRecord
+from convergent.runsdb.rundir import RunDir
+from convergent.runsdb.trainrecords import TrainStep, ValRecord
 
 MISSING = "<unset>"
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from convergent.runs import RunDir
 from convergent.runsdb.records import CostRecord
+from convergent.runsdb.rundir import RunDir
 
 ACCOUNTING_FILE = "accounting.jsonl"
 

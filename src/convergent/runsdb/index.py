@@ -14,11 +14,11 @@ from typing import Any
 
 import yaml
 
-from convergent.errors import RunDirError
-from convergent.provenance import CodeVersion
-from convergent.runs import RunDir
+from convergent.core.errors import RunDirError
+from convergent.core.provenance import CodeVersion
 from convergent.runsdb.records import read_records
-from convergent.trainrecords import as_number, read_train_records
+from convergent.runsdb.rundir import RunDir
+from convergent.runsdb.trainrecords import as_number, read_train_records
 
 STAGE_ORDER = ("simulate", "data", "train", "screen")
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from convergent.fsutil import read_jsonl
-from convergent.trainrecords import last_per_step
+from convergent.core.fsutil import read_jsonl
+from convergent.runsdb.trainrecords import last_per_step
 
 HEADER = ("kind", "step", "attempt", "time")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import shutil
 
-from convergent.errors import RunDirError
-from convergent.runs import RunDir
+from convergent.core.errors import RunDirError
 from convergent.runsdb.index import is_run
+from convergent.runsdb.rundir import RunDir
 
 
 def remove_run(run: RunDir) -> None:

@@ -2,7 +2,7 @@
 
 :func:`allocation` says how many cores (and GPUs) a stage of a run holds from its config
 (simulate: the Dask workers x threads; train: processes x torch threads, one GPU per
-process on CUDA, as :mod:`convergent.placement` resolves them; data/screen: one process). :func:`timed_stage` runs a stage and returns
+process on CUDA, as :mod:`convergent.cluster.placement` resolves them; data/screen: one process). :func:`timed_stage` runs a stage and returns
 its summary with ``wall_s``, ``cores``, ``gpus`` and the measured ``cpu_s`` (this process
 and its reaped children, from ``getrusage``) plus the code version.
 """
@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from convergent.provenance import code_version
-from convergent.resources import usable_cpus
+from convergent.cluster.resources import usable_cpus
+from convergent.core.provenance import code_version
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ def _cpu_seconds() -> float:
 
 def allocation(cfg: Any, stage: str, placement: Any | None = None) -> tuple[float, float]:
     """(cores, gpus) that ``stage`` holds under ``cfg`` (a ConvergentConfig). Training
-    uses ``placement`` (a :class:`convergent.placement.Placement`, as ``convergent train``
+    uses ``placement`` (a :class:`convergent.cluster.placement.Placement`, as ``convergent train``
     resolved it), else resolves ``parallel.nproc``/``train.device`` the same way."""
     if stage in ("simulate", "learn"):  # learn: the Dask pool that labels, trains and explores
         c = cfg.cluster
@@ -38,7 +38,7 @@ def allocation(cfg: Any, stage: str, placement: Any | None = None) -> tuple[floa
         return float(workers * c.threads_per_worker), 0.0
     if stage == "train":
         if placement is None:
-            from convergent.placement import plan_training, visible_gpus
+            from convergent.cluster.placement import plan_training, visible_gpus
 
             p = cfg.parallel
             placement = plan_training(cfg.train.device, p.nproc, p.strategy, p.backend,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 from convergent.models.molecular import fit_reference_energies
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from convergent.cluster.resources import set_torch_threads, usable_cpus
 from convergent.config import ConvergentConfig
-from convergent.errors import ConfigError
-from convergent.fsutil import atomic_write_text, dumps_json
-from convergent.resources import set_torch_threads, usable_cpus
+from convergent.core.errors import ConfigError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.screen.config import ScreenConfig
 from convergent.screen.predict import predict_dataset
 from convergent.screen.select import fetch_records, select_uncertain, write_selection

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from convergent.configbase import Count, Count0, PathStr, Positive, Section
+from convergent.core.configbase import Count, Count0, PathStr, Positive, Section
 
 
 class MDCheckConfig(Section):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from convergent.elements import covalent_bonds
+from convergent.core.elements import covalent_bonds
 from convergent.screen.batchmd import BatchMD, MDSettings
 
 #: G2 molecules with two or three H atoms on one heavy atom (where the demo's model failed).

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from convergent.errors import InputError
-from convergent.fsutil import atomic_write_text, dumps_json
+from convergent.core.errors import InputError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.screen.batchmd import BatchMD, MDSettings
 from convergent.screen.mdcheck import MDCheck, stability_runs
 
@@ -17,7 +17,7 @@ def md_command(models: list[str], source: str, *, max_molecules: int | None, max
                friction_per_fs: float, every: int, out: Path, device: str = "cpu") -> MDCheck:
     """Run it (see the module doc) on the source's molecules made of elements every model
     was trained on (the source filtered by them, as ``simulate.elements`` filters it)."""
-    from convergent.elements import symbol
+    from convergent.core.elements import symbol
     from convergent.models.io import check_elements, load_model, trained_elements
     from convergent.sim.sources import load_molecules
 

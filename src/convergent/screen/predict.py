@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from convergent.core.errors import InputError
+from convergent.core.fsutil import atomic_write_text, dumps_json
+from convergent.core.xyzfile import is_xyz, read_frames
 from convergent.data.reader import open_dataset
-from convergent.errors import InputError
-from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.models.batching import atoms_to_record, batches_by_atom_budget, collate_records
 from convergent.models.io import check_elements
-from convergent.xyzfile import is_xyz, read_frames
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.reader import open_dataset
-from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.screen.predict import PredictionResult, read_structures
 
 

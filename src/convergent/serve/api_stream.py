@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 from convergent.serve.api_requests import error_response, usage_of
 from convergent.serve.engine import Engine
 from convergent.serve.messages import TokenEvent

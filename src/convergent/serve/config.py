@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from convergent.configbase import Count, Port, Section
+from convergent.core.configbase import Count, Port, Section
 
 __all__ = [
     "MOVED_KEYS",

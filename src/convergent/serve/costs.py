@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class CostTable:
         return dumps_json(asdict(self), indent=1)
 
     def save(self, path: str | Path) -> None:
-        from convergent.fsutil import atomic_write_text
+        from convergent.core.fsutil import atomic_write_text
 
         atomic_write_text(path, self.to_json())
 

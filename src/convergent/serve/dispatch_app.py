@@ -20,7 +20,7 @@ import httpx
 from fastapi import Request as HTTPRequest  # module level: FastAPI resolves annotations
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 from convergent.serve.config import HttpConfig
 from convergent.serve.dispatch_queue import Dispatcher, Instance
 from convergent.serve.http_body import BodyTooLarge, read_body, too_large

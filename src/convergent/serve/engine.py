@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 from convergent.models.layersplit import split_layers
 from convergent.serve.config import ServeConfig
 from convergent.serve.costs import CostTable

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convergent.errors import ConfigError, InputError
+from convergent.core.errors import ConfigError, InputError
 from convergent.serve.config import EngineConfig, SchedulerConfig
 from convergent.serve.kv_cache import blocks_for_budget
 from convergent.serve.stage import StageSpec
@@ -53,7 +53,7 @@ def context_source(mcfg: LlamaConfig) -> str:
 def pipeline_stages(cfg: SchedulerConfig, device: str, mcfg: LlamaConfig) -> int:
     """Stages of the pipeline (one for ``sequential``) on ``device``; a ConfigError for
     more stages than layers or, on CUDA, than GPUs (exit 2)."""
-    from convergent.placement import check_serve_stages, visible_gpus
+    from convergent.cluster.placement import check_serve_stages, visible_gpus
 
     p = 1 if cfg.kind == "sequential" else cfg.stages
     if p < 1 or p > mcfg.num_hidden_layers:

@@ -20,7 +20,7 @@ import signal
 import socket
 import time
 
-from convergent.errors import ConvergentError
+from convergent.core.errors import ConvergentError
 from convergent.serve.messages import (
     BatchMeta,
     BatchResult,

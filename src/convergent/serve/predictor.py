@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 __all__ = [
     "LengthPredictor",
@@ -142,7 +142,7 @@ class LearnedPredictor(LengthPredictor):
         }
 
     def save(self, path: str | Path) -> None:
-        from convergent.fsutil import atomic_write_text
+        from convergent.core.fsutil import atomic_write_text
 
         atomic_write_text(
             path,

@@ -74,7 +74,7 @@ class StageRunner:
         self.first = spec.stage == 0
         self.last = spec.stage == spec.num_stages - 1
         if eng.device.startswith("cuda"):
-            from convergent.placement import check_serve_stages
+            from convergent.cluster.placement import check_serve_stages
 
             # stage s on cuda:s (within CUDA_VISIBLE_DEVICES); never two stages on one GPU
             check_serve_stages("cuda", spec.num_stages, torch.cuda.device_count())

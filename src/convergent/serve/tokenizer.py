@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "chat_prompt", "load_tokenizer"]
 

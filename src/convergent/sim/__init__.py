@@ -13,5 +13,5 @@
   ``runner`` (cluster, writer, progress), ``resume``, ``quarantine`` and ``summary``.
 * :mod:`~convergent.sim.relabel` — multi-fidelity relabelling into a second dataset.
 * :mod:`~convergent.sim.config` — ``SimulateConfig``, ``RelabelConfig`` (``ClusterConfig`` is
-  in :mod:`convergent.clusterconfig`).
+  in :mod:`convergent.cluster.config`).
 """

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 _XTB_METHODS = {"gfn2-xtb": "GFN2-xTB", "gfn1-xtb": "GFN1-xTB", "ipea1-xtb": "IPEA1-xTB",
                 "gfn2": "GFN2-xTB", "gfn1": "GFN1-xTB"}
@@ -203,7 +203,7 @@ def make_calculator(spec: CalcSpec, charge: int = 0, multiplicity: int = 1):
         try:
             import pyscf  # noqa: F401
         except ImportError:
-            from convergent.errors import NotAvailableError
+            from convergent.core.errors import NotAvailableError
 
             raise NotAvailableError(
                 "the dft calculator needs PySCF", hint="pip install 'convergent[dft]'"

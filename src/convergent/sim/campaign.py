@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from convergent.clusterconfig import ClusterConfig
+from convergent.cluster.config import ClusterConfig
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
 from convergent.sim.farm import run_nonce
@@ -89,9 +89,9 @@ def run_campaign(
         console: a rich Console for progress output (default: stderr).
         on_task: called on the driver after each task's results are handed to the writer.
 
-    Returns a :class:`CampaignSummary`. Raises :class:`~convergent.errors.InputError` for a
+    Returns a :class:`CampaignSummary`. Raises :class:`~convergent.core.errors.InputError` for a
     malformed input (unless ``sim.on_bad_input == "quarantine"``) and
-    :class:`~convergent.errors.ConfigError` if ``dataset`` belongs to a different campaign.
+    :class:`~convergent.core.errors.ConfigError` if ``dataset`` belongs to a different campaign.
     """
     t0 = time.perf_counter()
     dataset = Path(dataset)

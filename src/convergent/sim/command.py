@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from convergent.accounting import append_usage
 from convergent.config import ConvergentConfig
-from convergent.runs import RunDir, open_run
+from convergent.runsdb.accounting import append_usage
+from convergent.runsdb.rundir import RunDir, open_run
 from convergent.runsdb.usage import held
 from convergent.sim.campaign import CampaignSummary, run_campaign
 from convergent.sim.sources import check_source

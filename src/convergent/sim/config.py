@@ -11,10 +11,10 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-# The Dask cluster's section lives in the core layer (convergent.cluster builds clusters from
+# The Dask cluster's section lives in the core layer (convergent.cluster.pool builds clusters from
 # it); re-exported here, where it used to be defined, for existing imports.
-from convergent.clusterconfig import ClusterConfig, SlurmConfig
-from convergent.configbase import (
+from convergent.cluster.config import ClusterConfig, SlurmConfig
+from convergent.core.configbase import (
     Count,
     Count0,
     NonNegative,

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from convergent.errors import DataError
+from convergent.core.errors import DataError
 from convergent.sim.guards import Backstop, failure_reason
 from convergent.sim.quarantine import QuarantineLog, quarantine_entry
 from convergent.sim.summary import CampaignSummary

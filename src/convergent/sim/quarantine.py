@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 from convergent.sim.molecules import InputRejection
 
 QUARANTINE_NAME = "quarantine.jsonl"

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from convergent.core.errors import DataError
 from convergent.data import format as fmt
 from convergent.data.records import Encoded, encode_molecular
-from convergent.errors import DataError
 from convergent.sim.quarantine import quarantine_entry
 
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from convergent.clusterconfig import ClusterConfig
-from convergent.errors import ConfigError
+from convergent.cluster.config import ClusterConfig
+from convergent.core.errors import ConfigError
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import RelabelConfig
 from convergent.sim.farm import run_nonce

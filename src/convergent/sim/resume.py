@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from convergent.core.errors import ConfigError, DataError
+from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.manifest import manifest_path
 from convergent.data.reader import Dataset, open_dataset
-from convergent.errors import ConfigError, DataError
-from convergent.fsutil import atomic_write_text, dumps_json
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.config import SimulateConfig
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from convergent.clusterconfig import ClusterConfig
+from convergent.cluster.config import ClusterConfig
 from convergent.sim.farm import Farm, n_workers
 from convergent.sim.guards import Backstop
 from convergent.sim.progress import make_progress
@@ -21,10 +21,10 @@ from convergent.sim.tasks import Task
 
 
 def slurm_watch(client, cluster: ClusterConfig, farm: Farm):
-    """Start a :class:`~convergent.slurmjobs.JobWatch` on the client's SLURMCluster that
+    """Start a :class:`~convergent.cluster.slurm.JobWatch` on the client's SLURMCluster that
     shows job counts on the farm's progress line and aborts the farm when no job can start."""
-    from convergent.pinning import PinWorker
-    from convergent.slurmjobs import JobWatch, describe_request, resolved_job_size
+    from convergent.cluster.pinning import PinWorker
+    from convergent.cluster.slurm import JobWatch, describe_request, resolved_job_size
 
     client.register_plugin(PinWorker())  # one core of the job's allocation per worker
     s = cluster.slurm
@@ -71,7 +71,7 @@ def run_tasks(
     backstop_s: float | None = None,
 ) -> CampaignSummary:
     """Resume bookkeeping + cluster + writer around :class:`Farm`."""
-    from convergent.cluster import dashboard_link, dask_client, describe_dashboard
+    from convergent.cluster.pool import dashboard_link, dask_client, describe_dashboard
     from convergent.data.writer import DatasetWriter
 
     # the dataset is opened once: its keys decide what to skip, the writer appends to it

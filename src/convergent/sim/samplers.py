@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from convergent.elements import covalent_bonds
+from convergent.core.elements import covalent_bonds
 from convergent.sim.molecules import Molecule, stable_int
 
 

@@ -1,6 +1,6 @@
 """SMILES sources: ``SMILES [name]`` files, RDKit ETKDGv3 embedding + MMFF94 relaxation.
 
-An invalid SMILES raises :class:`~convergent.errors.InputError` naming the file and line,
+An invalid SMILES raises :class:`~convergent.core.errors.InputError` naming the file and line,
 or, with ``on_bad_input="quarantine"``, becomes an
 :class:`~convergent.sim.molecules.InputRejection` and is skipped.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 from convergent.sim.molecules import InputRejection, Molecule, safe_id, stable_int
 
 

@@ -5,7 +5,7 @@ The molecule type and the collections are in :mod:`convergent.sim.molecules`, SM
 
 :func:`load_molecules` turns ``SimulateConfig.source`` into a list of :class:`Molecule`
 (positions in Å), filtered by elements and atom count. A malformed xyz/extxyz file or an
-invalid SMILES raises :class:`~convergent.errors.InputError` naming the file and line, or,
+invalid SMILES raises :class:`~convergent.core.errors.InputError` naming the file and line, or,
 with ``on_bad_input="quarantine"``, becomes an :class:`InputRejection` and is skipped.
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
+from convergent.core.xyzfile import check_layout, read_frames, read_lines
 from convergent.sim.molecules import (
     InputRejection,
     Molecule,
@@ -29,7 +30,6 @@ from convergent.sim.smiles import (
     smiles_counts,
     smiles_molecules,
 )
-from convergent.xyzfile import check_layout, read_frames, read_lines
 
 # ---------------------------------------------------------------------------- xyz / extxyz
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from convergent.accounting import Usage
+from convergent.runsdb.accounting import Usage
 
 
 @dataclass

@@ -5,7 +5,7 @@ The learner decides, the farm executes (colmena's split). A caller describes wor
 caller needs back in ``tag``); :class:`TaskFarm` submits them with the Dask priority and
 resources of their kind (a GPU worker carries the Dask resource ``GPU=1``; in a Slurm pool
 with a GPU job kind the CPU jobs' workers carry ``CPU`` and the other kinds ask for it, so
-they stay off the GPU jobs: :mod:`convergent.cluster`), records every
+they stay off the GPU jobs: :mod:`convergent.cluster.pool`), records every
 attempt in the timeline as a :class:`TaskRecord` (kind, key, attempt, span, failure) and,
 in :meth:`TaskFarm.run`, applies the one retry rule (:func:`next_attempt`): a failed job
 runs again until it has had ``retries`` re-runs; then the caller's ``on_failed`` decides
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from convergent.cluster import CPU_RESOURCE, GPU_RESOURCE
-from convergent.fsutil import dumps_json
+from convergent.cluster.pool import CPU_RESOURCE, GPU_RESOURCE
+from convergent.core.fsutil import dumps_json
 
 __all__ = ["Job", "Span", "TaskFarm", "TaskRecord", "Timed", "next_attempt", "timed"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from convergent.configbase import Section
+from convergent.core.configbase import Section
 
 
 class TrackingConfig(Section):

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergent.runs import RunDir
 from convergent.runsdb.cost import run_cost
 from convergent.runsdb.records import read_records
+from convergent.runsdb.rundir import RunDir
 from convergent.tracking.store import Tracked, open_tracking
 
 MODEL_ARTIFACT = "model"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergent.errors import NotAvailableError
-from convergent.fsutil import atomic_write_text
-from convergent.provenance import code_version
+from convergent.core.errors import NotAvailableError
+from convergent.core.fsutil import atomic_write_text
+from convergent.core.provenance import code_version
 
 STORE_DIR = "mlflow"
 RUN_ID_FILE = "run_id"
@@ -81,7 +81,7 @@ def open_tracking(cfg: Any, run_path: str | Path) -> Tracked:
     """The MLflow run of ``run_path`` (created, with params and tags, on first use).
 
     An unusable store (a wrong ``tracking.uri``, a server that refuses) is one
-    :class:`~convergent.errors.NotAvailableError` naming the URI."""
+    :class:`~convergent.core.errors.NotAvailableError` naming the URI."""
     mlflow = import_mlflow()
     from mlflow.exceptions import MlflowException
 

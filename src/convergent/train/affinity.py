@@ -3,7 +3,7 @@
 :func:`ranks_record` is collective (every rank calls it once after the model is
 parallelised); rank 0 writes the result to ``metrics.jsonl`` as one ``train.placement``
 record (every start, restarts included; the device summary is the separate
-``placement`` record of :mod:`convergent.placement`), so a run shows which cores each rank was pinned to (``srun --cpu-bind``, the
+``placement`` record of :mod:`convergent.cluster.placement`), so a run shows which cores each rank was pinned to (``srun --cpu-bind``, the
 affinity mask torchrun inherits) and which ranks formed each HSDP shard group.
 """
 

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from convergent.fsutil import atomic_write_text, dumps_json
-from convergent.provenance import code_version
+from convergent.core.fsutil import atomic_write_text, dumps_json
+from convergent.core.provenance import code_version
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 

@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from convergent.config import ConvergentConfig
-from convergent.errors import ConfigError
-from convergent.runs import RunDir, open_run, run_path
+from convergent.core.errors import ConfigError
+from convergent.runsdb.rundir import RunDir, open_run, run_path
+from convergent.runsdb.trainrecords import TrainStep, ValRecord
 from convergent.runsdb.usage import measure, record_stage
 from convergent.tracking.finish import finish_run
 from convergent.train.launch import build_command, launch_training, preflight
 from convergent.train.submit import submit_training
 from convergent.train.tasks import check_before_launch
-from convergent.trainrecords import TrainStep, ValRecord
 
 Echo = Callable[[str], None]
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from convergent.configbase import (
+from convergent.core.configbase import (
     Count,
     Count0,
     Endpoint,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from convergent.runs import RunDir
+from convergent.runsdb.rundir import RunDir
 from convergent.train.checkpoint import load_full_model
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def fit(cfg: ConvergentConfig, run_dir: str | Path, export_to: str | Path | None
     and checkpoints under ``run_dir``; export the final model to ``export_to`` (default
     ``<run_dir>/ckpt/final``). Sets this process's torch threads to ``train.threads``.
     Returns the Trainer's summary with ``final_dir``."""
-    from convergent.resources import set_torch_threads
+    from convergent.cluster.resources import set_torch_threads
     from convergent.train.trainer import Trainer
 
     set_torch_threads(cfg.train.threads)  # as a `convergent train` process does

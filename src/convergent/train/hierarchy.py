@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.train.compression import instrument, powersgd_bytes, topk_payload, topk_sum
 from convergent.train.topology import _host_to_rack, node_name, read_topology_file
 

@@ -3,7 +3,7 @@
 :func:`launch_training` is the stage API (used by ``convergent train`` and the demo):
 it writes the resolved config into the run directory, runs torchrun with the entry
 point :mod:`convergent.train.main`, blocks, and returns a :class:`TrainResult`; on
-failure it raises :class:`~convergent.errors.ConvergentError` with the failing rank's
+failure it raises :class:`~convergent.core.errors.ConvergentError` with the failing rank's
 last log lines.
 
 Command shapes (see :func:`build_command`):
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convergent.cluster.placement import Placement, gpu_names, plan_training, visible_gpus
 from convergent.config import ConvergentConfig, dump_config
-from convergent.errors import ConfigError, ConvergentError
-from convergent.fsutil import atomic_write_text, dumps_json
-from convergent.placement import Placement, gpu_names, plan_training, visible_gpus
-from convergent.runs import RunDir
+from convergent.core.errors import ConfigError, ConvergentError
+from convergent.core.fsutil import atomic_write_text, dumps_json
+from convergent.runsdb.rundir import RunDir
 from convergent.train.tasks import check_before_launch
 from convergent.train.topology import expand_hostlist
 
@@ -250,7 +250,7 @@ def plan_placement(
     """Device, processes per node and backend of this job on this node's GPUs.
 
     ``nproc`` (``--nproc``) overrides ``parallel.nproc``. Raises ConfigError (exit 2)
-    when more ranks than visible GPUs are asked for on CUDA (see :mod:`convergent.placement`;
+    when more ranks than visible GPUs are asked for on CUDA (see :mod:`convergent.cluster.placement`;
     ``fit=False``: not checked, for a command printed to run elsewhere).
     """
     gpus = visible_gpus(env)

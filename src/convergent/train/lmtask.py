@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.llama import LlamaConfig, LlamaForCausalLM, save_pretrained
 from convergent.train.taskapi import MicroBatch, Task, stage_layers
 

@@ -19,7 +19,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 
 def _setup_logging(run_path: Path, rank: int) -> None:
@@ -62,9 +62,9 @@ def run(config_path: str, run_dir: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from convergent.cluster.resources import set_torch_threads
     from convergent.config import load_config
-    from convergent.resources import set_torch_threads
-    from convergent.runs import RunDir
+    from convergent.runsdb.rundir import RunDir
     from convergent.train.preempt import Preempted
     from convergent.train.trainer import Trainer
 
@@ -103,7 +103,7 @@ def run(config_path: str, run_dir: str) -> dict:
             dist.barrier()
             dist.destroy_process_group()
     if rank == 0:
-        from convergent.fsutil import atomic_write_text
+        from convergent.core.fsutil import atomic_write_text
 
         if cfg.checkpoint.export_final and cfg.checkpoint.at_end:  # else: nothing saved
             from convergent.train.fit import export_final
@@ -119,7 +119,7 @@ def _record_usage(run, cfg, world: int, rank: int, wall_s: float, on_gpu: bool,
     """Rank 0 appends this attempt's own core/GPU-seconds to ``accounting.jsonl``."""
     if rank != 0:
         return
-    from convergent.accounting import Usage, append_usage
+    from convergent.runsdb.accounting import Usage, append_usage
 
     cores = world * cfg.train.threads
     gpus = world if on_gpu else 0

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from convergent.errors import DataError
+from convergent.core.errors import DataError
 from convergent.models.batching import AtomsBatch, collate_records
 
 __all__ = ["ColumnStore"]

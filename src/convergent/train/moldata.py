@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from convergent.core.elements import symbol
+from convergent.core.errors import ConfigError, DataError
 from convergent.data.cache import ShardCache
 from convergent.data.reader import open_dataset
-from convergent.elements import symbol
-from convergent.errors import ConfigError, DataError
 from convergent.models.batching import batches_by_atom_budget
 from convergent.models.io import load_model, save_model
 from convergent.models.losses import error_sums, loss_from_sums

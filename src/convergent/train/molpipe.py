@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.batching import AtomsBatch, batches_by_atom_budget
 from convergent.models.molecular import EdgeGeometry, MolecularTransformer, RadialBasis
 from convergent.train.moldata import loss_from_predictions

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.models.losses import BASELINE_KEYS, SUM_KEYS, baseline_sums, metrics_from_sums
 from convergent.train import moldata, molpipe
 from convergent.train.taskapi import MicroBatch, Task, split_evenly

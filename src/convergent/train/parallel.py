@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 from convergent.train import hierarchy, precision
 from convergent.train.compression import CommStats, register_compression
 from convergent.train.taskapi import Task, find_blocks

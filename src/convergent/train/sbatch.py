@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convergent.errors import ConfigError, ConvergentError
-from convergent.fsutil import atomic_write_text
+from convergent.core.errors import ConfigError, ConvergentError
+from convergent.core.fsutil import atomic_write_text
 from convergent.train.preempt import REQUEUE_ENV
 
 

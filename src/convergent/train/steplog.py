@@ -4,7 +4,7 @@ Each step leaves its sum statistics (floats, or float64 0-d tensors still on the
 so the step never waits for them) and the rest of its record with :meth:`StepLog.add`;
 :meth:`StepLog.flush` reduces the pending steps' sums across ranks in one all-reduce
 (``metrics.reduce_every`` steps at a time, and before validation, checkpoints and the
-end), completes each :class:`~convergent.trainrecords.TrainStep` and writes it.
+end), completes each :class:`~convergent.runsdb.trainrecords.TrainStep` and writes it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from convergent.monitor.flops import Peak, mfu
 from convergent.monitor.timers import StepTiming
+from convergent.runsdb.trainrecords import TIME_PARTS, TrainStep
 from convergent.train.taskapi import Task
-from convergent.trainrecords import TIME_PARTS, TrainStep
 
 log = logging.getLogger("convergent.train")
 

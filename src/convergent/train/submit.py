@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from convergent.errors import ConfigError
-from convergent.runs import RunDir, open_run, run_path
+from convergent.core.errors import ConfigError
+from convergent.runsdb.rundir import RunDir, open_run, run_path
 from convergent.train.launch import preflight, resolved_config_path
 from convergent.train.sbatch import job_for, render, submit, write_script
 

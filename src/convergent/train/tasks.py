@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from convergent.core.errors import ConfigError, NotAvailableError
 from convergent.data.manifest import check_dataset
-from convergent.errors import ConfigError, NotAvailableError
 from convergent.models.mace import INSTALL_HINT, mace_installed
 from convergent.tracking.store import import_mlflow
 from convergent.train.lmtask import LMTask

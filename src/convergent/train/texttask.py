@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from convergent.compress.distill import kd_loss
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 from convergent.train.lmtask import LMTask
 from convergent.train.taskapi import MicroBatch, Task
 
@@ -63,7 +63,7 @@ class TextLMTask(LMTask):
         self.train_ids = torch.from_numpy(self.corpus.train.astype(np.int64))
         self.val_ids = torch.from_numpy(self.corpus.val.astype(np.int64))
         if self.train_ids.numel() <= self.S + 1 or self.val_ids.numel() <= self.S + 1:
-            from convergent.errors import ConfigError
+            from convergent.core.errors import ConfigError
 
             raise ConfigError(
                 f"train.seq_len={self.S}: the corpus has only {self.train_ids.numel()} train / "
@@ -77,7 +77,7 @@ class TextLMTask(LMTask):
         if not t:
             return None
         if getattr(self, "_teacher", None) is None:
-            from convergent.errors import ConfigError
+            from convergent.core.errors import ConfigError
             from convergent.models.llama import load_pretrained
 
             if self.cfg.parallel.strategy == "pipeline":
@@ -112,7 +112,7 @@ class TextLMTask(LMTask):
 
             cfg = read_config(init)
             if cfg.vocab_size != self.V:
-                from convergent.errors import ConfigError
+                from convergent.core.errors import ConfigError
 
                 raise ConfigError(f"text.init_from: {init} has vocab_size={cfg.vocab_size}, "
                                   f"the corpus tokenizer {self.V}")
@@ -161,7 +161,7 @@ class TextLMTask(LMTask):
         """HF checkpoint + the corpus's ``tokenizer.json`` / ``tokenizer_config.json``."""
         from pathlib import Path
 
-        from convergent.fsutil import atomic_write_bytes
+        from convergent.core.fsutil import atomic_write_bytes
 
         super().export(model, directory)
         for f in self.corpus.tokenizer_files:
@@ -169,7 +169,7 @@ class TextLMTask(LMTask):
         if self.cfg.text.init_from:  # keep the record of how the start was made (pruning)
             import json
 
-            from convergent.fsutil import atomic_write_text
+            from convergent.core.fsutil import atomic_write_text
 
             start = json.loads((Path(self.cfg.text.init_from) / "config.json").read_text())
             out = json.loads((Path(directory) / "config.json").read_text())

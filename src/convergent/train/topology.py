@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 
 def expand_hostlist(spec: str) -> list[str]:
@@ -61,7 +61,7 @@ def read_topology_file(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(p.read_text()) if p.suffix != ".json" else json.loads(p.read_text())
     except Exception as exc:  # noqa: BLE001 - any parse error is the user's file
-        from convergent.errors import parse_error_text
+        from convergent.core.errors import parse_error_text
 
         raise ConfigError(parse_error_text(p, "JSON" if p.suffix == ".json" else "YAML", exc)) from None
     if not isinstance(data, dict) or not ({"groups", "racks", "hosts"} & set(data)):

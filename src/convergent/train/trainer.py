@@ -34,12 +34,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from convergent.cluster.placement import placement_record
 from convergent.monitor import commtime
 from convergent.monitor.flops import Peak, count_flops, device_peak
 from convergent.monitor.sinks import MetricSinks
 from convergent.monitor.timers import StepTimer, peak_memory_bytes
-from convergent.placement import placement_record
 from convergent.runsdb.records import next_attempt
+from convergent.runsdb.trainrecords import TrainStep, ValRecord
 from convergent.train import precision
 from convergent.train.affinity import ranks_record
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
@@ -51,11 +52,10 @@ from convergent.train.runtime import lr_lambda, maybe_fault, param_groups, pick_
 from convergent.train.steplog import StepLog, reduce_sums
 from convergent.train.taskapi import MicroBatch, Task
 from convergent.train.tasks import make_task
-from convergent.trainrecords import TrainStep, ValRecord
 
 if TYPE_CHECKING:
     from convergent.config import ConvergentConfig
-    from convergent.runs import RunDir
+    from convergent.runsdb.rundir import RunDir
 
 
 log = logging.getLogger("convergent.train")

@@ -11,7 +11,7 @@ so lines of older runs still read.
 
 :func:`read_train_records` reads a whole metrics.jsonl into typed step and val records
 (other kinds of lines are left to their own readers). Standard library and
-:mod:`convergent.fsutil` only: it sits below every layer that writes or reads training
+:mod:`convergent.core.fsutil` only: it sits below every layer that writes or reads training
 metrics.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from convergent.fsutil import read_jsonl
+from convergent.core.fsutil import read_jsonl
 
 # parts of a training step's wall time (seconds); they add up to ``step_s``
 TIME_PARTS = ("data_wait_s", "compute_s", "comm_s", "optimizer_s")

@@ -1,18 +1,18 @@
 """Dask cluster factory: ``local`` (default) | ``slurm`` (dask-jobqueue) | ``address``.
 
->>> from convergent.cluster import dask_client
+>>> from convergent.cluster.pool import dask_client
 >>> with dask_client(ClusterConfig()) as client:   # LocalCluster, 1 thread per worker
 ...     client.submit(...)
 
 ``local`` starts one single-threaded worker *process* per usable core (affinity mask or
-SLURM_CPUS_ON_NODE, see :func:`convergent.resources.usable_cpus`), with BLAS/OpenMP/torch
+SLURM_CPUS_ON_NODE, see :func:`convergent.cluster.resources.usable_cpus`), with BLAS/OpenMP/torch
 pinned to one thread in each worker. ``slurm`` builds a ``dask_jobqueue.SLURMCluster``
 from the job options in config (one single-threaded worker per core of each job) and
 calls ``adapt(minimum, maximum)``. ``address`` connects to a running scheduler.
 With ``gpu_jobs`` and ``cluster.gpu.enabled`` a Slurm pool has a second job kind under the
 same scheduler: GPU jobs (``--gres``), whose workers carry the Dask resource ``GPU`` while
 the CPU jobs' workers carry ``CPU``; each kind adapts on its own tasks
-(:func:`make_gpu_jobs`, :class:`convergent.slurmjobs.KindAdaptive`).
+(:func:`make_gpu_jobs`, :class:`convergent.cluster.slurm.KindAdaptive`).
 For clusters created here the scheduler does not silently re-run a task whose worker
 died (``allowed_failures``, default 0): the caller sees ``KilledWorker`` and applies its
 own retry policy.
@@ -27,9 +27,9 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from convergent.clusterconfig import ClusterConfig
-from convergent.errors import ConfigError, NotAvailableError
-from convergent.resources import usable_cpus
+from convergent.cluster.config import ClusterConfig
+from convergent.cluster.resources import usable_cpus
+from convergent.core.errors import ConfigError, NotAvailableError
 
 #: Environment of every local worker process: one BLAS/OpenMP/torch thread.
 WORKER_ENV = {
@@ -121,7 +121,7 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True, check: bool
 
     Unset ``cores``/``memory`` come from ``sinfo`` (the partition's largest node); with
     ``check`` the job script goes through ``sbatch --test-only`` first, so a job Slurm
-    refuses is one ConfigError naming the field (see :mod:`convergent.slurmjobs`). With
+    refuses is one ConfigError naming the field (see :mod:`convergent.cluster.slurm`). With
     ``shared`` another job kind will join its scheduler (:func:`make_gpu_jobs`): its
     workers carry the Dask resource ``CPU`` and it adapts on the tasks they run.
     """
@@ -129,7 +129,7 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True, check: bool
     import dask
     from dask_jobqueue import SLURMCluster
 
-    from convergent.slurmjobs import (
+    from convergent.cluster.slurm import (
         JobAdaptive,
         KindAdaptive,
         describe_request,
@@ -171,7 +171,7 @@ def make_slurm_cluster(cfg: ClusterConfig, start_adapt: bool = True, check: bool
         except BaseException:
             cluster.close()
             raise
-    if start_adapt:  # whole jobs: see convergent.slurmjobs.JobAdaptive
+    if start_adapt:  # whole jobs: see convergent.cluster.slurm.JobAdaptive
         per_job = kwargs["processes"]
         # shared: its own tasks only (those asking for CPU, or for nothing)
         kind: dict[str, Any] = {"Adaptive": JobAdaptive}
@@ -238,7 +238,7 @@ def make_gpu_jobs(cfg: ClusterConfig, cpu, start_adapt: bool = True, check: bool
     _need_jobqueue()
     import dask
 
-    from convergent.slurmjobs import KindAdaptive, describe_request, job_of_worker, preflight
+    from convergent.cluster.slurm import KindAdaptive, describe_request, job_of_worker, preflight
 
     g, s = cfg.gpu, cfg.slurm
     queue = g.queue or s.queue
@@ -278,10 +278,10 @@ def make_gpu_jobs(cfg: ClusterConfig, cpu, start_adapt: bool = True, check: bool
 
 
 def watch_jobs(client, cfg: ClusterConfig, on_error=None) -> list[Any]:
-    """A started :class:`~convergent.slurmjobs.JobWatch` for each job kind of ``client``'s
+    """A started :class:`~convergent.cluster.slurm.JobWatch` for each job kind of ``client``'s
     Slurm pool (:func:`job_kinds`): a job that ends early is replaced, and ``on_error``
     gets the error when a kind's jobs cannot start. The caller stops them."""
-    from convergent.slurmjobs import JobWatch, describe_request, resolved_job_size
+    from convergent.cluster.slurm import JobWatch, describe_request, resolved_job_size
 
     s, g = cfg.slurm, cfg.gpu
     watches = []

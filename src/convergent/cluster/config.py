@@ -1,6 +1,6 @@
 """Config of the Dask cluster (``cluster`` section): where simulation and analytics work runs.
 
-In the core layer because :mod:`convergent.cluster` builds clusters from it and the stages
+In the core layer because :mod:`convergent.cluster.pool` builds clusters from it and the stages
 above (sim, analytics, learn) take it as an argument.
 """
 
@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from convergent.configbase import Count, Count0, PathStr, Section, Walltime
+from convergent.core.configbase import Count, Count0, PathStr, Section, Walltime
 
 #: A job's memory request: a number with an optional unit (``4GiB``, ``16G``, ``500MB``).
 MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?\s*([kKmMgGtT]i?[bB]?|[bB])?$"

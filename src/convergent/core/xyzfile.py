@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from convergent.errors import InputError
+from convergent.core.errors import InputError
 
 XYZ_SUFFIXES = (".xyz", ".extxyz")
 

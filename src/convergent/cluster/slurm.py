@@ -8,7 +8,7 @@ submits a replacement. This module closes those gaps with Slurm's own commands:
 * :func:`job_size` fills ``cluster.slurm.cores``/``memory`` from ``sinfo`` when unset (the
   largest node of the partition, 90 % of its memory in whole GiB);
 * :func:`preflight` runs the cluster's job script through ``sbatch --test-only`` and turns a
-  refusal into one :class:`~convergent.errors.ConfigError` naming the field to change and
+  refusal into one :class:`~convergent.core.errors.ConfigError` naming the field to change and
   quoting sbatch;
 * :class:`JobAdaptive` scales in whole jobs: dask-jobqueue's adaptive loop counts
   workers, and with several workers per job it retires one worker of a job that is still
@@ -42,7 +42,7 @@ import dask
 from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
-from convergent.errors import ConfigError, ConvergentError
+from convergent.core.errors import ConfigError, ConvergentError
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class KindAdaptive(JobAdaptive):
     task, one while tasks wait and none is there), and only this kind's idle workers are
     closed; the stock target counts every task and worker of the scheduler, so one kind's
     backlog would grow the other. ``cluster.scheduler`` must be the scheduler object
-    itself (in this process), as for the clusters of :mod:`convergent.cluster`.
+    itself (in this process), as for the clusters of :mod:`convergent.cluster.pool`.
     """
 
     def __init__(self, cluster=None, *, resources: Mapping[str, float],

@@ -27,7 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from convergent.fsutil import dumps_json
+from convergent.core.fsutil import dumps_json
 
 ACCOUNTING_NAME = "accounting.jsonl"
 LIVE = {"RUNNING", "PENDING", "REQUEUED", "SUSPENDED", "COMPLETING", "CONFIGURING"}

@@ -47,7 +47,7 @@ def check_port_free(host: str, port: int) -> None:
     TIME_WAIT is not mistaken for a busy one."""
     import socket
 
-    from convergent.errors import InputError
+    from convergent.core.errors import InputError
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

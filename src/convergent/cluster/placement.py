@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from convergent.errors import ConfigError
+from convergent.core.errors import ConfigError
 
 __all__ = [
     "Placement",

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from convergent.config import ConvergentConfig, dump_config, save_config
-from convergent.errors import RunDirError
-from convergent.fsutil import atomic_write_text, dumps_json, read_jsonl
+from convergent.core.errors import RunDirError
+from convergent.core.fsutil import atomic_write_text, dumps_json, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class RunDir:
 
     def mark_done(self, stage: str, summary: dict[str, Any]) -> None:
         """Record that ``stage`` finished, with its summary (seconds, counts, ...)."""
-        from convergent.provenance import code_version
+        from convergent.core.provenance import code_version
 
         stages = self.stages()
         stages[stage] = {"finished_at": time.time(), "code": code_version().to_dict(), **summary}
