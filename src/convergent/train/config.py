@@ -70,7 +70,11 @@ class TrainConfig(Section):
     # > 0: keep an exponential moving average of the weights (decay ramped as
     # (1+step)/(10+step) early on) and end with it; mid-run checkpoints hold the raw weights
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0)
-    steps: Count = 300  # optimizer steps
+    steps: Count = 300  # optimizer steps (with time_budget_s: the most steps)
+    # a time budget (train/budget.py): stop after the step at which this many seconds of
+    # budget_clock are spent, the LR schedule running over the budget instead of the steps
+    time_budget_s: Positive | None = None
+    budget_clock: Literal["wall", "process_cpu", "thread_cpu"] = "wall"
     lr: Positive = 1e-3
     min_lr_ratio: Fraction = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: Count0 = 10

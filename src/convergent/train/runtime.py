@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from convergent.config import ConvergentConfig
+    from convergent.train.budget import TimeBudget
 
 
 log = logging.getLogger("convergent.train")
@@ -33,7 +34,10 @@ def pick_device(pref: str, local_rank: int, tf32: bool = True) -> torch.device:
     return torch.device("cpu")
 
 
-def lr_lambda(cfg: ConvergentConfig) -> Callable[[int], float]:
+def lr_lambda(cfg: ConvergentConfig, budget: TimeBudget | None = None) -> Callable[[int], float]:
+    """The LR factor after ``step`` optimizer steps: linear warm-up over ``warmup_steps``,
+    then cosine to ``min_lr_ratio`` over the remaining steps — or, with a time budget,
+    over the budget's fraction spent (``budget.fraction``, agreed across ranks)."""
     t = cfg.train
 
     def f(step: int) -> float:
@@ -41,8 +45,10 @@ def lr_lambda(cfg: ConvergentConfig) -> Callable[[int], float]:
             return (step + 1) / t.warmup_steps
         if t.lr_schedule == "constant":
             return 1.0
-        span = max(1, t.steps - t.warmup_steps)
-        prog = min(1.0, (step - t.warmup_steps) / span)
+        if budget is not None and budget.seconds is not None:
+            prog = min(1.0, budget.fraction)
+        else:
+            prog = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
 
     return f

@@ -43,6 +43,7 @@ from convergent.runsdb.records import next_attempt
 from convergent.runsdb.trainrecords import TrainStep, ValRecord
 from convergent.train import precision
 from convergent.train.affinity import ranks_record
+from convergent.train.budget import TimeBudget
 from convergent.train.checkpoint import CheckpointManager, latest_checkpoint
 from convergent.train.ema import WeightAverage
 from convergent.train.parallel import Parallelized, clip_grad_norm, parallelize
@@ -91,7 +92,9 @@ class Trainer:
             for p in self.par.parts
         ]
         self.ema = WeightAverage(self.par.parts, t.ema_decay) if t.ema_decay > 0 else None
-        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg)) for o in self.optims]
+        self.budget = TimeBudget(t.time_budget_s, t.budget_clock)
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg, self.budget))
+                       for o in self.optims]
         self.scaler = precision.grad_scaler(
             cfg.precision.dtype, self.device.type, cfg.precision.init_scale
         )
@@ -168,6 +171,7 @@ class Trainer:
             return
         extra = self.ckpt.load(Path(box[0]), self.par.parts, self.optims)
         self.start_step = int(extra["step"])
+        self.budget.spent_before = float((extra.get("budget") or {}).get("elapsed") or 0.0)
         for s, sd in zip(self.scheds, extra["schedulers"], strict=True):
             s.load_state_dict(sd)
         if self.scaler is not None and extra.get("scaler"):
@@ -186,6 +190,7 @@ class Trainer:
             "data": {"step": step, "seed": self.cfg.train.seed},  # global plan position
             "strategy": self.cfg.parallel.strategy,
             "world": self.world,
+            "budget": self.budget.state(),
         }
 
     def _local(self) -> dict[str, Any]:
@@ -326,13 +331,15 @@ class Trainer:
             lambda s: task.micro_batches(s, par.dp_rank, par.dp_world, accum),
             range(self.start_step, steps), self.device, cfg.train.prefetch,
         )
+        self.budget.start(self.budget.spent_before)
         try:
             return self._loop(feed, t_start, steps, last_ckpt)
         finally:
             feed.close()
 
-    def _step(self, feed: Prefetcher, step: int, steps: int) -> None:
-        """One optimizer step: data, forward/backward, optimizer, EMA, its record."""
+    def _step(self, feed: Prefetcher, step: int, steps: int) -> bool:
+        """One optimizer step: data, forward/backward, optimizer, EMA, its record; whether
+        it is the last (``train.steps`` reached or the time budget spent)."""
         par = self.par
         maybe_fault(self.rank, step)
         self.timer.reset()
@@ -348,12 +355,14 @@ class Trainer:
         feed.ahead()  # the next batch's copy overlaps this step's GPU work
         self.timer.move("compute", "comm", self._comm_clock() - blocked)
         lr = self.scheds[0].get_last_lr()[0]
+        self.budget.update(self.device)  # before the schedule's step reads its fraction
         blocked = self._comm_clock()
         grad_norm = self._optimizer_step()
         self.timer.move("optimizer", "comm", self._comm_clock() - blocked)
+        final = step + 1 == steps or self.budget.spent
         if self.ema is not None:
             self.ema.update(step)
-            if step + 1 == steps:
+            if final:
                 self.ema.install()  # the final checkpoint and export are the average
         timing = self.timer.snapshot()  # resolved when the record is written
         rec = TrainStep(
@@ -367,14 +376,15 @@ class Trainer:
             loss_scale=float(self.scaler.get_scale()) if self.scaler is not None else None,
         )
         self.steps.add(sums, rec, timing)
+        return final
 
-    def _after_step(self, done: int, steps: int) -> bool:
+    def _after_step(self, done: int, final: bool) -> bool:
         """Metrics flush, validation, checkpoint and preemption after step ``done``;
         whether a checkpoint was saved. Raises :class:`Preempted` when asked to stop."""
         cfg, par = self.cfg, self.par
         val_every = cfg.train.val_every
-        is_val = done == steps or (val_every and done % val_every == 0)
-        is_ckpt = (done == steps and cfg.checkpoint.at_end) or bool(
+        is_val = final or (val_every and done % val_every == 0)
+        is_ckpt = (final and cfg.checkpoint.at_end) or bool(
             cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0)
         if is_val or is_ckpt or len(self.steps.pending) >= max(1, cfg.metrics.reduce_every):
             self.steps.flush()
@@ -388,7 +398,7 @@ class Trainer:
             self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
             if self.sinks is not None:
                 self.sinks.commit(done)  # steps up to here are never replayed
-        if done < steps and self.preempt.requested():  # collective when enabled
+        if not final and self.preempt.requested():  # collective when enabled
             self.steps.flush()
             if not is_ckpt:
                 self.ckpt.save(done, par.parts, self.optims, self._extra(done), self._local())
@@ -401,17 +411,22 @@ class Trainer:
         return is_ckpt
 
     def _loop(self, feed: Prefetcher, t_start: float, steps: int, last_ckpt: int) -> dict[str, Any]:
+        done = self.start_step
         for step in range(self.start_step, steps):
-            self._step(feed, step, steps)
-            if self._after_step(step + 1, steps):
-                last_ckpt = step + 1
+            final = self._step(feed, step, steps)
+            done = step + 1
+            if self._after_step(done, final):
+                last_ckpt = done
+            if final:
+                break
         self.steps.flush()
         self.ckpt.wait()
         if self.sinks is not None:
             self.sinks.close()
         return {
-            "steps": steps,
+            "steps": done,
             "start_step": self.start_step,
+            "budget": self.budget.state() if self.budget.seconds is not None else None,
             "resumed_from": self.resumed_from,
             "last_checkpoint": str(self.ckpt.path_for(self.run.ckpt, last_ckpt)),
             "seconds": time.time() - t_start,
