@@ -3,7 +3,7 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
-EXTRAS ?= dev,dft,slurm,tracking,vesin,mace
+EXTRAS ?= dev,dft,slurm,tracking,vesin,mace,schnetpack
 STAMP  := $(VENV)/.install-stamp
 BIN    := $(VENV)/bin
 DEMO_ARGS ?= --resume

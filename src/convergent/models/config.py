@@ -4,7 +4,10 @@ Distances in Å, energies in eV. Every default works on a 2-core laptop.
 ``model.kind`` picks the network: ``molecular`` (the sparse-attention Transformer of
 :mod:`convergent.models.molecular`), ``mace`` (mace-torch's MACE,
 :mod:`convergent.models.mace`, hyper-parameters in ``model.mace``; optional extra
-``convergent[mace]``) or ``llama`` (the language model of the LM tasks).
+``convergent[mace]``), ``schnet`` / ``painn`` (schnetpack's SchNet / PaiNN,
+:mod:`convergent.models.schnetpack`, sized by ``hidden``, ``layers``, ``num_rbf`` and
+``cutoff``; optional extra ``convergent[schnetpack]``) or ``llama`` (the language model of
+the LM tasks).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class ModelConfig(Section):
     backward, so it also trains with ``parallel.strategy: pipeline``; not conservative).
     """
 
-    kind: Literal["molecular", "mace", "llama"] = "molecular"
+    kind: Literal["molecular", "mace", "schnet", "painn", "llama"] = "molecular"
     # kind=mace: MACE's own hyper-parameters (hidden/layers/heads/attention/cutoff and the
     # other Transformer fields below do not apply to it; max_z, max_neighbors,
     # neighbor_overflow, repulsion and repulsion_scale do)
@@ -115,8 +118,9 @@ class ModelConfig(Section):
     @field_validator("forces")
     @classmethod
     def _mace_forces_by_autograd(cls, v: str, info: ValidationInfo) -> str:
-        if v == "direct" and info.data.get("kind") == "mace":
-            raise ValueError("must be autograd with model.kind=mace (MACE's forces are -dE/dx)")
+        kind = info.data.get("kind")
+        if v == "direct" and kind in ("mace", "schnet", "painn"):
+            raise ValueError(f"must be autograd with model.kind={kind} (its forces are -dE/dx)")
         return v
 
     @field_validator("edge_chunk")

@@ -168,6 +168,10 @@ def build_saved(cfg: ModelConfig, state: dict[str, torch.Tensor], where: Path) -
         if "net.atomic_numbers" not in state or "avg_num_neighbors" not in state:
             raise InputError(f"{where}: not the weights of a MACE model (no element table)")
         return mace_from_state(cfg, state)
+    if cfg.kind in ("schnet", "painn"):
+        from convergent.models.schnetpack import SpkModel
+
+        return SpkModel(cfg)
     if cfg.kind != "molecular":
         raise InputError(f"{where}: model.kind={cfg.kind} is not a surrogate model directory")
     from convergent.models.molecular import build_model

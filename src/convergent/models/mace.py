@@ -49,6 +49,7 @@ from convergent.core.errors import NotAvailableError
 from convergent.models.atoms import neighbor_list
 from convergent.models.batching import AtomsBatch, batches_by_atom_budget, collate_records
 from convergent.models.config import ModelConfig
+from convergent.models.molecular import install_reference
 from convergent.models.repulsion import zbl_atom_energies
 
 INSTALL_HINT = "pip install 'convergent[mace]' (mace-torch), or use model.kind=molecular"
@@ -170,15 +171,8 @@ class MaceModel(nn.Module):
     def set_reference(self, ref: Any) -> None:
         """Install fitted element reference energies (eV, a ``ReferenceEnergies``) and the
         per-atom scale/shift, as the molecular model does."""
-        atomref = torch.zeros_like(self.atomref)
-        for z, e in ref.energies.items():
-            if z > self.cfg.max_z:
-                raise ValueError(f"element Z={z} above model.max_z={self.cfg.max_z}")
-            atomref[z] = e
-        self.atomref.copy_(atomref)
-        self.trained_elements = tuple(sorted(int(z) for z in ref.energies))
-        self.net.scale_shift.scale.fill_(ref.scale)
-        self.net.scale_shift.shift.fill_(ref.shift)
+        self.trained_elements = install_reference(ref, self.cfg.max_z, self.atomref,
+                                                  self.scale, self.shift)
 
     def inputs(self, batch: AtomsBatch) -> dict[str, torch.Tensor]:
         """MACE's input dict of ``batch`` (positions in the network's dtype)."""

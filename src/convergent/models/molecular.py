@@ -126,15 +126,8 @@ class MolecularTransformer(nn.Module):
     # -- reference energies ------------------------------------------------------------
     def set_reference(self, ref: ReferenceEnergies) -> None:
         """Install fitted element reference energies (eV) and the per-atom scale/shift."""
-        atomref = torch.zeros_like(self.atomref)
-        for z, e in ref.energies.items():
-            if z > self.cfg.max_z:
-                raise ValueError(f"element Z={z} above model.max_z={self.cfg.max_z}")
-            atomref[z] = e
-        self.atomref.copy_(atomref)
-        self.trained_elements = tuple(sorted(int(z) for z in ref.energies))
-        self.scale.fill_(ref.scale)
-        self.shift.fill_(ref.shift)
+        self.trained_elements = install_reference(ref, self.cfg.max_z, self.atomref,
+                                                  self.scale, self.shift)
 
     # -- forward -----------------------------------------------------------------------
     def _edges(self, batch: AtomsBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -283,6 +276,21 @@ class ReferenceEnergies:
 
     def to_json(self) -> dict[str, Any]:
         return {"energies": {str(k): v for k, v in self.energies.items()}, "scale": self.scale, "shift": self.shift}
+
+
+def install_reference(ref: ReferenceEnergies, max_z: int, atomref: torch.Tensor,
+                      scale: torch.Tensor, shift: torch.Tensor) -> tuple[int, ...]:
+    """Write ``ref`` into a model's buffers (``atomref[Z]`` eV, per-atom ``scale`` and
+    ``shift``; every surrogate kind holds these); the atomic numbers it covers."""
+    values = torch.zeros_like(atomref)
+    for z, e in ref.energies.items():
+        if z > max_z:
+            raise ValueError(f"element Z={z} above model.max_z={max_z}")
+        values[z] = e
+    atomref.copy_(values)
+    scale.fill_(ref.scale)
+    shift.fill_(ref.shift)
+    return tuple(sorted(int(z) for z in ref.energies))
 
 
 def fit_reference_energies(

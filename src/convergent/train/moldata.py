@@ -161,6 +161,10 @@ def new_model(model_cfg: ModelConfig, records: list[dict[str, Any]], warm: nn.Mo
     """A freshly initialised network of ``model_cfg.kind`` for training data ``records``:
     MACE's element table and neighbour normalisation come from them (from ``warm``, the
     model it will be warm-started from, when given); the molecular model needs neither."""
+    if model_cfg.kind in ("schnet", "painn"):
+        from convergent.models.schnetpack import SpkModel
+
+        return SpkModel(model_cfg)
     if model_cfg.kind != "mace":
         return build_model(model_cfg)
     from convergent.models.mace import MaceModel, build_mace

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 class MolecularTask(Task):
     """Energies (eV) and forces (eV/Å) of molecules with :mod:`convergent.models`: the
-    network of ``model.kind`` (``molecular`` or ``mace``, built by :func:`moldata.build`).
+    network of ``model.kind`` (``molecular``, ``mace``, ``schnet`` or ``painn``, built by
+    :func:`moldata.build`).
 
     Loss of a global batch: :mod:`convergent.models.losses`, computed from sums so that
     ranks' shares add up to the global-batch loss.

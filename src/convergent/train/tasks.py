@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from convergent.core.errors import ConfigError, NotAvailableError
 from convergent.data.manifest import check_dataset
 from convergent.models.mace import INSTALL_HINT, mace_installed
+from convergent.models.schnetpack import INSTALL_HINT as SPK_HINT
+from convergent.models.schnetpack import schnetpack_installed
 from convergent.tracking.store import import_mlflow
 from convergent.train.lmtask import LMTask
 from convergent.train.moltask import MolecularTask
@@ -25,25 +27,27 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "LMTask", "MicroBatch", "MolecularTask", "Task", "check_before_launch", "check_mace",
+    "LMTask", "MicroBatch", "MolecularTask", "Task", "check_before_launch", "check_model_kind",
     "check_pipeline",
     "find_blocks", "make_task", "split_evenly",
 ]
 
 
-def check_mace(cfg: ConvergentConfig) -> None:
-    """Refuse what MACE's training cannot run: pipeline stages (its forces are a double
-    backward through every stage) and reduced-precision autocast (e3nn's tensor products
-    take one dtype; MACE computes in ``model.mace.dtype``)."""
-    if cfg.model.kind != "mace":
+def check_model_kind(cfg: ConvergentConfig) -> None:
+    """Refuse what the peer kinds (mace, schnet, painn) cannot train: pipeline stages
+    (their forces are a double backward through every stage) and, for MACE,
+    reduced-precision autocast (e3nn's tensor products take one dtype; MACE computes in
+    ``model.mace.dtype``)."""
+    kind = cfg.model.kind
+    if kind not in ("mace", "schnet", "painn"):
         return
     if cfg.parallel.strategy == "pipeline":
         raise ConfigError(
-            "parallel.strategy=pipeline is not supported for model.kind=mace",
-            hint="MACE's forces are -dE/dpositions (a double backward through every stage); "
+            f"parallel.strategy=pipeline is not supported for model.kind={kind}",
+            hint="its forces are -dE/dpositions (a double backward through every stage); "
                  "use parallel.strategy=ddp/fsdp/hsdp",
         )
-    if cfg.precision.dtype != "fp32":
+    if kind == "mace" and cfg.precision.dtype != "fp32":
         raise ConfigError(
             f"precision.dtype={cfg.precision.dtype} is not supported for model.kind=mace",
             hint="e3nn's tensor products do not run under autocast; set precision.dtype=fp32 "
@@ -53,7 +57,7 @@ def check_mace(cfg: ConvergentConfig) -> None:
 
 def check_pipeline(cfg: ConvergentConfig) -> None:
     """Refuse ``parallel.strategy=pipeline`` for models whose training it cannot run."""
-    check_mace(cfg)
+    check_model_kind(cfg)
     if cfg.parallel.strategy != "pipeline" or cfg.model.kind != "molecular":
         return
     if cfg.model.forces != "direct":
@@ -75,6 +79,9 @@ def check_before_launch(cfg: ConvergentConfig, data: bool = True) -> None:
     if cfg.model.kind == "mace" and not mace_installed():  # found without importing it
         raise NotAvailableError("model.kind=mace needs mace-torch, which is not installed",
                                 hint=INSTALL_HINT)
+    if cfg.model.kind in ("schnet", "painn") and not schnetpack_installed():
+        raise NotAvailableError(f"model.kind={cfg.model.kind} needs schnetpack, which is not "
+                                "installed", hint=SPK_HINT)
     if not data or cfg.model.kind == "llama":
         return
     for key in ("dataset", "val_dataset"):
@@ -94,7 +101,7 @@ def make_task(cfg: ConvergentConfig) -> Task:
     """The task for ``cfg.model.kind``: ``molecular`` and ``mace`` (the molecular task: the
     same data, batches, loss and export; the network is built by ``model.kind``) or
     ``llama``."""
-    check_mace(cfg)  # also for train/fit.py's callers, which skip check_before_launch
+    check_model_kind(cfg)  # also for train/fit.py's callers, which skip check_before_launch
     if cfg.model.kind == "llama" and cfg.text.source:  # a real text corpus
         return TextLMTask(cfg)
     return LMTask(cfg) if cfg.model.kind == "llama" else MolecularTask(cfg)
