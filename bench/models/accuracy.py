@@ -13,8 +13,10 @@ it also writes bench/data/xtb_pretrained for bench/models/transfer.py).
 Sides are the models (``--models``; default ours, schnet, painn, and mace when mace-torch
 imports, else the JSON says why it was left out; ``ours_softmax``, ``ours_vectors`` and
 ``ours_bf16`` are optional variants of ours). MACE is mace-torch's own ``ScaleShiftMACE``
-(bench/models/molbench_mace.py; ``--mace-dtype float64`` for the precision MACE recommends,
-``--mace-hidden-irreps`` for its width) trained by the same loop as the others. Rounds are folds of a
+(``model.kind: mace``; ``--mace-dtype float64`` for the precision MACE recommends,
+``--mace-channels`` for its width), SchNet and PaiNN schnetpack's (``model.kind: schnet |
+painn``), every side trained by the one training loop (train/fit.py) for the same
+thread-CPU budget. Rounds are folds of a
 molecule-wise ``--folds``-fold cross-validation (molecules shuffled with seed 0): round r
 trains every side on fold r's training molecules and tests it on fold r's held-out
 molecules, sides interleaved (ours, schnet, painn, ours, schnet, painn, ...), all in
@@ -69,9 +71,8 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
         from convergent.models.io import save_model
 
         fold = r
-        train, test, ref = folds.get(fold)
-        seed = args.seed
-        pot, n_params, cfg, tinfo = train_side(name, args, train, ref, seed)
+        train, test, _ = folds.get(fold)
+        pot, n_params, cfg, tinfo = train_side(name, args, train, args.seed)
         test_m = evaluate(pot, test, autocast=autocast)
         row: dict[str, Any] = {k: test_m[k] for k in (
             "energy_mae", "energy_mae_per_atom", "energy_mae_molecule_offset",
@@ -79,11 +80,11 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds):  # noqa: ANN
         row.update(fold=fold, n_train=len(train), n_test=len(test), parameters=n_params,
                    train_steps=tinfo["steps"], train_cpu_seconds=tinfo["cpu_seconds"],
                    train_wall_seconds=tinfo["wall_seconds"],
-                   train_structures_per_cpu_second=tinfo["structures_per_cpu_second"],
+                   train_steps_per_cpu_second=tinfo["steps_per_cpu_second"],
                    diverged_at_step=tinfo["diverged_at_step"])
-        if name == "mace":  # the per-fold values of its settings (the rest are in settings)
-            row.update(mace_avg_num_neighbors=cfg["avg_num_neighbors"],
-                       mace_atomic_inter_scale=cfg["atomic_inter_scale"])
+        if name == "mace":  # the per-fold values fixed from the data when MACE is built
+            row.update(mace_avg_num_neighbors=float(pot.model.avg_num_neighbors),
+                       mace_atomic_inter_scale=float(pot.model.scale))
         if autocast is not None:
             row["energy_mae_eval_fp32"] = evaluate(pot, test)["energy_mae"]
         if name == "ours" and fold == 0 and args.dataset == "g2" and args.save_pretrained:

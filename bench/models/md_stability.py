@@ -44,7 +44,6 @@ from bench.lib.harness import Side, add_args, check_clean, interleave, stamp_png
 from bench.models.molbench import evaluate
 from bench.models.molbench_md import (
     Criteria,
-    PotentialCalculator,
     Trajectory,
     drift_per_atom_ps,
     mean_density,
@@ -80,13 +79,11 @@ def md_starts(test: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 
 
 def calculator_for(name: str, pot: Any) -> Any:
-    """The ASE calculator MD runs with: ours through the product's SurrogateCalculator,
-    a peer through molbench_md.PotentialCalculator (its own ``predict``)."""
-    if name.startswith("ours"):
-        from convergent.models.calculator import SurrogateCalculator
+    """The ASE calculator MD runs with: the product's SurrogateCalculator for every side
+    (each is a convergent model kind); ``name`` is kept for the callers' labels."""
+    from convergent.models.calculator import SurrogateCalculator
 
-        return SurrogateCalculator(pot.model)
-    return PotentialCalculator(pot)
+    return SurrogateCalculator(pot.model)
 
 
 def simulate(calc_of: Any, starts: list[dict[str, Any]], args: argparse.Namespace,
@@ -164,8 +161,8 @@ def md_metrics(runs: dict[str, Any], temperatures: list[float], edges: np.ndarra
 def side_runner(name: str, args: argparse.Namespace, folds: Folds, starts: list[dict[str, Any]],
                 temperatures: list[float], edges: np.ndarray, ref: np.ndarray | None):  # noqa: ANN201
     def run(r: int) -> dict[str, Any]:
-        train, test, eref = folds.get(args.fold)
-        pot, n_params, _, tinfo = train_side(name, args, train, eref, args.seed + r)
+        train, test, _ = folds.get(args.fold)
+        pot, n_params, _, tinfo = train_side(name, args, train, args.seed + r)
         acc = evaluate(pot, test)
         runs = simulate(lambda: calculator_for(name, pot), starts, args, temperatures, True,
                         f"{name} seed {args.seed + r}")
@@ -267,8 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "torch_threads": 1}
     sides = [Side(n, side_runner(n, args, folds, starts, args.temps, edges, ref_g),
                   {**common, **settings.get(n, {"model": n}), "md": md,
-                   "calculator": "convergent SurrogateCalculator" if n.startswith("ours")
-                   else "bench/models/molbench_md.py:PotentialCalculator"}) for n in names]
+                   "calculator": "convergent SurrogateCalculator (every side is a model "
+                                 "kind)"}) for n in names]
     res = interleave("md_stability", sides, rounds=args.rounds, differences=differences(args, names)
                      + ["every side runs MD from the same starts with the same velocity seeds; "
                         "the xTB reference too",

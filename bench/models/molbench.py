@@ -285,24 +285,12 @@ def dft_dataset(max_atoms: int = 7, n_conf: int = 3, seed: int = 1, workers: int
     return read_records(path)
 
 
-# -- a small, honest training loop shared by the benchmarks ---------------------------
-
-
-def spk_import() -> Any:
-    """Import schnetpack 2.0.x on torch 2.13 (it imports a private name torch removed)."""
-    import typing
-
-    import torch.utils.data.dataloader as dl
-
-    if not hasattr(dl, "T_co"):
-        dl.T_co = typing.TypeVar("T_co", covariant=True)  # compatibility shim, bench only
-    import schnetpack
-
-    return schnetpack
+# -- the benches' view of a trained model ---------------------------------------------
 
 
 class OurPotential:
-    """Our MolecularTransformer behind the common (predict, params) interface."""
+    """A trained convergent model (any ``model.kind``) behind the benches' (predict,
+    parameters) interface."""
 
     name = "ours"
 
@@ -319,65 +307,6 @@ class OurPotential:
         from convergent.models.molecular import energy_and_forces
 
         return energy_and_forces(self.model, batch, training)
-
-
-class SpkPotential:
-    """A schnetpack representation + Atomwise head; same references/scale as ours."""
-
-    def __init__(self, kind: str, hidden: int, layers: int, cutoff: float, ref: Any) -> None:
-        import torch
-
-        spk = spk_import()
-        self.name = kind
-        rbf = spk.nn.GaussianRBF(n_rbf=20, cutoff=cutoff)
-        fcut = spk.nn.CosineCutoff(cutoff)
-        if kind == "schnet":
-            rep = spk.representation.SchNet(n_atom_basis=hidden, n_interactions=layers,
-                                             radial_basis=rbf, cutoff_fn=fcut)
-        else:
-            rep = spk.representation.PaiNN(n_atom_basis=hidden, n_interactions=layers,
-                                            radial_basis=rbf, cutoff_fn=fcut)
-        self.net = spk.model.NeuralNetworkPotential(
-            representation=rep,
-            input_modules=[spk.atomistic.PairwiseDistances()],
-            output_modules=[spk.atomistic.Atomwise(n_in=hidden, output_key="energy")],
-        )
-        self.cutoff = cutoff
-        atomref = torch.zeros(100, dtype=torch.float64)
-        for z, e in ref.energies.items():
-            atomref[z] = e
-        self.atomref, self.scale, self.shift = atomref, ref.scale, ref.shift
-        self.spk = spk
-
-    def parameters(self) -> Any:
-        return list(self.net.parameters())
-
-    def train(self, flag: bool = True) -> None:
-        self.net.train(flag)
-
-    def predict(self, batch: Any, training: bool) -> tuple[Any, Any]:
-        import torch
-
-        from convergent.models.atoms import neighbor_list
-
-        props = self.spk.properties
-        with torch.enable_grad():
-            pos = batch.positions.detach().clone().requires_grad_(True)
-            nl = neighbor_list(pos, self.cutoff, batch.batch, batch.n_molecules)
-            inputs = {
-                props.Z: batch.numbers, props.R: pos, props.idx_m: batch.batch,
-                props.n_atoms: batch.n_atoms, props.idx_i: nl.edge_index[0],
-                props.idx_j: nl.edge_index[1], props.offsets: nl.shifts,
-                props.cell: torch.zeros(batch.n_molecules, 3, 3), props.pbc: torch.zeros(batch.n_molecules, 3, dtype=torch.bool),
-            }
-            out = self.net(inputs)
-            e_nn = out["energy"].double() * self.scale + self.shift * batch.n_atoms.double()
-            ref = torch.zeros(batch.n_molecules, dtype=torch.float64).index_add(0, batch.batch, self.atomref[batch.numbers])
-            energy = e_nn + ref
-            (g,) = torch.autograd.grad(energy.sum(), pos, create_graph=training)
-        if not training:
-            return energy.detach(), -g.detach()
-        return energy, -g
 
 
 def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
@@ -417,78 +346,3 @@ def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
             "energy_mae_molecule_offset": float(np.abs(offset).mean()),
             "energy_mae_within_molecule": float(np.abs(ds_arr - offset).mean()),
             "force_mae": m["force_mae"], "seconds_per_structure": (time.perf_counter() - t) / len(records)}
-
-
-def train_for(pot: Any, records: list[dict[str, Any]], budget_cpu_s: float, lr: float = 1e-3,
-              batch_atoms: int = 256, force_weight: float = 10.0, seed: int = 0,
-              autocast: Any = None, opt: Any = None, sched_fn: Any = None,
-              max_steps: int | None = None, ema_decay: float = 0.0) -> dict[str, Any]:
-    """Train ``pot`` until ``budget_cpu_s`` seconds of this thread's CPU time are used.
-
-    Loss: mean (ΔE/n_atoms)² + force_weight · mean ΔF²; Adam; cosine LR over the budget
-    (or ``sched_fn(fraction) -> factor``); a non-finite loss stops training and is reported
-    as ``diverged_at_step``. CPU time rather than wall time makes the budget
-    fair on a CPU shared with other jobs; wall time is reported too. ``ema_decay`` > 0
-    keeps an exponential moving average of the parameters (decay ramped up as
-    (1+step)/(10+step) early on) and installs it at the end.
-    """
-    import contextlib
-    import math
-
-    import torch
-
-    from convergent.models.batching import batches_by_atom_budget, collate_records
-    from convergent.models.losses import energy_force_loss
-
-    torch.manual_seed(seed)
-    params = pot.parameters()
-    opt = opt or torch.optim.Adam(params, lr=lr)
-    base = [g["lr"] for g in opt.param_groups]
-    sched_fn = sched_fn or (lambda x: 0.5 * (1 + math.cos(math.pi * min(1.0, x))))
-    counts = [len(r["numbers"]) for r in records]
-    c0, w0 = time.thread_time(), time.perf_counter()
-    step, epoch, structures, diverged_at = 0, 0, 0, None
-    losses = []
-    ema = [p.detach().clone() for p in params] if ema_decay > 0 else None
-    pot.train(True)
-    done = False
-    while not done:
-        for idx in batches_by_atom_budget(counts, batch_atoms, shuffle_seed=seed * 100003 + epoch):
-            frac = (time.thread_time() - c0) / budget_cpu_s
-            if frac >= 1.0 or (max_steps is not None and step >= max_steps):
-                done = True
-                break
-            for g, b0 in zip(opt.param_groups, base, strict=True):
-                g["lr"] = b0 * sched_fn(frac)
-            b = collate_records([records[i] for i in idx])
-            ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
-            with ctx:
-                e, f = pot.predict(b, training=True)
-            loss, _ = energy_force_loss(e, f, b, force_weight=force_weight)
-            if not torch.isfinite(loss):  # diverged: stop and say so (the test MAE will be NaN)
-                diverged_at = step
-                done = True
-                break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 10.0)
-            opt.step()
-            if ema is not None:
-                d = min(ema_decay, (1 + step) / (10 + step))
-                with torch.no_grad():
-                    torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - d)
-            losses.append(float(loss.detach()))
-            step += 1
-            structures += len(idx)
-        epoch += 1
-    if ema is not None:
-        with torch.no_grad():
-            for p, a in zip(params, ema, strict=True):
-                p.copy_(a)
-    pot.train(False)
-    cpu = time.thread_time() - c0
-    return {"steps": step, "epochs_started": epoch, "structures_seen": structures,
-            "cpu_seconds": cpu, "wall_seconds": time.perf_counter() - w0,
-            "structures_per_cpu_second": structures / max(cpu, 1e-9),
-            "final_loss_avg20": float(np.mean(losses[-20:])) if losses else None,
-            "diverged_at_step": diverged_at}

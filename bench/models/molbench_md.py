@@ -14,8 +14,6 @@ Used by bench/models/md_stability.py. The pieces, each testable on its own:
   intramolecular pair distances (a density over r normalised by the number of pairs, so it
   integrates to 1 when every pair lies inside ``r_max``), averaged over frames and then over
   molecules, and the integrated absolute difference of two of them (0: identical, 2: disjoint);
-* :class:`PotentialCalculator` — an ASE calculator around any bench potential
-  (``OurPotential``, ``SpkPotential``, ``MacePotential``: anything with ``predict``);
 * :func:`run_md` — seeded Langevin (or Langevin-thermalised NVE VelocityVerlet) MD with
   ASE, monitored every ``record_every`` steps and stopped at the first failure.
 """
@@ -27,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from ase.calculators.calculator import Calculator, all_changes
 
 # the stability criteria are the library's (convergent.screen.mdcheck, the demo's MD check)
 from convergent.screen.mdcheck import (  # noqa: F401 - re-exported for the bench and tests
@@ -71,28 +68,6 @@ def mean_density(per_molecule: list[np.ndarray]) -> np.ndarray:
 def rdf_distance(g1: np.ndarray, g2: np.ndarray, edges: np.ndarray) -> float:
     """Integrated absolute difference of two densities over ``edges`` (0..2)."""
     return float(np.sum(np.abs(np.asarray(g1) - np.asarray(g2)) * np.diff(edges)))
-
-
-class PotentialCalculator(Calculator):
-    """ASE calculator around a bench potential's ``predict`` (energy eV, forces eV/Å); ours
-    goes through the product's :class:`~convergent.models.calculator.SurrogateCalculator`
-    instead (see md_stability)."""
-
-    implemented_properties = ["energy", "free_energy", "forces"]
-
-    def __init__(self, potential: Any) -> None:
-        super().__init__()
-        self.pot = potential
-        self.pot.train(False)
-
-    def calculate(self, atoms: Any = None, properties: Any = None,
-                  system_changes: Any = all_changes) -> None:
-        from convergent.models.batching import atoms_to_record, collate_records
-
-        super().calculate(atoms, properties or ["energy"], system_changes)
-        e, f = self.pot.predict(collate_records([atoms_to_record(self.atoms)]), training=False)
-        self.results["energy"] = self.results["free_energy"] = float(e[0])
-        self.results["forces"] = f.detach().double().numpy()
 
 
 @dataclass

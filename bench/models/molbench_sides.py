@@ -3,10 +3,16 @@
 bench/models/accuracy.py (accuracy at equal budget) and bench/models/md_stability.py (MD with the
 trained models) train every side the same way: the same datasets (:data:`DATASETS`), the
 same molecule-wise folds (:class:`Folds`), the same model settings and training protocol
-(:func:`add_training_args`, :func:`check_data_args`, :func:`build`, :func:`train_side`),
+(:func:`add_training_args`, :func:`check_data_args`, :func:`model_config`, :func:`train_side`),
 the same side names and checks (:func:`resolve_sides`) and the same settings record in the
 JSON (:func:`common_settings`, :func:`side_settings`). ``nci2k`` (bench/models/nci2k.py) is split
 by Bemis-Murcko scaffold instead, so no test scaffold is in training (asserted per fold).
+
+Every side — ours, SchNet and PaiNN (``model.kind: schnet | painn``, schnetpack's) and MACE
+(``model.kind: mace``, mace-torch's) — is a model kind of convergent and trains through the
+one training loop (train/fit.py, the Trainer of ``convergent train``) for an equal budget of
+thread-CPU seconds (``train.time_budget_s`` with ``train.budget_clock: thread_cpu``, one
+torch thread, batches built in the training thread).
 """
 
 from __future__ import annotations
@@ -15,24 +21,19 @@ import argparse
 import importlib.util
 import math
 import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-import torch
-
-from bench.models.molbench import (
-    OurPotential,
-    SpkPotential,
-    molecule_folds,
-    train_for,
-    xtb_dataset,
-    xtb_nci_dataset,
-)
-from bench.models.molbench_mace import MACE_DEFAULTS, MacePotential, mace_available
+from bench.models.molbench import OurPotential, molecule_folds, xtb_dataset, xtb_nci_dataset
 from bench.models.nci2k import Nci2kSettings, group_folds, scaffold_group, split_report
 from bench.models.nci2k import load as nci2k_load
 
 PEERS = ("schnet", "painn", "mace")
 SPK_PEERS = ("schnet", "painn")
+SPK_RBF = 20  # Gaussians of the schnetpack peers' radial basis
 SIDES = ("ours", "ours_softmax", "ours_vectors", "ours_bf16", *PEERS)
 BATCH_ATOMS = 256
 DATASETS = {
@@ -70,16 +71,16 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--force-weight", type=float, default=0.01,
                     help="loss = per-atom energy MSE + this x force MSE")
     ap.add_argument("--ema", type=float, default=0.99, help="EMA decay of the weights (0 = off)")
-    ap.add_argument("--warmup", type=float, default=0.0, help="LR warm-up, fraction of the budget")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="LR warm-up, optimizer steps")
     ap.add_argument("--models", default=None,
                     help="sides: ours, schnet, painn, mace, ours_softmax, ours_vectors, ours_bf16 "
                          "(default ours,schnet,painn plus mace when mace-torch imports)")
     ap.add_argument("--mace-dtype", default="float32", choices=("float32", "float64"),
                     help="MACE's dtype (it recommends float64 for MD and accuracy; float32 "
                          "is the others' precision and about twice as fast on this CPU)")
-    ap.add_argument("--mace-hidden-irreps", default=MACE_DEFAULTS["hidden_irreps"],
-                    help="MACE's hidden irreps (its own default 128x0e+128x1o is large for a "
-                         "CPU budget)")
+    ap.add_argument("--mace-channels", type=int, default=32,
+                    help="MACE's channels per l of the hidden irreps (32x0e+32x1o; its own "
+                         "default 128 is large for a CPU budget)")
 
 
 def check_data_args(args: argparse.Namespace) -> None:
@@ -91,7 +92,7 @@ def check_data_args(args: argparse.Namespace) -> None:
 def resolve_sides(models: str | None, allowed: tuple[str, ...] = SIDES) -> tuple[list[str], dict[str, str], str | None]:
     """(side names, sides left out with the reason, MACE's version or None) for ``--models``;
     bad names or a named peer whose package is missing exit 2 (:func:`fail`)."""
-    mace_ok, mace_info = mace_available()
+    mace_ok, mace_info = _mace_available()
     skipped: dict[str, str] = {}
     if models is None:
         names = ["ours", "schnet", "painn"]
@@ -108,42 +109,74 @@ def resolve_sides(models: str | None, allowed: tuple[str, ...] = SIDES) -> tuple
         fail(f"--models names mace but {mace_info}; run: .venv/bin/pip install -e '.[mace]'")
     if set(SPK_PEERS) & set(names) and importlib.util.find_spec("schnetpack") is None:
         fail("--models names a schnetpack peer but schnetpack is not installed; "
-             "run: .venv/bin/pip install -e '.[bench]'")
+             "run: .venv/bin/pip install -e '.[schnetpack]'")
     return names, skipped, (mace_info if mace_ok else None)
 
 
-def build(name: str, args: argparse.Namespace, ref: Any, seed: int,
-          train: list[dict[str, Any]]) -> tuple[Any, int, Any]:
-    """A fresh potential for side ``name`` (initialised with ``seed``; MACE takes its
-    average neighbour count from the ``train`` records)."""
-    from convergent.models.config import ModelConfig
-    from convergent.models.molecular import build_model, count_parameters
+def _mace_available() -> tuple[bool, str]:
+    """(True, version) when mace-torch imports, else (False, the reason)."""
+    from convergent.models.mace import import_mace
 
-    torch.manual_seed(seed)
+    try:
+        import_mace()
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip the side
+        return False, f"mace-torch not importable: {type(exc).__name__}: {exc}"
+    return True, metadata.version("mace-torch")
+
+
+def model_config(name: str, args: argparse.Namespace) -> Any:
+    """The ``model`` section of side ``name``."""
+    from convergent.models.config import MaceConfig, ModelConfig
+
     if name.startswith("ours"):
         weights = "softmax" if "softmax" in name else None  # else the model default (silu)
-        cfg = ModelConfig(hidden=args.hidden, layers=args.layers, heads=4, cutoff=args.cutoff,
-                          vectors="vectors" in name,
-                          **({"attention_weights": weights} if weights else {}))
-        model = build_model(cfg)
-        model.set_reference(ref)
-        return OurPotential(model), count_parameters(model), cfg
+        return ModelConfig(hidden=args.hidden, layers=args.layers, heads=4, cutoff=args.cutoff,
+                           vectors="vectors" in name,
+                           **({"attention_weights": weights} if weights else {}))
     if name == "mace":
-        pot = MacePotential(args.cutoff, ref, train, dtype=getattr(torch, args.mace_dtype),
-                            hidden_irreps=args.mace_hidden_irreps)
-        return pot, sum(p.numel() for p in pot.parameters()), pot.settings
-    pot = SpkPotential(name, args.hidden, args.layers, args.cutoff, ref)
-    return pot, sum(p.numel() for p in pot.parameters()), None
+        return ModelConfig(kind="mace", mace=MaceConfig(r_max=args.cutoff, dtype=args.mace_dtype,
+                                                        channels=args.mace_channels))
+    return ModelConfig(kind=name, hidden=args.hidden, layers=args.layers, cutoff=args.cutoff,
+                       num_rbf=SPK_RBF)
 
 
-def schedule(warmup: float):  # noqa: ANN201
-    """LR factor vs budget fraction: linear warm-up over ``warmup``, then cosine to 0."""
+class _Datasets:
+    """Each training list written once as a convergent dataset (train/fit.py reads one)."""
 
-    def f(x: float) -> float:
-        w = min(1.0, x / warmup) if warmup > 0 else 1.0
-        return w * 0.5 * (1 + math.cos(math.pi * min(1.0, x)))
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="molbench-"))
+        self.paths: dict[int, tuple[list[dict[str, Any]], str]] = {}
 
-    return f
+    def path(self, records: list[dict[str, Any]]) -> str:
+        from convergent.data.writer import write_records
+
+        hit = self.paths.get(id(records))
+        if hit is None or hit[0] is not records:
+            out = self.root / f"train{len(self.paths)}"
+            write_records(out, [{**r, "key": r.get("key") or f"{r.get('molecule_id', 'm')}/{i:06d}"}
+                                for i, r in enumerate(records)])
+            hit = self.paths[id(records)] = (records, str(out))
+        return hit[1]
+
+
+DATASETS_ON_DISK = _Datasets()
+
+
+def fit_config(name: str, args: argparse.Namespace, data: str, seed: int) -> Any:
+    """The whole config of side ``name`` for train/fit.py: the shared protocol (module doc)."""
+    from convergent.config import ConvergentConfig
+
+    train = {"dataset": data, "steps": 10_000_000, "time_budget_s": args.budget,
+             "budget_clock": "thread_cpu", "lr": args.lr, "batch_atoms": BATCH_ATOMS,
+             "force_weight": args.force_weight, "seed": seed, "ema_decay": args.ema,
+             "warmup_steps": args.warmup_steps, "min_lr_ratio": 0.0, "lr_schedule": "cosine",
+             "grad_clip": 10.0, "weight_decay": 0.0, "threads": 1, "device": "cpu",
+             "val_every": 0, "prefetch": 0}
+    return ConvergentConfig.model_validate({
+        "model": model_config(name, args).model_dump(mode="json"), "train": train,
+        "precision": {"dtype": "bf16" if name.endswith("bf16") else "fp32"},
+        "checkpoint": {"interval": 0, "keep": 1, "resume": False, "at_end": False},
+        "metrics": {"tensorboard": False, "mfu": False}})
 
 
 class Folds:
@@ -188,52 +221,64 @@ class Folds:
 
 
 def autocast_of(name: str) -> Any:
+    """The autocast dtype a side is evaluated under (its training precision)."""
+    import torch
+
     return torch.bfloat16 if name.endswith("bf16") else None
 
 
-def train_side(name: str, args: argparse.Namespace, train: list[dict[str, Any]], ref: Any,
+def train_side(name: str, args: argparse.Namespace, train: list[dict[str, Any]],
                seed: int) -> tuple[Any, int, Any, dict[str, Any]]:
-    """Build side ``name`` with ``seed`` and train it on ``train`` under the shared protocol:
-    (potential, parameter count, its config/settings, train_for's record)."""
-    pot, n_params, cfg = build(name, args, ref, seed, train)
-    tinfo = train_for(pot, train, args.budget, lr=args.lr, batch_atoms=BATCH_ATOMS,
-                      force_weight=args.force_weight, seed=seed, autocast=autocast_of(name),
-                      sched_fn=schedule(args.warmup), ema_decay=args.ema)
-    return pot, n_params, cfg, tinfo
+    """Side ``name`` trained on ``train`` with ``seed`` through the one training loop under
+    the shared protocol: (potential, parameter count, its model config, the run's record)."""
+    from convergent.models.io import load_model
+    from convergent.runsdb.trainrecords import read_train_records
+    from convergent.train.fit import fit
+
+    cfg = fit_config(name, args, DATASETS_ON_DISK.path(train), seed)
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as work:
+        c0, w0 = time.thread_time(), time.perf_counter()
+        summary = fit(cfg, Path(work) / "run", export_to=Path(work) / "model")
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
+        model, _ = load_model(Path(work) / "model", "cpu")
+        steps, _ = read_train_records(Path(work) / "run" / "metrics.jsonl", last_attempt=True)
+    losses = [s.loss for s in steps if s.loss is not None]
+    bad = [s.step for s in steps if s.loss is None or not math.isfinite(s.loss)]
+    tinfo = {"steps": summary["steps"], "cpu_seconds": cpu, "wall_seconds": wall,
+             "budget_thread_cpu_seconds": summary["budget"]["elapsed"],
+             "steps_per_cpu_second": summary["steps"] / max(cpu, 1e-9),
+             "final_loss_avg20": sum(losses[-20:]) / len(losses[-20:]) if losses else None,
+             "diverged_at_step": bad[0] if bad else None}
+    n_params = sum(p.numel() for p in model.parameters())
+    return OurPotential(model), n_params, cfg.model, tinfo
 
 
 def common_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The protocol every side shares (as written into the JSON)."""
     return {"dataset": args.dataset, "folds": args.folds, "budget_thread_cpu_s": args.budget,
             "lr": args.lr, "lr_rule": "one fixed LR for every model and every budget (no probe)",
-            "optimizer": "Adam, cosine decay over the budget", "warmup_fraction": args.warmup,
-            "ema_decay": args.ema, "force_weight": args.force_weight,
-            "batch_atoms": BATCH_ATOMS, "batch_order_seed": args.seed, "init_seed": args.seed,
-            "torch_threads": 1, "hidden": args.hidden, "layers": args.layers,
-            "cutoff_A": args.cutoff, "grad_clip_norm": 10.0,
+            "optimizer": "AdamW, weight decay 0 (Adam's update), cosine to 0 over the budget",
+            "warmup_steps": args.warmup_steps, "ema_decay": args.ema,
+            "force_weight": args.force_weight, "batch_atoms": BATCH_ATOMS,
+            "batch_order_seed": args.seed, "init_seed": args.seed, "torch_threads": 1,
+            "hidden": args.hidden, "layers": args.layers, "cutoff_A": args.cutoff,
+            "grad_clip_norm": 10.0,
             "references": "element reference energies + scale fitted on the fold's training set",
-            "trainer": "bench/models/molbench.py:train_for"}
+            "trainer": "train/fit.py (the Trainer of convergent train), train.time_budget_s "
+                       "with budget_clock thread_cpu"}
 
 
 def side_settings(args: argparse.Namespace, mace_version: str | None) -> dict[str, dict[str, Any]]:
-    """Each side's own settings (as written into the JSON)."""
-    return {
-        "ours": {"model": "convergent MolecularTransformer (silu-gated attention)"},
-        "ours_softmax": {"model": "convergent MolecularTransformer, softmax attention weights"},
-        "ours_vectors": {"model": "convergent MolecularTransformer with the vector channel"},
-        "ours_bf16": {"model": "convergent MolecularTransformer", "autocast": "bf16 (CPU)"},
-        "schnet": {"model": "schnetpack SchNet + Atomwise", "n_rbf": 20, "cutoff_fn": "cosine"},
-        "painn": {"model": "schnetpack PaiNN + Atomwise", "n_rbf": 20, "cutoff_fn": "cosine"},
-        "mace": {"model": f"mace-torch {mace_version or '(absent)'} ScaleShiftMACE, "
-                          "trained by bench/models/molbench.py:train_for (not mace_run_train)",
-                 **MACE_DEFAULTS, "hidden_irreps": args.mace_hidden_irreps,
-                 "r_max": args.cutoff, "dtype": args.mace_dtype,
-                 "forces": "-dE/dx by autograd (MACE's own output)",
-                 "inputs": "MACE's input dict built from our batches, neighbours from "
-                           "convergent.models.atoms.neighbor_list (not mace.data.AtomicData)",
-                 "ignored_common": "hidden, layers (MACE's width and depth are hidden_irreps "
-                                   "and num_interactions)"},
-    }
+    """Each side's own settings (as written into the JSON): its ``model`` section."""
+    out = {n: {"model": model_config(n, args).model_dump(mode="json")} for n in SIDES
+           if n != "mace" or mace_version}
+    out["ours_bf16"]["autocast"] = "bf16 (CPU): precision.dtype=bf16"
+    for n in SPK_PEERS:
+        out[n]["network"] = f"schnetpack {n} + Atomwise (model.kind={n}), cosine cutoff"
+    if mace_version:
+        out["mace"]["network"] = (f"mace-torch {mace_version} ScaleShiftMACE (model.kind=mace), "
+                                  "trained by the one loop (not mace_run_train)")
+    return out
 
 
 def differences(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -241,20 +286,18 @@ def differences(args: argparse.Namespace, names: list[str]) -> list[str]:
     out = [
         "architectures differ (that is the comparison): parameter counts are in per_round",
         "equal thread-CPU time, not equal steps: a model that is cheaper per step sees more "
-        "batches (train_steps, train_structures_per_cpu_second per round)",
-        "schnetpack peers use their own radial basis (20 Gaussians, cosine cutoff); ours its "
-        "own; both get neighbours from convergent.models.atoms.neighbor_list",
+        "batches (train_steps, train_steps_per_cpu_second per round)",
+        f"schnetpack peers use their own radial basis ({SPK_RBF} Gaussians, cosine cutoff); "
+        "ours its own; every side gets neighbours from convergent.models.atoms.neighbor_list",
         f"the budget ({args.budget} thread-CPU s) is small for this 2-core shared machine: "
         "every model is under-trained; compare models within this run, not with other budgets",
     ]
     if "mace" in names:
         out.append(
-            f"mace is MACE's own model (ScaleShiftMACE, {args.mace_hidden_irreps}, "
-            f"{MACE_DEFAULTS['num_interactions']} interactions, max_ell {MACE_DEFAULTS['max_ell']}, "
-            f"correlation {MACE_DEFAULTS['correlation']}, {MACE_DEFAULTS['num_bessel']} Bessel + "
-            f"polynomial cutoff p={MACE_DEFAULTS['num_polynomial_cutoff']}) in {args.mace_dtype}, "
-            "but trained by our loop under this protocol: not MACE's own recipe (mace_run_train's "
-            "weighted energy/force loss, AMSGrad at lr 0.01, SWA/stage two, float64)")
+            f"mace is MACE's own model (ScaleShiftMACE, model.mace: channels {args.mace_channels}, "
+            f"the rest model.mace's defaults) in {args.mace_dtype}, trained by our loop under "
+            "this protocol: not MACE's own recipe (mace_run_train's weighted energy/force loss, "
+            "AMSGrad at lr 0.01, SWA/stage two, float64)")
     if "ours_bf16" in names:
         out.append("ours_bf16 trains and evaluates under bf16 autocast (the others fp32)")
     return out

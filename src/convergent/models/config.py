@@ -22,7 +22,7 @@ from convergent.core.configbase import Count, Count0, Positive, Section
 class MaceConfig(Section):
     """MACE hyper-parameters (``model.kind: mace``): mace-torch's ``ScaleShiftMACE``.
 
-    The defaults are the "small" MACE of bench/models/molbench_mace.py (mace_run_train's settings
+    The defaults are the "small" MACE of the molecular benches (mace_run_train's settings
     except the width): ``r_max`` 5 Å, 2 interactions, hidden irreps ``32x0e+32x1o``
     (``channels`` per l up to ``max_L``), spherical harmonics to ``max_ell`` 3, body order
     ``correlation`` 3, 8 Bessel functions with a p=5 polynomial cutoff, a 64x64x64 radial
@@ -106,6 +106,11 @@ class ModelConfig(Section):
     # Edges per chunk in attention (0 = all at once). Chunking bounds forward temporaries
     # but adds an O(N) gradient buffer per chunk in backward: superlinear at large N.
     edge_chunk: Count0 = 0
+    # The attention's message step (convergent.models.edge_kernel): auto = a fused Triton
+    # kernel on CUDA where it runs, else torch segment sums over centre-sorted edges;
+    # index = the earlier index_add_ scatter (the reference). Scalar blocks without
+    # edge_chunk or topk only (the others scatter with index_add_).
+    edge_kernel: Literal["auto", "torch", "triton", "index"] = "auto"
 
     @field_validator("heads")
     @classmethod
@@ -128,6 +133,15 @@ class ModelConfig(Section):
     def _one_pass_with_vectors(cls, v: int, info: ValidationInfo) -> int:
         if v and info.data.get("vectors"):
             raise ValueError("must be 0 with model.vectors: true (the vector block runs all edges in one pass)")
+        return v
+
+    @field_validator("edge_kernel")
+    @classmethod
+    def _triton_scalar_neighbour_blocks(cls, v: str, info: ValidationInfo) -> str:
+        d = info.data
+        if v == "triton" and (d.get("vectors") or d.get("edge_chunk") or d.get("attention") == "topk"):
+            raise ValueError("triton needs model.vectors false, model.edge_chunk 0 and "
+                             "model.attention neighbor or dense")
         return v
 
     @property

@@ -25,7 +25,7 @@ training loop, the loss, the exporter, the ASE calculator and screening use it u
 MACE's input dict is built from our :class:`~convergent.models.batching.AtomsBatch` with
 neighbours from :func:`convergent.models.atoms.neighbor_list` (sender = ``edge_index[0]``,
 receiver = ``edge_index[1]``, MACE's vector ``r_recv - r_send + shift``), as
-bench/models/molbench_mace.py does. mace-torch is optional (``pip install 'convergent[mace]'``):
+every side of the molecular benches does. mace-torch is optional (``pip install 'convergent[mace]'``):
 it is imported only when a MACE model is built (:func:`import_mace`).
 """
 
