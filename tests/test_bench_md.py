@@ -156,3 +156,38 @@ def test_tiny_real_md_run_through_the_bench(xtb_records):
     assert 0.0 < row["rdf_frame_coverage_300K"] <= 1.0
     assert row["md_steps"] > 0 and row["md_seconds_per_step"] > 0
     assert res.median("ours", "stable_fraction_300K") == row["stable_fraction_300K"]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("ensemble", ["langevin", "nve"])
+def test_batched_md_of_a_model_is_each_molecules_own_ase_run(ensemble):
+    """md_stability runs a model's molecules together (run_batched, BatchMD); each one's
+    trajectory, energies and failure are those of the bench's one-molecule ASE loop
+    (run_md with the product's calculator) from the same start and seed."""
+    import torch
+    from ase.build import molecule
+
+    from bench.models.molbench_md import run_batched, run_md
+    from convergent.models.calculator import SurrogateCalculator
+    from convergent.models.config import ModelConfig
+    from convergent.models.molecular import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(hidden=16, layers=1, heads=2)).eval()
+    starts = [{"numbers": molecule(n).numbers, "positions": molecule(n).positions}
+              for n in ("H2O", "CH3OH", "NH3")]
+    seeds, kw = [5, 6, 7], {"timestep_fs": 0.5, "friction_per_fs": 0.02, "record_every": 4,
+                            "criteria": Criteria()}
+    warm = 6 if ensemble == "nve" else 0
+    got = run_batched(model, starts, 300.0, 16, seeds, ensemble=ensemble, thermalise_steps=warm, **kw)
+    for s, seed, g in zip(starts, seeds, got, strict=True):
+        ref = run_md(s["numbers"], s["positions"], SurrogateCalculator(model), 300.0, 16, seed,
+                     ensemble=ensemble, thermalise_steps=warm, **kw)
+        assert g.reason == ref.reason and g.steps == ref.steps
+        assert g.times_ps == pytest.approx(ref.times_ps)
+        # float32 forces, packed or alone: summation order only (see tests/screen/test_batchmd.py)
+        np.testing.assert_allclose(np.stack(g.positions), np.stack(ref.positions), atol=1e-5)
+        eps = float(torch.finfo(torch.float32).eps)
+        scale = max(abs(e) for e in ref.potential)
+        np.testing.assert_allclose(g.potential, ref.potential, atol=1e3 * eps * scale)
+        np.testing.assert_allclose(g.total, ref.total, atol=1e3 * eps * scale)

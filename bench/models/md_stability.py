@@ -50,6 +50,7 @@ from bench.models.molbench_md import (
     pair_distance_density,
     rdf_distance,
     rdf_edges,
+    run_batched,
     run_md,
 )
 from bench.models.molbench_sides import (
@@ -78,12 +79,23 @@ def md_starts(test: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return [first[m] for m in ids[:n]]
 
 
-def calculator_for(name: str, pot: Any) -> Any:
-    """The ASE calculator MD runs with: the product's SurrogateCalculator for every side
-    (each is a convergent model kind); ``name`` is kept for the callers' labels."""
-    from convergent.models.calculator import SurrogateCalculator
-
-    return SurrogateCalculator(pot.model)
+def simulate_batched(model: Any, starts: list[dict[str, Any]], args: argparse.Namespace,
+                     temperatures: list[float], nve: bool) -> dict[str, Any]:
+    """:func:`simulate` for a trained model: each temperature's molecules (and the NVE
+    runs) advanced together in one batch (molbench_md.run_batched, BatchMD), from the same
+    starts and velocity seeds."""
+    steps = round(args.ps * 1000 / args.timestep)
+    kw = {"timestep_fs": args.timestep, "friction_per_fs": args.friction,
+          "record_every": args.record_every, "criteria": Criteria(), "device": args.md_device}
+    seeds = [args.md_seed * 1000 + i for i in range(len(starts))]
+    out: dict[str, Any] = {"langevin": {}, "nve": [], "steps": steps, "record_every": args.record_every}
+    for T in temperatures:
+        out["langevin"][T] = run_batched(model, starts, T, steps, seeds, **kw)
+    if nve:
+        out["nve"] = run_batched(model, starts, temperatures[0], round(args.nve_ps * 1000 / args.timestep),
+                                 seeds, ensemble="nve",
+                                 thermalise_steps=round(args.nve_thermalise_fs / args.timestep), **kw)
+    return out
 
 
 def simulate(calc_of: Any, starts: list[dict[str, Any]], args: argparse.Namespace,
@@ -164,8 +176,7 @@ def side_runner(name: str, args: argparse.Namespace, folds: Folds, starts: list[
         train, test, _ = folds.get(args.fold)
         pot, n_params, _, tinfo = train_side(name, args, train, args.seed + r)
         acc = evaluate(pot, test)
-        runs = simulate(lambda: calculator_for(name, pot), starts, args, temperatures, True,
-                        f"{name} seed {args.seed + r}")
+        runs = simulate_batched(pot.model.to(args.md_device), starts, args, temperatures, True)
         row = md_metrics(runs, temperatures, edges, ref, starts)
         row.update(seed=args.seed + r, parameters=n_params, energy_mae=acc["energy_mae"],
                    force_mae=acc["force_mae"], train_steps=tinfo["steps"],
@@ -220,6 +231,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--friction", type=float, default=0.01, help="Langevin friction, 1/fs")
     ap.add_argument("--record-every", type=int, default=10, help="steps between checks/frames")
     ap.add_argument("--md-seed", type=int, default=0, help="seed of the MD velocities")
+    ap.add_argument("--md-device", default="cpu", help="device of the batched MD (cpu, cuda)")
     ap.add_argument("--no-xtb", dest="xtb", action="store_false",
                     help="skip the xTB reference MD (no RDF distance)")
     args = ap.parse_args(argv)
@@ -264,8 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           "torch_threads": 1}
     sides = [Side(n, side_runner(n, args, folds, starts, args.temps, edges, ref_g),
                   {**common, **settings.get(n, {"model": n}), "md": md,
-                   "calculator": "convergent SurrogateCalculator (every side is a model "
-                                 "kind)"}) for n in names]
+                   "md_engine": "convergent.screen.batchmd.BatchMD: every molecule of a "
+                                "temperature in one batch, one model call a step (the xTB "
+                                "reference: ASE's loop with tblite)"}) for n in names]
     res = interleave("md_stability", sides, rounds=args.rounds, differences=differences(args, names)
                      + ["every side runs MD from the same starts with the same velocity seeds; "
                         "the xTB reference too",

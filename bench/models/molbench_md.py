@@ -15,7 +15,11 @@ Used by bench/models/md_stability.py. The pieces, each testable on its own:
   integrates to 1 when every pair lies inside ``r_max``), averaged over frames and then over
   molecules, and the integrated absolute difference of two of them (0: identical, 2: disjoint);
 * :func:`run_md` — seeded Langevin (or Langevin-thermalised NVE VelocityVerlet) MD with
-  ASE, monitored every ``record_every`` steps and stopped at the first failure.
+  ASE, monitored every ``record_every`` steps and stopped at the first failure (the xTB
+  reference: one tblite calculator per molecule);
+* :func:`run_batched` — the same runs for a trained convergent model, every molecule in one
+  :class:`convergent.screen.batchmd.BatchMD` (one model call a step for all of them; each
+  molecule's trajectory is the one :func:`run_md` gives, to float tolerance).
 """
 
 from __future__ import annotations
@@ -148,3 +152,51 @@ def run_md(numbers: np.ndarray, positions: np.ndarray, calc: Any, temperature: f
         (traj.times_ps[-1] if traj.times_ps else 0.0) * 1000.0 / timestep_fs)
     traj.wall_s, traj.cpu_s = time.perf_counter() - w0, time.thread_time() - c0
     return traj
+
+
+def run_batched(model: Any, starts: list[dict[str, Any]], temperature: float, steps: int,
+                seeds: list[int], *, timestep_fs: float, friction_per_fs: float,
+                record_every: int, criteria: Criteria | None = None, ensemble: str = "langevin",
+                thermalise_steps: int = 0, device: str = "cpu") -> list[Trajectory]:
+    """:func:`run_md` for every start at once with ``model`` (a convergent surrogate):
+    velocities drawn as run_md draws them (seed ``seeds[i]``, the same stream then drives
+    the Langevin noise), the centre of mass held, each molecule checked every
+    ``record_every`` steps and frozen at its first failure while the others go on."""
+    from ase import Atoms
+
+    from convergent.screen.batchmd import BatchMD, MDSettings
+    from convergent.sim.samplers import thermalise
+
+    if ensemble not in ("langevin", "nve"):
+        raise ValueError(f"ensemble must be langevin or nve, not {ensemble!r}")
+    zs = [np.asarray(s["numbers"], dtype=np.int64) for s in starts]
+    xs = [np.asarray(s["positions"], dtype=np.float64) for s in starts]
+    rngs, vel = [np.random.default_rng(s) for s in seeds], []
+    for z, x, rng in zip(zs, xs, rngs, strict=True):
+        atoms = Atoms(numbers=z, positions=x)
+        thermalise(atoms, temperature, rng)
+        vel.append(atoms.get_velocities())
+    w0, c0 = time.perf_counter(), time.thread_time()
+    lang = MDSettings(temperature, timestep_fs, friction_per_fs, fix_com=True)
+    if ensemble == "nve" and thermalise_steps > 0:
+        warm = BatchMD([model], zs, xs, lang, rngs, velocities=vel, device=device)
+        warm.run(thermalise_steps, interval=thermalise_steps)
+        xs, vel = warm.x, warm.v
+    monitors: dict[int, StabilityMonitor] = {}
+    settings = lang if ensemble == "langevin" else MDSettings(temperature, timestep_fs, 0.0, True)
+    md = BatchMD([model], zs, xs, settings, rngs, velocities=vel, device=device,
+                 check=lambda i, pos, e: monitors[i].check(pos, e))
+    for i, bt in enumerate(md.traj):
+        monitors[i] = StabilityMonitor(zs[i], bt.positions[0], bt.energy[0], criteria)
+    md.run(steps, interval=record_every)
+    wall, cpu = time.perf_counter() - w0, time.thread_time() - c0
+    out = []
+    for bt in md.traj:
+        ps = timestep_fs / 1000.0
+        out.append(Trajectory(
+            times_ps=[s * ps for s in bt.steps], positions=bt.positions, potential=bt.energy,
+            total=[e + k for e, k in zip(bt.energy, bt.kinetic, strict=True)],
+            failed_at_ps=None if bt.failed_step is None else bt.failed_step * ps,
+            reason=bt.failure, steps=thermalise_steps + (bt.steps[-1] if bt.steps else 0),
+            wall_s=wall / len(starts), cpu_s=cpu / len(starts)))
+    return out

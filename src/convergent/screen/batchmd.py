@@ -40,7 +40,8 @@ class MDSettings:
 @dataclass
 class Trajectory:
     """One molecule's run: frames kept every ``interval`` steps (frame 0: the start), the
-    committee's energy and spreads at each, and the failure, if any."""
+    committee's energy and spreads at each, the kinetic energy (eV, the end-of-step
+    velocities, as ASE's ``get_kinetic_energy``), and the failure, if any."""
 
     numbers: np.ndarray
     positions: list[np.ndarray] = field(default_factory=list)
@@ -48,6 +49,7 @@ class Trajectory:
     energy: list[float] = field(default_factory=list)
     energy_std: list[float] = field(default_factory=list)
     force_std_max: list[float] = field(default_factory=list)
+    kinetic: list[float] = field(default_factory=list)
     failed_step: int | None = None
     failure: str | None = None
 
@@ -123,6 +125,7 @@ class BatchMD:
         self.step_no = 0
         self._coefficients()
         self.f = self._forces(record=True)
+        self._record_kinetic()
 
     def _thermal(self, i: int) -> np.ndarray:
         from ase import Atoms
@@ -204,8 +207,14 @@ class BatchMD:
                 if self.s.fix_com:  # FixCom.adjust_momenta: no net momentum
                     self.v[i] = self.v[i] - (self.v[i] * self.m[i]).sum(0) / self.m[i].sum()
             if frame:
+                self._record_kinetic()
                 self._flag()
         return self.traj
+
+    def _record_kinetic(self) -> None:
+        """The kinetic energy (eV) of each running molecule at the frame just kept."""
+        for i in self.active:
+            self.traj[i].kinetic.append(float(0.5 * (self.m[i] * self.v[i] ** 2).sum()))
 
     def _flag(self) -> None:
         """Freeze and flag the molecules whose current frame fails the check."""
