@@ -1,10 +1,13 @@
 """The paged-KV serving path of the Llama decoder: packed-batch metadata and attention.
 
 :class:`PagedBatch` describes one packed serving batch (tokens of many sequences
-concatenated, their keys/values in a paged cache); :meth:`PagedBatch.prepare` builds once
-per batch the RoPE tables and the padded attention groups every layer reuses, and
-:func:`paged_attention` is the attention of one layer over that cache (called by
-:meth:`convergent.models.llama_model.Attention.forward_paged`).
+concatenated, their keys/values in a paged cache). :meth:`PagedBatch.build` makes one
+from a step's host lists through preallocated buffers (:mod:`convergent.models.paged_meta`:
+numpy into pinned memory, one copy per step); :meth:`PagedBatch.prepare` builds once per
+batch the RoPE tables (and, for a batch made directly from tensors, the attention groups)
+every layer reuses, and :func:`paged_attention` is the attention of one layer over that
+cache (called by :meth:`convergent.models.llama_model.Attention.forward_paged`). Decode
+queries go to the batch's attention backend (:mod:`convergent.models.paged_decode`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from convergent.models.llama_rope import Rotary
+from convergent.models.paged_decode import DecodeBatch, decode_flex
+from convergent.models.paged_meta import StepBuffers, StepPlan, pad_groups, plan_step
 
-__all__ = ["DecodeGroup", "PagedBatch", "PrefillGroup", "SERVING_SDPA_BACKENDS", "pad_groups",
-           "paged_attention", "serving_attention"]
+__all__ = ["DecodeGroup", "PagedBatch", "PrefillGroup", "SERVING_SDPA_BACKENDS", "StepBuffers",
+           "pad_groups", "paged_attention", "serving_attention"]
 
 # SDPA backends of the serving forward on CUDA: not cuDNN's. Its attention builds and caches
 # a graph per input shape, and a serving step's shapes change every step (context width,
@@ -36,42 +41,6 @@ def serving_attention(device: torch.device) -> contextlib.AbstractContextManager
     """The context one serving forward runs in: on CUDA, SDPA limited to
     :data:`SERVING_SDPA_BACKENDS`; elsewhere nothing changes."""
     return sdpa_kernel(SERVING_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def pad_groups(
-    lengths: Sequence[int], min_size: int = 8, max_waste: float = 0.3
-) -> list[list[int]]:
-    """Split items into groups padded to their longest member (indices, longest first).
-
-    Items are sorted by length; a group is closed once it has ``min_size`` members and
-    adding the next item would pad more than ``max_waste`` of the group's slots. Few
-    groups keep the per-group kernel count low; the waste cap bounds padded work.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    width = total = 0
-    for i in order:
-        n = lengths[i]
-        slots = width * (len(cur) + 1)
-        if cur and len(cur) >= min_size and slots - (total + n) > max_waste * slots:
-            groups.append(cur)
-            cur, total = [], 0
-        if not cur:
-            width = n
-        cur.append(i)
-        total += n
-    if cur:
-        groups.append(cur)
-    return groups
-
-
-def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A host tensor on ``dev``: on CUDA from pinned memory without blocking the host
-    (the copy is ordered on the current stream before the kernels that read it)."""
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
 
 
 @dataclass
@@ -104,10 +73,12 @@ class PagedBatch:
     offset``) where token ``t``'s key/value is written; ``block_tables[i]`` lists the
     blocks of sequence ``i`` in order.
 
-    :meth:`prepare` builds, once per batch, the index tensors every layer reuses: decode
-    sequences in padded groups that gather whole KV blocks (no per-sequence loop),
-    fresh prefills in padded causal groups, and only chunked prefills after a cached
-    prefix one at a time.
+    The attention's index tensors, shared by all layers: decode sequences in padded
+    groups that gather whole KV blocks (``backend`` ``sdpa_gather``) or one
+    :class:`~convergent.models.paged_decode.DecodeBatch` for the block-table kernels
+    (``triton``, ``flex``), fresh prefills in padded causal groups, and only chunked
+    prefills after a cached prefix one at a time. :meth:`build` plans them with numpy and
+    uploads them with the step; :meth:`prepare` does the same for a batch made directly.
     """
 
     positions: torch.Tensor  # [T] int64
@@ -116,17 +87,77 @@ class PagedBatch:
     context_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
+    backend: str = "sdpa_gather"  # decode attention: sdpa_gather | triton | flex
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    decode: DecodeBatch | None = None  # the decodes of the triton / flex backends
     chunked: list[int] = field(default_factory=list)  # sequences with a cached prefix
     starts: list[int] = field(default_factory=list)  # packed row of each sequence's first token
+    chunk_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # of chunked sequences
+    extras: list[torch.Tensor] = field(default_factory=list)  # build()'s extra index lists
     _rope: dict[str, Any] = field(default_factory=dict)
+    _planned: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        buffers: StepBuffers,
+        positions: Sequence[int],
+        slots: Sequence[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        backend: str = "sdpa_gather",
+        extras: Sequence[Sequence[int]] = (),
+    ) -> PagedBatch:
+        """A batch whose every index tensor (positions, slots, the attention groups and
+        ``extras``, e.g. the input ids and the sampled rows, as :attr:`extras`) comes from
+        one upload of ``buffers``: numpy into the (pinned) host buffer, one copy."""
+        plan = plan_step(query_lens, context_lens, block_tables, block_size,
+                         gather_decode=backend == "sdpa_gather")
+        views = buffers.upload([positions, slots, *extras, *plan.parts()])
+        k = 2 + len(extras)
+        b = cls(views[0], views[1], query_lens, context_lens, block_tables, block_size, backend,
+                extras=views[2:k])
+        b._apply(plan, views[k:])
+        return b
+
+    def _apply(self, plan: StepPlan, views: list[torch.Tensor]) -> None:
+        """Turn a plan's uploaded arrays (``views``, in :meth:`StepPlan.parts` order) into
+        the attention groups."""
+        it = iter(views)
+        dev = self.positions.device
+        self.starts = plan.starts.tolist()
+        self.chunked = plan.chunked
+        bs = self.block_size
+        for *_arrays, width in plan.decode_groups:
+            rows, blocks, ctx = next(it), next(it), next(it)
+            keys = torch.arange(width * bs, device=dev)
+            bias = torch.zeros(rows.numel(), width * bs, device=dev)
+            bias.masked_fill_(keys[None, :] >= ctx[:, None], float("-inf"))
+            self.decode_groups.append(DecodeGroup(rows, blocks, bias, width))
+        for *_parts, length in plan.prefill_groups:
+            self.prefill_groups.append(PrefillGroup(next(it), next(it), next(it), length))
+        for i in plan.chunked:
+            self.chunk_slots[i] = next(it)
+        if plan.decode_batch is not None:
+            rows, tables, ctx = next(it), next(it), next(it)
+            self.decode = DecodeBatch(rows, tables, ctx, tables.shape[1])
+        self._planned = True
 
     def prepare(self, rotary: Rotary) -> None:
-        """Precompute RoPE tables and attention groups (shared by all layers)."""
+        """Precompute RoPE tables (and, unless :meth:`build` made the batch, the attention
+        groups: planned as there, copied once) shared by all layers."""
         if self._rope:
             return
-        dev = self.positions.device
+        if not self._planned:
+            plan = plan_step(self.query_lens, self.context_lens, self.block_tables,
+                             self.block_size, gather_decode=self.backend == "sdpa_gather")
+            parts = plan.parts()
+            need = sum(p.size for p in parts)
+            bufs = StepBuffers(self.positions.device, capacity=max(1, need), pinned=False)
+            self._apply(plan, bufs.upload(parts))
         if rotary.dynamic:  # dynamic NTK: each sequence's length decides its frequencies
             cs, ss, off = [], [], 0
             for q, c in zip(self.query_lens, self.context_lens, strict=True):
@@ -137,61 +168,25 @@ class PagedBatch:
             self._rope["cos"], self._rope["sin"] = torch.cat(cs), torch.cat(ss)
         else:
             self._rope["cos"], self._rope["sin"] = rotary.cos_sin(self.positions)
-        starts, off = [], 0
-        for q in self.query_lens:
-            starts.append(off)
-            off += q
-        self.starts = starts
-        dec, fresh, self.chunked = [], [], []
-        for i, (q, c) in enumerate(zip(self.query_lens, self.context_lens, strict=True)):
-            (dec if q == 1 and c > 1 else fresh if q == c else self.chunked).append(i)
-        bs = self.block_size
-        nblk = [-(-self.context_lens[i] // bs) for i in dec]
-        for g in pad_groups(nblk):
-            seqs = [dec[j] for j in g]
-            width = nblk[g[0]]
-            blocks = []
-            for i in seqs:
-                bt = self.block_tables[i][:width]
-                blocks.extend(bt)
-                blocks.extend([0] * (width - len(bt)))
-            ctx = torch.tensor([self.context_lens[i] for i in seqs])
-            bias = torch.zeros(len(seqs), width * bs)
-            bias.masked_fill_(torch.arange(width * bs)[None, :] >= ctx[:, None], float("-inf"))
-            self.decode_groups.append(
-                DecodeGroup(
-                    _to_device(torch.tensor([starts[i] for i in seqs]), dev),
-                    _to_device(torch.tensor(blocks), dev),
-                    _to_device(bias, dev),
-                    width,
-                )
-            )
-        lens = [self.query_lens[i] for i in fresh]
-        for g in pad_groups(lens):
-            seqs = [fresh[j] for j in g]
-            length = lens[g[0]]
-            gather, valid, rows = [], [], []
-            for r, i in enumerate(seqs):
-                n, s0 = self.query_lens[i], starts[i]
-                gather.extend(range(s0, s0 + n))
-                gather.extend([0] * (length - n))
-                valid.extend(range(r * length, r * length + n))
-                rows.extend(range(s0, s0 + n))
-            self.prefill_groups.append(
-                PrefillGroup(
-                    _to_device(torch.tensor(gather), dev),
-                    _to_device(torch.tensor(valid), dev),
-                    _to_device(torch.tensor(rows), dev),
-                    length,
-                )
-            )
 
     def seq_slots(self, i: int) -> torch.Tensor:
-        """KV slots of positions ``0 .. context_lens[i]-1`` of sequence ``i``."""
-        n, bs = self.context_lens[i], self.block_size
-        pos = torch.arange(n, device=self.positions.device)
-        bt = torch.tensor(self.block_tables[i], dtype=torch.int64, device=pos.device)
-        return bt[pos // bs] * bs + pos % bs
+        """KV slots of positions ``0 .. context_lens[i]-1`` of chunked sequence ``i``
+        (planned with the step)."""
+        return self.chunk_slots[i]
+
+
+def _decode_in_place(q, k_cache, v_cache, out, batch: PagedBatch, scale: float) -> None:
+    """The decode rows of ``out`` by the block-table backend of ``batch`` (no gathered copy)."""
+    dec = batch.decode
+    if batch.backend == "triton":
+        from convergent.models.paged_triton import decode_triton
+
+        decode_triton(q, k_cache, v_cache, out, dec.rows, dec.tables, dec.ctx, batch.block_size,
+                      scale)
+    elif batch.backend == "flex":
+        out.index_copy_(0, dec.rows, decode_flex(q, k_cache, v_cache, dec, batch.block_size, scale))
+    else:
+        raise ValueError(f"attention backend {batch.backend!r} has no block-table decode")
 
 
 def paged_attention(
@@ -207,10 +202,12 @@ def paged_attention(
 
     q [T, nq, hd], k / v [T, nkv, hd] (RoPE applied) are this batch's new tokens; their
     keys/values are first written into k_cache / v_cache [num_slots, nkv, hd] at
-    ``batch.slot_mapping``. Returns the attention output [T, nq, hd] in ``q.dtype``: on
-    GPU and in bf16/fp16 every attention is a fused SDPA kernel over the gathered KV
-    blocks, whose scores and softmax accumulate in float32 (float32 on CPU keeps the
-    explicit matmul-softmax reference path).
+    ``batch.slot_mapping``. Returns the attention output [T, nq, hd] in ``q.dtype``.
+    Decode queries: with ``batch.backend`` ``sdpa_gather``, on GPU and in bf16/fp16 a
+    fused SDPA kernel over the gathered KV blocks of each padded group, whose scores and
+    softmax accumulate in float32 (float32 on CPU keeps the explicit matmul-softmax
+    reference path); ``triton`` / ``flex`` read the blocks in place through the block
+    tables (:mod:`convergent.models.paged_decode`). Prefills always take SDPA.
     """
     t, nq, hd = q.shape
     nkv = k.shape[1]
@@ -222,6 +219,8 @@ def paged_attention(
     bs = batch.block_size
     kb = k_cache.view(-1, bs, nkv, hd)
     vb = v_cache.view(-1, bs, nkv, hd)
+    if batch.decode is not None:
+        _decode_in_place(q, k_cache, v_cache, out, batch, scale)
     for g in batch.decode_groups:  # one query per sequence: [G, nkv, rep, hd]
         n, length = g.rows.numel(), g.width * bs
         qd = q.index_select(0, g.rows).view(n, nkv, rep, hd)
