@@ -1,231 +1,251 @@
-"""Transfer learning: fine-tune an xTB-pretrained surrogate on a small DFT set vs
-training from scratch on the same small set; MAE on a held-out DFT test set.
+"""Transfer to DFT at scale: a learning curve of PySCF B3LYP/6-31G* labels on nci2k
+structures, models pretrained on nci2k's GFN2-xTB labels; energy and force MAE on the
+held-out scaffolds of the DFT set.
 
-DFT: PySCF B3LYP/6-31G* energies/forces of rattled small G2 molecules (<= 7 atoms, 3
-conformers each, no fluorine), split molecule-wise (60 % of the molecules for the small
-training set, 40 % held out, seed 1). Pretrained model: made by this run before the
-sides start (``--pretrain-steps`` optimizer steps of bench/models/accuracy.py's recipe on
-the GFN2-xTB labels of the training molecules of fold 0 of its 5-fold G2 split; cheap
-labels cover many molecules, including some whose DFT labels are held out here: that is
-the intended use of the cheap tier), so the result never depends on a model file left
-by an earlier run.
+DFT set: bench/datasets/nci2k_dft_v1 (bench/models/nci2k_dft.py): 390 nci2k structures of
+<= 14 atoms; its test split (79 structures) is held-out scaffolds, the rest (311) is the
+training pool. Pretraining (once per run, before the sides): ours and a small MACE, each on
+every nci2k xTB structure whose scaffold group is not a DFT test group (model_accuracy's
+recipe, ``--pretrain-steps`` / ``--mace-pretrain-steps``). Learning curve: for N in
+``--n-train`` (25, 50, 100, 300) DFT labels — nested subsets of a seeded order of the pool,
+the first structures covering every element — the sides:
 
-Sides: ``pretrained_refit_only`` (zero-shot: pretrained network, element references
-refitted on the DFT training labels: the baseline a fine-tune must beat),
-``scratch`` (fresh model), ``finetune_embedding`` / ``finetune_none`` /
-``finetune_backbone`` (warm start, element offsets refitted first, then that freeze
-option, the backbone at x0.3 the LR: ``train.init_from``, ``init_reference: offsets``,
-``freeze``, ``param_lr``). Every side trains through the one training loop
-(train/fit.py, the Trainer of ``convergent train``), AdamW with weight decay 0. Rounds
-are seeds (init of the scratch model and the batch order of every side), sides
-interleaved. Every trained side gets the same number of optimizer steps, the same
-128-atom batches in the same seeded order and the same schedule (5 % linear warm-up +
-cosine). Medians over seeds with min/max/IQR.
+* ``finetune``: ours from the xTB model, element offsets refitted on the N labels, then
+  fine-tuned (the backbone at x0.3 the LR; the freeze option chosen on validation);
+* ``scratch``: ours, a fresh model on the N labels;
+* ``refit_only``: the xTB model, element references refitted on the N labels, no training;
+* ``mace_finetune``: MACE from its xTB pretraining, offsets refitted, fine-tuned.
 
-Writes bench/results/transfer.json. Usage:
-    .venv/bin/python -m bench.models.transfer [--rounds 3] [--steps 650] [--pretrain-steps 1400]
+Hyper-parameters: before any side runs, each trained side's LR / force weight (/ freeze)
+is chosen from a small grid (bench/models/transfer_sides.GRID) on a validation split of the
+DFT training pool (its scaffold fold 0; ``--tune-n`` labels of the rest); the test set is
+never read for it. ``--hp FILE`` reuses the choice of an earlier result JSON instead.
+Every trained side takes ``--steps`` optimizer steps at every N (128-atom batches); a
+longer-budget check (``--check-mult`` x the steps, seed 0, the largest N) is recorded to
+show the budget is past the flat part. Rounds are seeds (subset order, init of scratch,
+batch order), sides interleaved through the harness; medians over seeds.
+
+Writes bench/results/transfer.json and transfer.png. Usage:
+    .venv/bin/python -m bench.models.transfer [--rounds 3] [--steps 2000]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from bench.lib.harness import Side, add_args, check_clean, interleave, write_result
-from bench.models.molbench import (
-    OurPotential,
-    dft_dataset,
-    evaluate,
-    molecule_folds,
-    molecule_split,
-    xtb_dataset,
+from bench.lib.harness import Side, add_args, check_clean, interleave, stamp_png, write_result
+from bench.models.transfer_sides import (
+    BACKBONE_LR_MULT,
+    BATCH_ATOMS,
+    DEFAULT_HP,
+    EMA,
+    GRID,
+    SIDES,
+    TRAINED,
+    Curve,
+    pretrain,
+    pretrain_records,
+    run_side,
+    side_runner,
+    tune,
 )
 
-BACKBONE_LR_MULT = 0.3
-BATCH_ATOMS = 128
-VARIANTS = ("pretrained_refit_only", "scratch", "finetune_embedding", "finetune_none",
-            "finetune_backbone")
+N_TRAIN = (25, 50, 100, 300)
 
 
-def _dataset(records: list[dict[str, Any]], path: Path) -> str:
-    """``records`` written as a convergent dataset (keys added where a record has none)."""
-    from convergent.data.writer import write_records
-
-    rows = [{**r, "key": r.get("key") or f"{r.get('molecule_id', 'm')}/{i:05d}"}
-            for i, r in enumerate(records)]
-    write_records(path, rows)
-    return str(path)
-
-
-def _config(model_cfg: Any, train: dict[str, Any]) -> Any:
-    """A whole config for the one training loop (train/fit.py): one process, one thread,
-    on the CPU, no validation, one final checkpoint, no sinks but metrics.jsonl."""
-    from convergent.config import ConvergentConfig
-
-    base = {"warmup_steps": 0, "min_lr_ratio": 0.0, "lr_schedule": "cosine", "grad_clip": 10.0,
-            "threads": 1, "device": "cpu", "val_every": 0, "prefetch": 0}
-    return ConvergentConfig.model_validate({
-        "model": model_cfg.model_dump(mode="json"), "train": {**base, **train},
-        "checkpoint": {"interval": 0, "keep": 1, "resume": False, "at_end": False},
-        "metrics": {"tensorboard": False, "mfu": False}})
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(ap, default_out="bench/results/transfer.json", rounds=3)
+    ap.add_argument("--steps", type=int, default=2000, help="optimizer steps per trained side")
+    ap.add_argument("--pretrain-steps", type=int, default=10000,
+                    help="xTB pretraining steps of ours (256-atom batches, ~50 CPU-ms each)")
+    ap.add_argument("--mace-pretrain-steps", type=int, default=1500,
+                    help="xTB pretraining steps of MACE (256-atom batches, ~400 CPU-ms each)")
+    ap.add_argument("--n-train", default=",".join(map(str, N_TRAIN)))
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--tune-n", type=int, default=100, help="DFT labels of the tuning fits")
+    ap.add_argument("--tune-steps", type=int, default=None, help="default: --steps")
+    ap.add_argument("--no-tune", action="store_true", help="smoke runs: transfer_sides.DEFAULT_HP")
+    ap.add_argument("--hp", default=None, help="take the chosen hyper-parameters of this result JSON")
+    ap.add_argument("--check-mult", type=float, default=2.0, help="0: no longer-budget check")
+    ap.add_argument("--nci2k-chunks", type=int, default=None, help="pretrain on the first N chunks")
+    ap.add_argument("--dataset", default=None, help="the DFT set (default bench/datasets/nci2k_dft_v1)")
+    return ap.parse_args()
 
 
-def _fit(cfg: Any, out: Path) -> tuple[Any, dict[str, Any]]:
-    """Train ``cfg`` with train/fit.py into ``out``; the model and thread-CPU seconds used."""
-    import time
+def load_data(args: argparse.Namespace) -> tuple[list, list, list]:
+    """(DFT training pool, DFT test set, xTB pretraining records)."""
+    from bench.models.nci2k import load
+    from bench.models.nci2k_dft import DATASET, load_dft
 
-    from convergent.models.io import load_model
-    from convergent.train.fit import fit
-
-    c0 = time.thread_time()
-    summary = fit(cfg, out / "run", export_to=out / "model")
-    model, _ = load_model(out / "model", "cpu")
-    return model, {"train_steps": summary["steps"], "train_cpu_seconds": time.thread_time() - c0}
-
-
-def pretrain(steps: int, work: Path) -> tuple[Path, Any, dict[str, Any]]:
-    """Our model trained on GFN2-xTB G2 fold 0 (model_accuracy's recipe, EMA 0.99) with
-    the one training loop; returns the saved model directory."""
-    from convergent.models.config import ModelConfig
-
-    recs = xtb_dataset()
-    tr, te = molecule_folds(recs, 5, 0, seed=0)
-    train, test = [recs[i] for i in tr], [recs[i] for i in te]
-    cfg = ModelConfig(hidden=64, layers=3, heads=4, cutoff=5.0)
-    hp = {"steps": steps, "lr": 3e-3, "batch_atoms": 256, "force_weight": 0.01, "seed": 0,
-          "ema_decay": 0.99}
-    data = _dataset(train, work / "xtb_train")
-    model, info = _fit(_config(cfg, {"dataset": data, **hp}), work / "pretrained")
-    meta = {"data": "GFN2-xTB G2 (xtb_g2_25_0), molecule-wise 5-fold split seed 0, fold 0 train",
-            **hp, "schedule": "cosine to 0, no warm-up", "model": cfg.model_dump(), **info,
-            "xtb_test_fold0": evaluate(OurPotential(model), test)}
-    return work / "pretrained" / "model", cfg, meta
+    dft = load_dft(Path(args.dataset) if args.dataset else DATASET)
+    pool = [r for r in dft if r["split"] == "train"]
+    test = [r for r in dft if r["split"] == "test"]
+    xtb = pretrain_records(load(chunks=args.nci2k_chunks, build_missing=False), test)
+    return pool, test, xtb
 
 
-FREEZE = {"none": [], "embedding": ["embedding.*"], "backbone": ["embedding.*", "layers.*"]}
+def choose_hp(args: argparse.Namespace, pool: list, pre: dict, sides: list[str], work: Path) -> dict:
+    if args.hp:
+        got = json.loads(Path(args.hp).read_text())["extra"]["hyper_parameters"]
+        return {**got, "source": f"reused from {args.hp}"}
+    if args.no_tune:
+        return {"chosen": DEFAULT_HP, "rule": "--no-tune: fixed defaults (smoke run, not a result)"}
+    return tune(pool, pre, args.tune_steps or args.steps, args.tune_n, work,
+                tuple(s for s in TRAINED if s in sides),
+                log=lambda m: print(m, file=sys.stderr, flush=True))
 
 
-def side_runner(name: str, data: tuple[str, list], pre: tuple, hp: dict, steps: int,
-                work: Path):  # noqa: ANN201
-    """One side: ``scratch`` (a fresh model), ``pretrained_refit_only`` (no training: the
-    pretrained model with its element offsets refitted on the DFT labels) or
-    ``finetune_<freeze>`` (warm start, offsets refitted, that freeze, backbone at x0.3
-    the LR), each through the one training loop."""
-    train_dir, test = data
-    pre_dir, model_cfg = pre
+def settings_of(side: str, hp: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    common = {"steps": args.steps, "batch_atoms": BATCH_ATOMS, "loop": "convergent.train.fit (the Trainer)",
+              "optimizer": "AdamW, weight decay 0", "schedule": "5% linear warm-up + cosine to 0",
+              "ema_decay": EMA, "grad_clip_norm": 10.0, "torch_threads": 1,
+              "seed": "round number (subset order, init of scratch, batch order)"}
+    if side == "refit_only":
+        return {"training": "none: the xTB model, element references refitted on the N DFT labels "
+                            "(its scale kept)"}
+    out = {**common, **hp, "model": "MACE (small)" if side.startswith("mace") else "ours"}
+    if side == "finetune":
+        out.update(backbone_lr_mult=BACKBONE_LR_MULT, references="offsets refitted, xTB scale kept")
+    if side == "mace_finetune":
+        out.update(references="offsets refitted, xTB scale kept")
+    if side == "scratch":
+        out.update(references="fitted on the N DFT labels")
+    return out
 
-    def run(seed: int) -> dict[str, Any]:
-        from convergent.train.moldata import MoleculeSource, build
 
-        row: dict[str, Any] = {"seed": seed}
-        train = {"dataset": train_dir, "steps": steps, "lr": hp["lr"], "batch_atoms": BATCH_ATOMS,
-                 "force_weight": hp["force_weight"], "seed": seed,
-                 "warmup_steps": max(1, steps // 20)}  # 5 % linear warm-up, then cosine to 0
-        if name != "scratch":
-            train.update(init_from=str(pre_dir), init_reference="offsets")
-        if name.startswith("finetune"):
-            train.update(freeze=FREEZE[name.split("_", 1)[1]],
-                         param_lr={"energy_head.*": 1.0, "*": BACKBONE_LR_MULT})
-        cfg = _config(model_cfg, train)
-        if name == "pretrained_refit_only":
-            model = build(cfg, MoleculeSource(train_dir))
-        else:
-            model, info = _fit(cfg, work / f"{name}-{seed}")
-            row.update(info)
-        ev = evaluate(OurPotential(model), test)
-        row.update(energy_mae=ev["energy_mae"], force_mae=ev["force_mae"],
-                   energy_mae_per_atom=ev["energy_mae_per_atom"],
-                   trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
-        return row
+def budget_check(args: argparse.Namespace, res: Any, hp: dict, curve: Curve, pre: dict,
+                 test: list, sides: list[str], n: int) -> dict[str, Any]:
+    """Seed 0 at the largest N with ``check_mult`` x the steps, beside round 0's value."""
+    steps = int(args.steps * args.check_mult)
+    out: dict[str, Any] = {"n_train": n, "seed": 0, "steps": args.steps, "long_steps": steps,
+                           "rule": "flat: the longer budget changes the energy MAE by < 10%"}
+    for side in (s for s in TRAINED if s in sides):
+        short = res.per_round[f"{side}@{n}"][0]
+        row = run_side(side, hp[side], steps, 0, curve.data(0, n), pre, test,
+                       curve.work / f"check-{side}")
+        rel = row["energy_mae"] / short["energy_mae"] - 1.0
+        out[side] = {"energy_mae": short["energy_mae"], "energy_mae_long": row["energy_mae"],
+                     "force_mae": short["force_mae"], "force_mae_long": row["force_mae"],
+                     "energy_mae_change": rel, "flat": abs(rel) < 0.1}
+        print(f"[transfer] budget check {side}@{n}: {short['energy_mae']:.4f} -> "
+              f"{row['energy_mae']:.4f} eV", file=sys.stderr, flush=True)
+    return out
 
-    return run
+
+def headline(res: Any, sides: list[str], ns: list[int]) -> None:
+    h = res.headline
+    for metric, key in (("energy_mae", "energy_mae_median_eV"), ("force_mae", "force_mae_median_eV_per_A")):
+        h[key] = {s: {str(n): res.median(f"{s}@{n}", metric) for n in ns} for s in sides}
+    if "finetune" in sides and max(ns) == 300:
+        mae = res.median("finetune@300", "energy_mae")
+        h["transfer_energy_mae_eV"] = mae
+        h["transfer_within_0p1_eV"] = mae is not None and mae <= 0.1
+        h["transfer_chemical_accuracy_43meV"] = mae is not None and mae <= 0.043
+    e = h["energy_mae_median_eV"]
+    for other in ("scratch", "refit_only", "mace_finetune"):
+        if "finetune" in sides and other in sides:
+            h[f"finetune_better_than_{other}_every_n"] = all(
+                e["finetune"][str(n)] is not None and e[other][str(n)] is not None
+                and e["finetune"][str(n)] < e[other][str(n)] for n in ns)
+            h[f"energy_mae_ratio_finetune_to_{other}"] = {
+                str(n): res.ratio(f"finetune@{n}", f"{other}@{n}", "energy_mae") for n in ns}
+
+
+def plot(res: Any, sides: list[str], ns: list[int], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in ((axes[0], "energy_mae", "energy MAE (eV / structure)"),
+                              (axes[1], "force_mae", "force MAE (eV/Å)")):
+        for s in sides:
+            sm = [res.summary.get(f"{s}@{n}", {}).get(metric, {}) for n in ns]
+            med = [x.get("median") for x in sm]
+            if any(m is None for m in med):
+                continue
+            lo = [m - x["min"] for m, x in zip(med, sm, strict=True)]
+            hi = [x["max"] - m for m, x in zip(med, sm, strict=True)]
+            ax.errorbar(ns, med, yerr=[lo, hi], marker="o", capsize=3, label=s)
+        if metric == "energy_mae":
+            ax.axhline(0.1, ls="--", c="grey", lw=0.8)
+            ax.axhline(0.043, ls=":", c="grey", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="DFT training labels", ylabel=label)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes[0].legend()
+    fig.suptitle("B3LYP/6-31G* on held-out nci2k scaffolds (median over seeds, min-max)")
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    stamp_png(path, res.provenance.get("commit"), "transfer")
+    return path
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_args(ap, default_out="bench/results/transfer.json", rounds=3)
-    ap.add_argument("--steps", type=int, default=650,
-                    help="optimizer steps per trained side (what 10 thread-CPU s gave before)")
-    ap.add_argument("--pretrain-steps", type=int, default=1400,
-                    help="optimizer steps of xTB pretraining (once per run, before the sides)")
-    ap.add_argument("--scratch-lr", type=float, default=3e-3)
-    ap.add_argument("--scratch-force-weight", type=float, default=1.0)
-    ap.add_argument("--finetune-lr", type=float, default=5e-5)
-    ap.add_argument("--finetune-force-weight", type=float, default=10.0)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    args = ap.parse_args()
+    args = parse()
     check_clean(args)
     torch.set_num_threads(1)
-    recs = dft_dataset(workers=2)
-    tr, te = molecule_split(recs, 0.4, seed=1)
-    train, test = [recs[i] for i in tr], [recs[i] for i in te]
-    print(f"DFT: {len(train)} train / {len(test)} test structures; pretraining", flush=True)
+    sides, ns = args.sides.split(","), [int(x) for x in args.n_train.split(",")]
+    pool, test, xtb = load_data(args)
+    if max(ns) > len(pool):
+        raise SystemExit(f"error: N={max(ns)} > the {len(pool)} DFT training structures")
+    missing = {int(z) for r in test for z in r["numbers"]} - {int(z) for r in pool for z in r["numbers"]}
+    if missing:
+        raise SystemExit(f"error: the DFT test set holds elements {sorted(missing)} the pool lacks")
+    print(f"[transfer] DFT pool {len(pool)}, test {len(test)}; xTB pretraining on {len(xtb)}",
+          file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix="transfer-"))
-    pre_dir, cfg, pre_meta = pretrain(args.pretrain_steps, work)
-    train_dir = _dataset(train, work / "dft_train")
-    names = args.variants.split(",")
-    hps = {n: ({"lr": args.scratch_lr, "force_weight": args.scratch_force_weight} if n == "scratch"
-               else {"lr": args.finetune_lr, "force_weight": args.finetune_force_weight})
-           for n in names}
-    common = {"steps": args.steps, "batch_atoms": BATCH_ATOMS, "loop": "train/fit.py (the Trainer)",
-              "schedule": "5% linear warm-up + cosine to 0", "torch_threads": 1,
-              "grad_clip_norm": 10.0, "seed": "round number (init of scratch, batch order)"}
-    settings = {
-        "pretrained_refit_only": {"training": "none: element references refitted on the DFT "
-                                              "training labels, pretrained network and scale"},
-        "scratch": {**common, **hps.get("scratch", {}), "optimizer": "AdamW, weight decay 0",
-                    "references": "fitted on the DFT training labels"},
-    }
-    for n in names:
-        if n.startswith("finetune"):
-            settings[n] = {**common, **hps[n], "optimizer": "AdamW, weight decay 0",
-                           "freeze": n.split("_", 1)[1], "backbone_lr_mult": BACKBONE_LR_MULT,
-                           "references": "refitted on the DFT training labels, pretrained scale"}
-    pre = (pre_dir, cfg)
-    hps.setdefault("pretrained_refit_only", {"lr": args.finetune_lr, "force_weight": 1.0})
-    sides = [Side(n, side_runner(n, (train_dir, test), pre, hps[n], args.steps, work), settings[n])
-             for n in names]
+    pre, pre_meta = {}, {}
+    for kind, steps in (("ours", args.pretrain_steps), ("mace", args.mace_pretrain_steps)):
+        if kind == "ours" or "mace_finetune" in sides:
+            pre[kind], pre_meta[kind] = pretrain(kind, xtb, steps, work / kind)
+    hp_sel = choose_hp(args, pool, pre, sides, work)
+    hp = hp_sel["chosen"]
+    curve = Curve(pool, work)
+    runs = [Side(f"{s}@{n}", side_runner(s, n, hp.get(s, {}), args.steps, curve, pre, test),
+                 settings_of(s, hp.get(s, {}), args)) for n in ns for s in sides]
     differences = [
-        f"scratch trains at LR {args.scratch_lr} / force weight {args.scratch_force_weight}, the "
-        f"fine-tunes at LR {args.finetune_lr} / force weight {args.finetune_force_weight}: a fresh "
-        "network and a pretrained one need different step sizes; these are the values the "
-        "earlier per-variant validation probe (on DFT training molecules only) picked, fixed "
-        "here so every seed and budget uses one rule",
-        f"the fine-tunes train backbone parameters at x{BACKBONE_LR_MULT} the LR",
-        "pretrained_refit_only does no training (zero-shot baseline): its value is the same "
-        "every seed",
-        f"every trained side takes the same {args.steps} optimizer steps (before this file used "
-        "train/fit.py, an equal thread-CPU budget of 10 s, about 650 steps)",
+        "each trained side has its own LR / force weight (and finetune its freeze option), "
+        "chosen on the validation scaffolds of the DFT training pool before the run "
+        "(extra.hyper_parameters); every trained side takes the same steps at every N",
+        "finetune / refit_only / mace_finetune start from xTB-pretrained models (ours and MACE "
+        "pretrained on the same xTB structures); scratch starts fresh",
+        "refit_only does no training: its value changes with the seed only through the subset",
+        "xTB pretraining: about equal CPU time, not equal steps (MACE costs ~8x ours per "
+        "step on these molecules): extra.pretrained has each one's steps and CPU seconds",
     ]
-    res = interleave("transfer", sides, rounds=args.rounds, differences=differences)
-    res.extra["pretrained"] = pre_meta
-    res.extra["data"] = {"dft": "PySCF B3LYP/6-31G*, rattled G2 molecules <= 7 atoms (no F), "
-                                "3 conformers", "train_structures": len(train),
-                         "test_structures": len(test),
-                         "split": "molecule-wise, 40% of molecules held out, seed 1",
-                         "dft_train_molecules": sorted({r["molecule_id"] for r in train}),
-                         "dft_test_molecules": sorted({r["molecule_id"] for r in test})}
-    res.extra["command"] = " ".join(["python", "-m", "bench.models.transfer", *sys.argv[1:]])
-    res.headline["energy_mae_median_eV"] = {n: res.median(n, "energy_mae") for n in names}
-    res.headline["force_mae_median_eV_per_A"] = {n: res.median(n, "force_mae") for n in names}
-    fts = [n for n in names if n.startswith("finetune")]
-    if fts and "scratch" in names:
-        best = min(fts, key=lambda n: res.median(n, "energy_mae"))
-        per = [a["energy_mae"] / b["energy_mae"]
-               for a, b in zip(res.per_round[best], res.per_round["scratch"], strict=True)]
-        res.headline["best_finetune_by_median"] = best
-        res.headline["energy_mae_ratio_best_finetune_to_scratch_median"] = float(np.median(per))
-        res.headline["energy_mae_ratio_best_finetune_to_scratch_per_seed"] = per
-        if "pretrained_refit_only" in names:
-            res.headline["energy_mae_ratio_best_finetune_to_refit_only"] = res.ratio(
-                best, "pretrained_refit_only", "energy_mae")
+    res = interleave("transfer", runs, rounds=args.rounds, differences=differences)
+    if args.check_mult > 0:
+        res.extra["budget_check"] = budget_check(args, res, hp, curve, pre, test, sides, max(ns))
+    res.extra.update(hyper_parameters=hp_sel, grid=GRID, pretrained=pre_meta, data=data_meta(pool, test, xtb),
+                     command=" ".join(["python", "-m", "bench.models.transfer", *sys.argv[1:]]))
+    headline(res, sides, ns)
+    res.extra["figure"] = str(plot(res, sides, ns, Path(args.out)))
     write_result(res, args)
+
+
+def data_meta(pool: list, test: list, xtb: list) -> dict[str, Any]:
+    from bench.models.nci2k import scaffold_group
+
+    return {"dft": "bench/datasets/nci2k_dft_v1 (see its settings.json): PySCF B3LYP/6-31G*",
+            "train_pool_structures": len(pool), "test_structures": len(test),
+            "test_scaffold_groups": len({scaffold_group(r) for r in test}),
+            "subsets": "nested prefixes of a seeded order of the pool (seed = round), the "
+                       "first structures covering every element",
+            "xtb_pretraining_structures": len(xtb),
+            "xtb_pretraining_compounds": len({r["molecule_id"] for r in xtb})}
 
 
 if __name__ == "__main__":
