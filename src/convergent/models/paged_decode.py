@@ -105,40 +105,43 @@ _FLEX: dict[str, Any] = {}
 
 
 def _flex_fn(device: torch.device):
-    """flex_attention compiled on CUDA (its fused kernel); eager elsewhere (the unfused
-    reference, which materialises the scores: a correctness check only)."""
+    """flex_attention compiled on CUDA (its fused kernel; the step's sequence count changes
+    every step, so after the first recompile torch.compile marks it dynamic); eager
+    elsewhere (the unfused reference, which materialises the scores: a check only)."""
     key = device.type
     if key not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX[key] = torch.compile(flex_attention, dynamic=False) if key == "cuda" else flex_attention
+        _FLEX[key] = torch.compile(flex_attention) if key == "cuda" else flex_attention
     return _FLEX[key]
 
 
 def _flex_mask(dec: DecodeBatch, num_pages: int, block_size: int, q_block: int = 128):
     """The block mask of one step, built from the block tables (not by evaluating the mask
-    over every query x slot): query tile ``i`` visits exactly the pages of its sequences.
-    ``mask_mod`` keeps, within them, the sequence's own slots below its context length."""
+    over every query x slot, and with no device-to-host wait): query tile ``i`` visits
+    exactly the pages of its sequences; ``mask_mod`` keeps, within them, the sequence's own
+    slots below its context length."""
     from torch.nn.attention.flex_attention import BlockMask
 
     dev = dec.tables.device
     n, w = dec.tables.shape
-    npages = (dec.ctx + block_size - 1) // block_size  # [n]
     col = torch.arange(w, device=dev)
-    used = col[None, :] < npages[:, None]  # [n, w]
-    page_seq = torch.full((num_pages,), -1, dtype=torch.int64, device=dev)
-    page_pos = torch.zeros(num_pages, dtype=torch.int64, device=dev)
-    seq_ids = torch.arange(n, device=dev)[:, None].expand(n, w)
-    page_seq[dec.tables[used]] = seq_ids[used]
-    page_pos[dec.tables[used]] = (col[None, :].expand(n, w) * block_size)[used]
+    used = col[None, :] < ((dec.ctx + block_size - 1) // block_size)[:, None]  # [n, w]
+    # page -> (sequence, first position); unused table entries write a spare last entry
+    target = torch.where(used, dec.tables, num_pages).reshape(-1)
+    page_seq = torch.full((num_pages + 1,), -1, dtype=torch.int64, device=dev)
+    page_pos = torch.zeros(num_pages + 1, dtype=torch.int64, device=dev)
+    page_seq[target] = torch.arange(n, device=dev).repeat_interleave(w)
+    page_pos[target] = (col * block_size).repeat(n)
     ntiles = -(-n // q_block)
     per_tile = torch.zeros(ntiles, num_pages, dtype=torch.int32, device=dev)  # as wide as the KV
     counts = torch.zeros(ntiles, dtype=torch.int32, device=dev)
-    for i in range(ntiles):  # one tile for up to q_block sequences: a loop of ~1-2
-        sel = used[i * q_block:(i + 1) * q_block]
-        pages = dec.tables[i * q_block:(i + 1) * q_block][sel]
-        per_tile[i, : pages.numel()] = pages.to(torch.int32)
-        counts[i] = pages.numel()
+    for i in range(ntiles):  # up to q_block sequences a tile: one or two tiles
+        rows = slice(i * q_block, (i + 1) * q_block)
+        pages = torch.sort(target.view(n, w)[rows].reshape(-1)).values  # used first
+        k = min(pages.numel(), num_pages)
+        per_tile[i, :k] = torch.where(pages[:k] < num_pages, pages[:k], 0).to(torch.int32)
+        counts[i] = used[rows].sum()
     ctx = dec.ctx
 
     def mask_mod(b, h, q_idx, kv_idx):
