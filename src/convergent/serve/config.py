@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from convergent.core.configbase import Count, Port, Section
+from convergent.core.configbase import Count, Count0, Port, Section
 
 __all__ = [
     "MOVED_KEYS",
@@ -29,17 +29,27 @@ __all__ = [
 
 
 class EngineConfig(Section):
-    """``serve.engine``: how the model runs. ``kv_budget_bytes`` caps the KV cache of the
-    whole pipeline (summed over stages; each stage holds the K/V of its own layers)."""
+    """``serve.engine``: how the model runs. ``kv_budget_bytes`` is the KV cache of the
+    whole pipeline (summed over stages; each stage holds the K/V of its own layers); 0
+    (the default) sizes it: 256 MiB on the CPU, and on CUDA from the GPU's free memory
+    after the weights times ``gpu_memory_utilization``, less the activation reserve (as
+    vLLM's ``gpu_memory_utilization``; :mod:`convergent.serve.memory`), which on CUDA also
+    bounds ``serve.scheduler.max_num_seqs``."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights, KV, attention
     # int8: weight-only per-channel INT8; int8-dynamic: torch dynamic INT8 (CPU, fp32); see convergent.compress
     quantize: Literal["none", "int8", "int8-dynamic"] = "none"
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per stage, NCCL between stages
     torch_threads: Count = 1  # per stage process
-    kv_budget_bytes: Count = 256 * 2**20  # bytes of K+V over all stages
+    kv_budget_bytes: Count0 = 0  # bytes of K+V over all stages; 0: auto (see above)
+    # CUDA, kv_budget_bytes 0: the share of each stage GPU's free memory (after its
+    # weights) that the KV cache and the step's activations may take
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, allow_inf_nan=False)
     block_size: Count = 16  # tokens per KV block
     max_model_len: Count = 2048  # prompt + output tokens per request
+    # decode attention: auto = triton on CUDA where Triton imports, else sdpa_gather (the
+    # padded gather + SDPA); flex = FlexAttention (compiled on CUDA); prefills take SDPA
+    attention_backend: Literal["auto", "sdpa_gather", "triton", "flex"] = "auto"
 
 
 class SchedulerConfig(Section):

@@ -34,12 +34,12 @@ from convergent.serve.engine_faults import FailureHandling
 from convergent.serve.engine_setup import (
     check_weights,
     context_source,
-    kv_blocks,
     pipeline_stages,
     stage_specs,
 )
 from convergent.serve.executor import LocalExecutor, ProcessExecutor, StageFailure, free_port
 from convergent.serve.kv_cache import BlockManager
+from convergent.serve.memory import plan_memory, step_capacity
 from convergent.serve.messages import (
     Abort,
     BatchMeta,
@@ -85,7 +85,6 @@ class Engine(FailureHandling):
         from convergent.models.llama import read_config
 
         cfg = cfg or ServeConfig()
-        self.cfg = cfg
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise InputError(
@@ -96,13 +95,16 @@ class Engine(FailureHandling):
         check_weights(model_dir)
         self.mcfg = read_config(model_dir)
         p = self.num_stages = pipeline_stages(cfg.scheduler, cfg.engine.device, self.mcfg)
-        self.bm = BlockManager(kv_blocks(cfg.engine, self.mcfg), cfg.engine.block_size)
+        cfg = self.cfg = self._sized(cfg, p)
+        self.bm = BlockManager(self.memory.num_blocks, cfg.engine.block_size)
         layers = [len(x) for x in split_layers(self.mcfg.num_hidden_layers, p)]
         self.costs = costs.with_stages(layers) if costs is not None else None
         self.model_context = self.mcfg.max_context
         self.ignore_eos = ignore_eos
         self.sched = self._new_scheduler()
         self._specs = stage_specs(model_dir, cfg.engine, p, self.bm.num_blocks)
+        for spec in self._specs:  # the step's metadata buffers, sized once
+            spec.step_capacity = step_capacity(cfg.engine, cfg.scheduler)
         self._use_local = executor == "local" or (executor == "auto" and p == 1)
         self.executor = self._make_executor()
         self.kv_bytes = self.executor.kv_bytes
@@ -127,6 +129,17 @@ class Engine(FailureHandling):
         self.restarts = 0
         self._shutdown_at: float | None = None
         self.last_loop = time.monotonic()  # the engine thread's own liveness
+
+    def _sized(self, cfg: ServeConfig, stages: int) -> ServeConfig:
+        """``cfg`` with the KV budget and ``max_num_seqs`` of :func:`plan_memory` (on CUDA
+        with ``kv_budget_bytes`` 0: from the GPUs' free memory; else as configured)."""
+        from convergent.models.paged_decode import resolve_backend
+
+        backend = resolve_backend(cfg.engine.attention_backend, cfg.engine.device)
+        self.memory = plan_memory(cfg.engine, cfg.scheduler, self.mcfg, stages, backend)
+        engine = cfg.engine.model_copy(update={"kv_budget_bytes": self.memory.kv_budget_bytes})
+        sched = cfg.scheduler.model_copy(update={"max_num_seqs": self.memory.max_num_seqs})
+        return cfg.model_copy(update={"engine": engine, "scheduler": sched})
 
     def _new_scheduler(self):
         """The scheduler of ``serve.scheduler`` on the block manager, timing queue waits with
@@ -456,6 +469,8 @@ class Engine(FailureHandling):
                 "scheduler": self.sched.name,
                 "num_stages": self.num_stages,
                 "kv_budget_bytes": self.cfg.engine.kv_budget_bytes,
+                "kv_budget_source": self.memory.source,
+                "max_num_seqs": self.cfg.scheduler.max_num_seqs,
                 "kv_allocated_bytes": self.kv_bytes,
                 "kv_peak_blocks_manager": self.bm.peak_used,
                 "preemptions": self.sched.num_preemptions,

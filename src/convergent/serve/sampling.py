@@ -104,12 +104,17 @@ def sample_rows(logits, p: RowParams) -> list[int]:
     temperature is 0, else a seeded draw from the filtered distribution."""
     import torch
 
-    toks = logits.argmax(-1).tolist()
-    for i, t in enumerate(p.temperatures):
-        if t > 0:
-            x = filter_logits(logits[i].cpu(), t, p.top_ks[i], p.top_ps[i])
-            g = torch.Generator().manual_seed(p.seeds[i] & 0x7FFFFFFFFFFF)
-            toks[i] = int(torch.multinomial(torch.softmax(x, -1), 1, generator=g))
+    toks = logits.argmax(-1).tolist()  # greedy rows: the step's one device-to-host wait
+    drawn = [i for i, t in enumerate(p.temperatures) if t > 0]
+    if not drawn:
+        return toks
+    # the rows drawn on the host come over in one copy (stacked on the device: no index
+    # tensor goes up), not one per row
+    rows = torch.stack([logits[i] for i in drawn]).cpu()
+    for r, i in enumerate(drawn):
+        x = filter_logits(rows[r], p.temperatures[i], p.top_ks[i], p.top_ps[i])
+        g = torch.Generator().manual_seed(p.seeds[i] & 0x7FFFFFFFFFFF)
+        toks[i] = int(torch.multinomial(torch.softmax(x, -1), 1, generator=g))
     return toks
 
 

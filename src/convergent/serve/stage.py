@@ -53,6 +53,7 @@ class StageSpec:
     num_stages: int
     num_blocks: int
     engine: EngineConfig = field(default_factory=EngineConfig)
+    step_capacity: int = 1 << 15  # int64 elements of a step's metadata buffers (they grow)
 
 
 class StageRunner:
@@ -88,6 +89,13 @@ class StageRunner:
             spec.model_dir, self.layers, self.first, self.last, self.dtype, eng.quantize
         ).to(self.device)
         self.model.model.rotary.to(self.device)
+        from convergent.models.paged_decode import resolve_backend
+        from convergent.models.paged_meta import StepBuffers
+
+        # decode attention (serve.engine.attention_backend) and the step's metadata buffers:
+        # numpy into pinned host memory, one copy to the device per micro-batch
+        self.backend = resolve_backend(eng.attention_backend, self.device)
+        self.buffers = StepBuffers(self.device, capacity=spec.step_capacity)
         self.kv = KVCache(
             len(self.layers),
             spec.num_blocks,
@@ -108,57 +116,61 @@ class StageRunner:
         from convergent.models.llama import PagedBatch
 
         with torch.inference_mode():
-            if self.first:
-                x = self._ids(meta.input_ids)
-            batch = PagedBatch(
-                self._ids(meta.positions),
-                self._ids(meta.slots),
+            # every index list of the step in one upload: ids (stage 0), the sampled and
+            # the prompt-logprob rows (last stage) beside the attention's metadata
+            batch = PagedBatch.build(
+                self.buffers,
+                meta.positions,
+                meta.slots,
                 meta.query_lens,
                 meta.context_lens,
                 meta.block_tables,
                 self.spec.engine.block_size,
+                backend=self.backend,
+                extras=[meta.input_ids if self.first else (),
+                        meta.sample_rows if self.last else (),
+                        meta.prompt_rows if self.last else ()],
             )
+            ids, sample_rows, prompt_rows = batch.extras
+            if self.first:
+                x = ids
             h = self.model.model.forward_paged(x, batch, self.kv.layers)
             if not self.last:
                 return h
-            return self._sample(meta, h)
+            return self._sample(meta, h, sample_rows, prompt_rows)
 
-    def _sample(self, meta: BatchMeta, h: torch.Tensor) -> Sampled:
-        """The LM head on the sampled rows, then the sampler (fp32); prompt logprobs of
-        the rows that ask for them."""
+    def _sample(
+        self, meta: BatchMeta, h: torch.Tensor, rows: torch.Tensor, prompt_rows: torch.Tensor
+    ) -> Sampled:
+        """The LM head on the sampled ``rows``, then the sampler (fp32); prompt logprobs of
+        the ``prompt_rows`` that ask for them (device index tensors of the step)."""
         from convergent.serve.sampling import row_logprobs, sample_rows
 
         out = Sampled()
         if meta.sample_rows:
-            logits = self.model.logits(h.index_select(0, self._ids(meta.sample_rows))).float()
+            logits = self.model.logits(h.index_select(0, rows)).float()
             toks = sample_rows(logits, meta.sampling)
             lps = row_logprobs(logits, toks, meta.sampling)
             rids = meta.sample_rids
             out.tokens = dict(zip(rids, toks, strict=True))
             out.logprobs = {r: x for r, x in zip(rids, lps, strict=True) if x is not None}
         if meta.prompt_rows:
-            self._prompt_logprobs(meta, h, out)
+            self._prompt_logprobs(meta, h, prompt_rows, out)
         return out
 
-    def _prompt_logprobs(self, meta: BatchMeta, h: torch.Tensor, out: Sampled) -> None:
+    def _prompt_logprobs(
+        self, meta: BatchMeta, h: torch.Tensor, prompt_rows: torch.Tensor, out: Sampled
+    ) -> None:
         """The logprobs of the prompt tokens ``meta.prompt_targets`` from the logits of the
         rows before them (in chunks of rows: the logits are rows x vocabulary)."""
         from convergent.serve.sampling import prompt_logprobs
 
         for a in range(0, len(meta.prompt_rows), PROMPT_LOGPROB_CHUNK):
             b = a + PROMPT_LOGPROB_CHUNK
-            rows = self._ids(meta.prompt_rows[a:b])
-            logits = self.model.logits(h.index_select(0, rows)).float()
+            logits = self.model.logits(h.index_select(0, prompt_rows[a:b])).float()
             lps = prompt_logprobs(logits, meta.prompt_targets[a:b], meta.prompt_ks[a:b])
             for rid, e in zip(meta.prompt_rids[a:b], lps, strict=True):
                 out.prompt_logprobs.setdefault(rid, []).append(e)
-
-    def _ids(self, values: list[int]):
-        """int64 index tensor on this stage's device (CUDA: pinned, non-blocking copy)."""
-        t = self.torch.tensor(values, dtype=self.torch.int64)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
 
 def _next_meta(in_q, parent: int, poll_s: float = 1.0) -> BatchMeta | None:
