@@ -5,13 +5,17 @@ Not a benchmark (no sides, no rounds): a diagnostic for the next change. It prof
 * a few molecular training steps (hidden 256, 6 layers, ``--mol-atoms`` atoms, autograd
   forces, the batches prebuilt on the GPU) in fp32 (TF32) and under bf16 autocast, and
 * our serving engine on the first ``--requests`` requests of the bench-serve trace with the
-  1.1B random Llama of bench/gpu/throughput.py, in bf16,
+  1.1B random Llama of bench/gpu/throughput.py, in bf16 (decode attention
+  ``--attention-backend``, default ``auto``: Triton on CUDA), after a short micro-benchmark
+  of that model's decode attention, gather + SDPA vs Triton vs FlexAttention
+  (bench/gpu/attention.py, result key ``serve_attention``, within ~30 s),
 
 and writes, per part, the top operators by CUDA time and by CPU time, the share of the
 profiled wall time the GPU was busy, and the kernels' count, to ``--out`` (JSON) and
 stdout. Needs CUDA; on a machine without it, one line and exit code 2.
 
-Usage: ``python -m bench.gpu.profile [--mol-atoms 16384] [--requests 64] [--max-output 48] [--out F]``
+Usage: ``python -m bench.gpu.profile [--mol-atoms 16384] [--requests 64] [--max-output 48]
+[--attention-backend auto] [--only molecular,serve] [--out F]``
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.attention import decode_attention_bench
 from bench.lib.harness import provenance
 
 ROWS = 20
@@ -90,7 +95,7 @@ def profile_molecular(tmp: Path, atoms: int, steps: int = 3) -> dict[str, Any]:
     return out
 
 
-def profile_serve(tmp: Path, requests: int, max_output: int) -> dict[str, Any]:
+def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "auto") -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -107,7 +112,8 @@ def profile_serve(tmp: Path, requests: int, max_output: int) -> dict[str, Any]:
     trace = [dataclasses.replace(r, output_len=min(r.output_len, max_output))
              for r in scale_trace(make_trace(256, seed=0), 0.5)[:requests]]
     cfg = ServeConfig(
-        engine={"device": "cuda", "dtype": "bfloat16", "kv_budget_bytes": 16 * 2**30},
+        engine={"device": "cuda", "dtype": "bfloat16", "kv_budget_bytes": 16 * 2**30,
+                "attention_backend": backend},
         scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
                    "max_batched_tokens": 8192, "profile_costs": False})
     run_trace(mdir, cfg, trace[:8])  # warm-up: kernels, allocator
@@ -117,7 +123,7 @@ def profile_serve(tmp: Path, requests: int, max_output: int) -> dict[str, Any]:
         res = run_trace(mdir, cfg, trace)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    return {"requests": len(trace), "max_output": max_output,
+    return {"requests": len(trace), "max_output": max_output, "attention_backend": backend,
             "output_tokens": sum(r.output_len for r in trace),
             "output_tok_s_profiled": res["output_tok_s"], **_summary(prof, wall)}
 
@@ -128,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-output", type=int, default=48,
                     help="serving: cap each request's output tokens (bounds the profile's size)")
+    ap.add_argument("--attention-backend", default="auto",
+                    choices=["auto", "sdpa_gather", "triton", "flex"],
+                    help="serving: serve.engine.attention_backend of the profiled engine")
     ap.add_argument("--only", default="molecular,serve")
     ap.add_argument("--out", type=Path, default=Path("gpu_profile.json"))
     args = ap.parse_args(argv)
@@ -140,15 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"provenance": provenance(), "device": torch.cuda.get_device_name(0),
                            "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="convergent-gpu-profile-") as d:
-        for part in args.only.split(","):
-            fn = {"molecular": lambda: profile_molecular(Path(d), args.mol_atoms),
-                  "serve": lambda: profile_serve(Path(d), args.requests, args.max_output)}[part]
+        steps = {"molecular": [("molecular", lambda: profile_molecular(Path(d), args.mol_atoms))],
+                 # the decode-attention micro-benchmark first: short, and what decides the backend
+                 "serve": [("serve_attention", lambda: decode_attention_bench("cuda")),
+                           ("serve", lambda: profile_serve(Path(d), args.requests, args.max_output,
+                                                           args.attention_backend))]}
+        for key, fn in [x for part in args.only.split(",") for x in steps[part]]:
             try:
-                res[part] = fn()
+                res[key] = fn()
             except Exception as exc:  # noqa: BLE001 - one failing part must not lose the other
-                res[part] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+                res[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             args.out.write_text(json.dumps(res, indent=1))
-            print(json.dumps({part: res[part]}, indent=1)[:6000], flush=True)
+            print(json.dumps({key: res[key]}, indent=1)[:6000], flush=True)
     return 0
 
 
