@@ -135,6 +135,8 @@ def _moved(section: str, keys: str) -> dict[str, str]:
 # was the policy's name and is now a section (its ``kind``).
 MOVED_KEYS: dict[str, str] = {
     **_moved("engine", "dtype quantize device torch_threads kv_budget_bytes block_size max_model_len"),
+    # newer than the flat layout; their flat spelling is refused the same way, naming the place
+    **_moved("engine", "gpu_memory_utilization attention_backend"),
     **_moved(
         "scheduler",
         "stages predictor predictor_path max_num_seqs max_batched_tokens chunked_prefill "
