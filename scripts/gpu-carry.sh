@@ -8,6 +8,7 @@
 #
 #   scripts/gpu-carry.sh [IMAGE_PACKAGES_FILE]
 #     -> .gpuA/site.tar.xz  .gpuB/site.tar.xz  .gpuC/site.tar.xz   (ignored by git)
+#        .gpuD/nci2k_v1.tar.xz (the nci2k dataset, ~31 MiB, when bench/data/nci2k_v1 exists)
 #
 # IMAGE_PACKAGES_FILE lists the image's packages, one per line (default: read from the
 # device library's KINDS.md). On the GPU machine, first run carries .gpuA, the next
@@ -31,7 +32,8 @@ fi
 norm() { sed 's/^ *//; s/ *$//' | tr 'A-Z_.' 'a-z--' | sort -u; }
 norm < "$image" > "$work/image.txt"
 # bench-only peers and developer tools stay behind (make test-gpu does not need them)
-skip="convergent ruff schnetpack webdataset braceexpand hydra-colorlog hydra-core antlr4-python3-runtime omegaconf colorlog dirsync"
+# (schnetpack and hydra/omegaconf, which `import schnetpack` needs, travel: model.kind schnet|painn)
+skip="convergent ruff webdataset braceexpand hydra-colorlog colorlog dirsync"
 "$PY" -m pip list --format=freeze 2>/dev/null > "$work/freeze.txt"
 sed 's/==.*//' "$work/freeze.txt" | norm > "$work/venv.txt"
 mkdir -p "$work/whl" "$work/sdist"
@@ -77,3 +79,9 @@ for d in A B C; do
   echo ".gpu$d/site.tar.xz: $((size / 1048576)) MiB"
   [ "$size" -lt $((58 * 1048576)) ] || { echo "gpu-carry.sh: .gpu$d/site.tar.xz is over 58 MiB; it will not travel" >&2; exit 2; }
 done
+# D: the nci2k dataset for the science bench (bench/models/science.py), when it is here
+if [ -d bench/data/nci2k_v1 ]; then
+  mkdir -p .gpuD
+  tar -C bench/data -cf - nci2k_v1 | xz -6 -T0 > .gpuD/nci2k_v1.tar.xz
+  echo ".gpuD/nci2k_v1.tar.xz: $(( $(stat -c %s .gpuD/nci2k_v1.tar.xz) / 1048576 )) MiB"
+fi

@@ -325,11 +325,14 @@ def evaluate(pot: Any, records: list[dict[str, Any]], batch_atoms: int = 1024,
     from convergent.models.losses import error_sums, metrics_from_sums
 
     pot.train(False)
+    model = getattr(pot, "model", None)
+    device = next(model.parameters()).device if model is not None else torch.device("cpu")
     ds, mol, sums = [], [], {}
     t = time.perf_counter()
     for idx in batches_by_atom_budget([len(r["numbers"]) for r in records], batch_atoms):
-        b = collate_records([records[i] for i in idx])
-        ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        b = collate_records([records[i] for i in idx]).to(device)
+        ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
+               else contextlib.nullcontext())
         with ctx:
             e, f = pot.predict(b, training=False)
         for k, v in error_sums(e, f, b).items():

@@ -162,18 +162,27 @@ class _Datasets:
 DATASETS_ON_DISK = _Datasets()
 
 
-def fit_config(name: str, args: argparse.Namespace, data: str, seed: int) -> Any:
-    """The whole config of side ``name`` for train/fit.py: the shared protocol (module doc)."""
+def fit_config(name: str, args: argparse.Namespace, data: str, seed: int,
+               overrides: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The whole config of side ``name`` for train/fit.py: the shared protocol (module doc).
+    ``args.device`` other than cpu trains there for ``args.budget`` wall seconds (batches
+    prefetched, ``args.threads`` torch threads); ``overrides`` replace keys of the
+    ``model``/``train`` sections (the ablations)."""
     from convergent.config import ConvergentConfig
 
+    device = getattr(args, "device", "cpu")
     train = {"dataset": data, "steps": 10_000_000, "time_budget_s": args.budget,
-             "budget_clock": "thread_cpu", "lr": args.lr, "batch_atoms": BATCH_ATOMS,
+             "budget_clock": "thread_cpu" if device == "cpu" else "wall", "lr": args.lr,
+             "batch_atoms": getattr(args, "batch_atoms", BATCH_ATOMS),
              "force_weight": args.force_weight, "seed": seed, "ema_decay": args.ema,
              "warmup_steps": args.warmup_steps, "min_lr_ratio": 0.0, "lr_schedule": "cosine",
-             "grad_clip": 10.0, "weight_decay": 0.0, "threads": 1, "device": "cpu",
-             "val_every": 0, "prefetch": 0}
+             "grad_clip": 10.0, "weight_decay": 0.0, "threads": getattr(args, "threads", 1),
+             "device": device, "val_every": 0, "prefetch": 0 if device == "cpu" else 2}
+    model = model_config(name, args).model_dump(mode="json")
+    model.update((overrides or {}).get("model", {}))
+    train.update((overrides or {}).get("train", {}))
     return ConvergentConfig.model_validate({
-        "model": model_config(name, args).model_dump(mode="json"), "train": train,
+        "model": model, "train": train,
         "precision": {"dtype": "bf16" if name.endswith("bf16") else "fp32"},
         "checkpoint": {"interval": 0, "keep": 1, "resume": False, "at_end": False},
         "metrics": {"tensorboard": False, "mfu": False}})
@@ -228,19 +237,21 @@ def autocast_of(name: str) -> Any:
 
 
 def train_side(name: str, args: argparse.Namespace, train: list[dict[str, Any]],
-               seed: int) -> tuple[Any, int, Any, dict[str, Any]]:
+               seed: int, overrides: dict[str, dict[str, Any]] | None = None,
+               ) -> tuple[Any, int, Any, dict[str, Any]]:
     """Side ``name`` trained on ``train`` with ``seed`` through the one training loop under
-    the shared protocol: (potential, parameter count, its model config, the run's record)."""
+    the shared protocol: (potential, parameter count, its model config, the run's record);
+    the model is on ``args.device``."""
     from convergent.models.io import load_model
     from convergent.runsdb.trainrecords import read_train_records
     from convergent.train.fit import fit
 
-    cfg = fit_config(name, args, DATASETS_ON_DISK.path(train), seed)
+    cfg = fit_config(name, args, DATASETS_ON_DISK.path(train), seed, overrides)
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as work:
         c0, w0 = time.thread_time(), time.perf_counter()
         summary = fit(cfg, Path(work) / "run", export_to=Path(work) / "model")
         cpu, wall = time.thread_time() - c0, time.perf_counter() - w0
-        model, _ = load_model(Path(work) / "model", "cpu")
+        model, _ = load_model(Path(work) / "model", getattr(args, "device", "cpu"))
         steps, _ = read_train_records(Path(work) / "run" / "metrics.jsonl", last_attempt=True)
     losses = [s.loss for s in steps if s.loss is not None]
     bad = [s.step for s in steps if s.loss is None or not math.isfinite(s.loss)]
