@@ -19,6 +19,7 @@ from convergent.config import load_config
 from convergent.core.errors import ConfigError
 from convergent.models.mace import mace_installed
 from convergent.runsdb.trainrecords import read_train_records
+from tests.train.fdcheck import fd_check
 from tests.train.moldataset import make_dataset
 
 # e3nn pickles its generated kernels with torch.jit.save/load when a model is deep-copied
@@ -102,21 +103,6 @@ def test_the_exported_mace_loads_as_itself_and_screens(tmp_path, data, ddp_run):
     assert len(rows) == 8 and all(np.isfinite(r["energy_pred"]) for r in rows)
 
 
-def _fd_check(calc, atoms, h: float, tol) -> None:  # noqa: ANN001
-    """Forces of ``calc`` against central differences of its energy (step ``h`` Å)."""
-    atoms.calc = calc
-    f = atoms.get_forces()
-    for atom, axis in ((0, 0), (1, 2), (len(atoms) - 1, 1)):
-        es = []
-        for sign in (1, -1):
-            moved = atoms.copy()
-            moved.positions[atom, axis] += sign * h
-            moved.calc = calc
-            es.append(moved.get_potential_energy())
-        fd = -(es[0] - es[1]) / (2 * h)
-        assert abs(fd - f[atom, axis]) <= tol(es, f[atom, axis]), (atom, axis, fd, f[atom, axis])
-
-
 @needs_mace
 @pytest.mark.numerics
 def test_fit_trains_a_float64_mace_whose_calculator_forces_are_minus_the_energy_gradient(tmp_path, data):
@@ -137,7 +123,7 @@ def test_fit_trains_a_float64_mace_whose_calculator_forces_are_minus_the_energy_
     atoms.positions += np.random.default_rng(0).normal(0, 0.05, atoms.positions.shape)
     eps = float(torch.finfo(torch.float64).eps)
     h = 1e-4  # truncation ~h² f''' and rounding ~eps |E| / h: both far below the tolerance
-    _fd_check(calc, atoms, h, lambda es, f: 1e-6 * max(1.0, abs(f)) + 100 * eps * max(map(abs, es)) / h)
+    fd_check(calc, atoms, h, lambda es, f: 1e-6 * max(1.0, abs(f)) + 100 * eps * max(map(abs, es)) / h)
 
 
 @needs_mace
@@ -157,7 +143,7 @@ def test_a_float32_mace_calculator_gives_minus_the_energy_gradient(ddp_run):
     ref = calc.models[0].atomref.numpy()[atoms.numbers].sum()
     net = abs(calc.results["energy"] - ref)  # the float32 part: MACE's energy + the prior
     eps, h = float(torch.finfo(torch.float32).eps), 1e-2
-    _fd_check(calc, atoms, h, lambda es, f: 2e-3 * max(1.0, abs(f)) + 100 * eps * max(net, 1.0) / h)
+    fd_check(calc, atoms, h, lambda es, f: 2e-3 * max(1.0, abs(f)) + 100 * eps * max(net, 1.0) / h)
 
 
 def test_mace_settings_are_a_bounded_typed_section():

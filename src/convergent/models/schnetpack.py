@@ -91,6 +91,11 @@ class SpkModel(nn.Module):
         self.trained_elements: tuple[int, ...] | None = None
         self.last_neighbors: Any = None
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The floating type the network computes in (float32 unless converted)."""
+        return next(self.net.parameters()).dtype
+
     def set_reference(self, ref: ReferenceEnergies) -> None:
         """Install fitted element reference energies (eV) and the per-atom scale/shift."""
         self.trained_elements = install_reference(ref, self.cfg.max_z, self.atomref,
@@ -105,7 +110,7 @@ class SpkModel(nn.Module):
         nl = neighbor_list(batch.positions.detach(), cfg.cutoff, batch.batch, batch.n_molecules,
                            batch.cell, batch.pbc, cfg.max_neighbors, cfg.neighbor_overflow)
         self.last_neighbors = nl
-        pos = batch.positions
+        pos = batch.positions.to(self.input_dtype)
         shifts = nl.shifts.to(pos.dtype)
         out = self.net({p.Z: z, p.R: pos, p.idx_m: batch.batch, p.n_atoms: batch.n_atoms,
                         p.idx_i: nl.edge_index[0], p.idx_j: nl.edge_index[1], p.offsets: shifts})
