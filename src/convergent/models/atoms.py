@@ -44,6 +44,9 @@ class NeighborList:
     shift in Å; ``cell_shifts`` int64[E, 3] in lattice vectors; ``distances`` float[E] Å
     (computed without gradient); ``n_dropped`` pairs removed by ``max_neighbors`` with
     ``overflow="drop"``; ``max_count`` the largest neighbour count seen before any cap.
+    Edges are sorted by centre (CSR): centre ``i``'s edges are ``row_ptr[i]:row_ptr[i+1]``
+    of ``row_ptr`` int64[N+1], so per-centre reductions are segment sums over contiguous
+    ranges (:mod:`convergent.models.segments`).
     """
 
     edge_index: torch.Tensor
@@ -52,6 +55,7 @@ class NeighborList:
     distances: torch.Tensor
     n_dropped: int = 0
     max_count: int = 0
+    row_ptr: torch.Tensor | None = None
 
     @property
     def num_edges(self) -> int:
@@ -276,6 +280,7 @@ def neighbor_list(
         torch.zeros(0, 3, dtype=pos.dtype, device=dev),
         torch.zeros(0, 3, dtype=torch.int64, device=dev),
         torch.zeros(0, dtype=pos.dtype, device=dev),
+        row_ptr=torch.zeros(n + 1, dtype=torch.int64, device=dev),
     )
     if n == 0:
         return empty
@@ -379,8 +384,12 @@ def _finish(
     max_neighbors: int | None,
     overflow: str,
 ) -> NeighborList:
-    """Apply the neighbour cap (error or drop-farthest) and build the NeighborList."""
+    """Apply the neighbour cap (error or drop-farthest), sort the edges by centre (stable:
+    the torch paths already list them so) and build the NeighborList with its ``row_ptr``."""
     dev = src.device
+    if src.numel() > 1 and not bool((src[1:] >= src[:-1]).all()):  # vesin's order
+        o = torch.argsort(src, stable=True)
+        src, dst, csh, dist = src[o], dst[o], csh[o], dist[o]
     per_center = torch.bincount(src, minlength=n)
     max_count = int(per_center.max()) if per_center.numel() else 0
     n_dropped = 0
@@ -404,6 +413,7 @@ def _finish(
         rank = torch.arange(src.numel(), device=dev) - seg_start[src]
         keep = rank < max_neighbors
         src, dst, csh, dist = src[keep], dst[keep], csh[keep], dist[keep]
+        per_center = per_center.clamp_max(max_neighbors)
         log.warning(
             "neighbour cap %d: dropped %d pairs (farthest) on %d atoms", max_neighbors, n_dropped, n_over
         )
@@ -419,6 +429,7 @@ def _finish(
         distances=dist.to(dtype),
         n_dropped=n_dropped,
         max_count=max_count,
+        row_ptr=torch.nn.functional.pad(torch.cumsum(per_center, 0), (1, 0)),
     )
 
 

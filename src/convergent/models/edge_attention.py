@@ -13,12 +13,18 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from convergent.models.edge_kernel import edge_messages
+from convergent.models.segments import Segments
+
 
 @dataclass
 class EdgeGeometry:
     """Edges ``src -> dst`` (centre, neighbour) int64[E] and their parameter-free
     features: ``vec`` = pos[dst] - pos[src] (+ cell shift) float[E, 3] Å, distance ``r``
-    [E] Å, radial basis ``rbf`` [E, num_rbf], envelope ``env`` [E], ``topk`` (or None)."""
+    [E] Å, radial basis ``rbf`` [E, num_rbf], envelope ``env`` [E], ``topk`` (or None).
+    ``recv``/``send``: the edges grouped by centre / by neighbour (CSR,
+    :mod:`convergent.models.segments`; None: the scalar block scatters with ``index_add_``);
+    ``kernel``: ``model.edge_kernel`` (:mod:`convergent.models.edge_kernel`)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -27,6 +33,9 @@ class EdgeGeometry:
     rbf: torch.Tensor
     env: torch.Tensor
     topk: tuple[int, torch.Tensor] | None = None
+    recv: Segments | None = None
+    send: Segments | None = None
+    kernel: str = "index"
 
     @cached_property
     def unit(self) -> torch.Tensor:
@@ -62,7 +71,11 @@ class EdgeAttentionBlock(nn.Module):
         processed in chunks of ``edge_chunk`` edges (0 = all at once, the default): same
         result, smaller transient allocations, but every chunk adds an O(N) gradient buffer
         in backward (the gathers ``q[src]``, ``k[dst]``, ``v[dst]``), so cost grows as
-        N·E/edge_chunk."""
+        N·E/edge_chunk. With ``g.recv``/``g.send`` (CSR), no ``topk``, no chunks and
+        ``g.kernel`` not ``index``, the message step is :func:`edge_messages` instead."""
+        if g.recv is not None and g.send is not None and g.topk is None and edge_chunk <= 0 \
+                and g.kernel != "index":
+            return self._forward_csr(h, g)
         src, dst, rbf, env, topk = g.src, g.dst, g.rbf, g.env, g.topk
         n, hd, nh = h.shape[0], self.hidden, self.heads
         d = hd // nh
@@ -91,6 +104,19 @@ class EdgeAttentionBlock(nn.Module):
             # no separate [E, hidden] cast copy (same numbers; less traffic per edge)
             agg.index_add_(0, s_c, a_c.unsqueeze(-1) * vals)  # in place: no copy per chunk
         h = h + self.out(agg.view(n, hd).to(h.dtype))
+        return h + self.mlp(self.norm2(h))
+
+    def _forward_csr(self, h: torch.Tensor, g: EdgeGeometry) -> torch.Tensor:
+        """The block with the message step over CSR edges (same numbers up to rounding)."""
+        assert g.recv is not None and g.send is not None
+        q, k, v = self.qkv(self.norm1(h)).chunk(3, dim=-1)
+        fe = self.edge(g.rbf)  # [E, heads + hidden]: score bias, value filter
+        # auto in training mode: torch (forces are differentiated again there, and the
+        # fused kernel's differentiable backward recomputes with torch: see edge_kernel)
+        kernel = "torch" if g.kernel == "auto" and self.training else g.kernel
+        agg = edge_messages(q, k, v, fe, g.env, g.recv, g.send, self.heads,
+                            self.weights == "softmax", kernel)
+        h = h + self.out(agg.to(h.dtype))
         return h + self.mlp(self.norm2(h))
 
     def _scores(self, q_src: torch.Tensor, k_dst: torch.Tensor, bias: torch.Tensor,

@@ -16,7 +16,10 @@ Architecture (read top to bottom in ten minutes):
   (a weighted mean; the 1 is a zero-score sink slot, so weights fade smoothly as atoms
   cross the cutoff), message
   ``Σ_j a_ij v_j ⊙ f_v(r_ij)``, then an MLP. Only distances enter, so the energy is invariant to rotation, translation and
-  permutation; cost is O(N·k) for k neighbours per atom.
+  permutation; cost is O(N·k) for k neighbours per atom. The edges come sorted by centre
+  (CSR: the neighbour list's ``row_ptr``), so the message step
+  (:mod:`convergent.models.edge_kernel`, ``model.edge_kernel``) reduces over contiguous
+  segments with torch ops or in one fused Triton kernel.
 * ``energy_head``: per-atom MLP (LayerNorm first only with ``head_norm``) -> per-atom energy ``ε_i · scale + shift + ref[Z_i]``,
   summed per molecule with ``index_add_`` (fp32 for the network part, fp64 for the sum and
   the element reference energies, which are large in eV).
@@ -57,6 +60,7 @@ from convergent.models.config import ModelConfig
 from convergent.models.direct_forces import DirectForceHead
 from convergent.models.edge_attention import EdgeAttentionBlock, EdgeGeometry
 from convergent.models.repulsion import zbl_atom_energies, zbl_forces
+from convergent.models.segments import Segments
 from convergent.models.vector_attention import VectorAttentionBlock
 
 
@@ -152,9 +156,12 @@ class MolecularTransformer(nn.Module):
         return edge_index, shifts, rows
 
     def edge_geometry(
-        self, pos: torch.Tensor, edge_index: torch.Tensor, shifts: torch.Tensor, rows: Any = None
+        self, pos: torch.Tensor, edge_index: torch.Tensor, shifts: torch.Tensor, rows: Any = None,
+        row_ptr: torch.Tensor | None = None,
     ) -> EdgeGeometry:
-        """Parameter-free edge features of positions ``pos`` [N, 3] Å (see EdgeGeometry)."""
+        """Parameter-free edge features of positions ``pos`` [N, 3] Å (see EdgeGeometry).
+        ``row_ptr``: the edges are sorted by centre with these bounds (the neighbour
+        list's); without it the CSR grouping sorts them."""
         cfg = self.cfg
         src, dst = edge_index[0], edge_index[1]
         vec = pos[dst] - pos[src] + shifts.to(pos.dtype)
@@ -165,7 +172,11 @@ class MolecularTransformer(nn.Module):
         else:
             env = torch.ones_like(r)
         topk = (cfg.topk, rows) if rows is not None else None
-        return EdgeGeometry(src, dst, vec, r, rbf, env, topk)
+        recv = send = None
+        if rows is None and not cfg.vectors and cfg.edge_chunk == 0 and cfg.edge_kernel != "index":
+            recv = Segments.build(src, pos.shape[0], row_ptr)
+            send = Segments.build(dst, pos.shape[0])
+        return EdgeGeometry(src, dst, vec, r, rbf, env, topk, recv, send, cfg.edge_kernel)
 
     def run_layer(self, name: str, layer: nn.Module, h: torch.Tensor, g: EdgeGeometry) -> torch.Tensor:
         """One attention block (``name`` = ``layers.<i>``), in fp32 if ``keep_fp32`` says so."""
@@ -221,7 +232,8 @@ class MolecularTransformer(nn.Module):
             raise ValueError(f"atomic numbers must be in [1, {cfg.max_z}]")
         pos = batch.positions
         edge_index, shifts, rows = self._edges(batch)
-        g = self.edge_geometry(pos, edge_index, shifts, rows)
+        row_ptr = self.last_neighbors.row_ptr if cfg.attention == "neighbor" else None
+        g = self.edge_geometry(pos, edge_index, shifts, rows, row_ptr)
         h = self.initial_state(z)
         for i, layer in enumerate(self.layers):
             h = self.run_layer(f"layers.{i}", layer, h, g)
