@@ -3,7 +3,9 @@
 Not a benchmark (no sides, no rounds): a diagnostic for the next change. It profiles
 
 * a few molecular training steps (hidden 256, 6 layers, ``--mol-atoms`` atoms, autograd
-  forces, the batches prebuilt on the GPU) in fp32 (TF32) and under bf16 autocast, and
+  forces, the batches prebuilt on the GPU) in fp32 (TF32) and under bf16 autocast, the
+  attention's message step by ``--edge-kernel`` (``model.edge_kernel``, default ``auto``:
+  torch in training), and
 * our serving engine on the first ``--requests`` requests of the bench-serve trace with the
   1.1B random Llama of bench/gpu/throughput.py, in bf16 (decode attention
   ``--attention-backend``, default ``auto``: Triton on CUDA), after a short micro-benchmark
@@ -14,8 +16,8 @@ and writes, per part, the top operators by CUDA time and by CPU time, the share 
 profiled wall time the GPU was busy, and the kernels' count, to ``--out`` (JSON) and
 stdout. Needs CUDA; on a machine without it, one line and exit code 2.
 
-Usage: ``python -m bench.gpu.profile [--mol-atoms 16384] [--requests 64] [--max-output 48]
-[--attention-backend auto] [--only molecular,serve] [--out F]``
+Usage: ``python -m bench.gpu.profile [--mol-atoms 16384] [--edge-kernel auto] [--requests 64]
+[--max-output 48] [--attention-backend auto] [--only molecular,serve] [--out F]``
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def _summary(prof: Any, wall_s: float) -> dict[str, Any]:
             "top_by_cpu": _table(prof, "self_cpu_time_total")}
 
 
-def profile_molecular(tmp: Path, atoms: int, steps: int = 3) -> dict[str, Any]:
+def profile_molecular(tmp: Path, atoms: int, steps: int = 3,
+                      edge_kernel: str = "auto") -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -62,7 +65,7 @@ def profile_molecular(tmp: Path, atoms: int, steps: int = 3) -> dict[str, Any]:
 
     data = make_molecules(tmp / "mol", max(64, 2 * atoms // 6))
     cfg = load_config(None, [f"train.dataset={data}", "model.hidden=256", "model.layers=6",
-                             f"train.global_batch_atoms={atoms}"])
+                             f"train.global_batch_atoms={atoms}", f"model.edge_kernel={edge_kernel}"])
     task = make_task(cfg)
     dev = torch.device("cuda")
     batches = [task.to(task.micro_batches(s, 0, 1, 1)[0], dev) for s in range(2)]
@@ -89,7 +92,7 @@ def profile_molecular(tmp: Path, atoms: int, steps: int = 3) -> dict[str, Any]:
                 step(i)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        out[dtype] = {"steps": steps, "atoms_per_batch": batches[0].units,
+        out[dtype] = {"steps": steps, "atoms_per_batch": batches[0].units, "edge_kernel": edge_kernel,
                       "atoms_per_s": round(steps * batches[0].units / wall), **_summary(prof, wall)}
         del model, opt
     return out
@@ -131,6 +134,8 @@ def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "aut
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mol-atoms", type=int, default=16384)
+    ap.add_argument("--edge-kernel", default="auto", choices=["auto", "torch", "triton", "index"],
+                    help="molecular: model.edge_kernel of the profiled model")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-output", type=int, default=48,
                     help="serving: cap each request's output tokens (bounds the profile's size)")
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"provenance": provenance(), "device": torch.cuda.get_device_name(0),
                            "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="convergent-gpu-profile-") as d:
-        steps = {"molecular": [("molecular", lambda: profile_molecular(Path(d), args.mol_atoms))],
+        steps = {"molecular": [("molecular", lambda: profile_molecular(
+                     Path(d), args.mol_atoms, edge_kernel=args.edge_kernel))],
                  # the decode-attention micro-benchmark first: short, and what decides the backend
                  "serve": [("serve_attention", lambda: decode_attention_bench("cuda")),
                            ("serve", lambda: profile_serve(Path(d), args.requests, args.max_output,

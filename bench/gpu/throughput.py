@@ -15,6 +15,12 @@ machine, the load before/after, each side's settings and the differences between
   process, prefetch thread, CUDA-event step timer) in fp32 (TF32) and bf16, and a plain
   PyTorch loop on the same model with every batch prebuilt on the GPU (the model's
   ceiling, no input pipeline) in bf16. Atoms/s, ``data_wait_s / step_s``.
+* **edge** (``--only edge``, about a minute and a half; not in the default ``--only``): the
+  molecular model's ``model.edge_kernel`` — ``index`` (the pre-CSR scatter), ``torch``
+  (segment sums over receiver-sorted edges), ``triton`` (the fused kernel) — in fp32 (TF32)
+  and bf16, as training steps (autograd forces: double backward; AdamW) and, for torch and
+  triton, as inference (energies and forces, first-order backward), each a plain loop on
+  the same two batches prebuilt on the GPU, ``--edge-steps`` steps. Atoms/s.
 * **LM** (a Llama of hidden 768, 12 layers, 12 heads, seq 1024, 16 sequences, vocab
   32,000): our trainer in bf16 (eager, and with ``train.compile=model``, the default on CUDA) and fp32, and
   transformers' ``LlamaForCausalLM`` of the same shape (SDPA attention, bf16 autocast,
@@ -29,16 +35,19 @@ machine, the load before/after, each side's settings and the differences between
 
 Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
 ``molecular_atoms_per_s_bf16`` (with ``molecular_batch_atoms``),
-``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``, ``lm_mfu_bf16``,
+``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``, ``edge_train_atoms_per_s_bf16``
+(per kernel), ``edge_torch_vs_index_train_bf16``, ``edge_triton_vs_torch_train_bf16``,
+``edge_triton_vs_torch_infer_bf16``, ``edge_bf16_vs_fp32_train`` (per kernel), ``lm_mfu_bf16``,
 ``lm_vs_hf_train`` (eager vs eager), ``lm_vs_hf_train_compiled``,
 ``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``, ``torch``, ``cuda``,
 ``provenance``, ``differences``, ``complete`` and ``parts`` (the JSON is written after every
 part, so a run cut short keeps what it finished); the harness result of each part under ``molecular``,
-``lm``, ``serve`` (settings, per_round, summary).
+``edge``, ``lm``, ``serve`` (settings, per_round, summary).
 
 Usage: ``python -m bench.gpu.throughput [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
-[--only molecular,lm,serve]`` (the parts run in ``--only``'s order; each runs ``--rounds``
-rounds, serving, the longest, ``--serve-rounds`` if given).
+[--edge-steps 12] [--only molecular,lm,serve]`` (``edge`` is a part too; the parts run in
+``--only``'s order; each runs ``--rounds`` rounds, serving, the longest, ``--serve-rounds``
+if given).
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.edge import bench_edge_kernel, edge_keys
 from bench.lib.harness import Side, check_clean, interleave, provenance, write_result
 from bench.lib.paths import RESULTS
 
@@ -402,6 +412,7 @@ def _result(res: dict[str, Any], args: argparse.Namespace, prov: dict[str, Any],
         "molecular_batch_atoms": args.mol_atoms,
         "molecular_bf16_speedup_vs_fp32": _ratio(_med(mol, "ours_bf16"), _med(mol, "ours_fp32")),
         "data_wait_fraction": _med(mol, "ours_bf16", "data_wait_fraction"),
+        **edge_keys(res.get("edge", {}), _med, _ratio),
         "lm_mfu_bf16": _med(lm, "ours_bf16", "mfu"),
         "lm_mfu_bf16_compile": _med(lm, "ours_bf16_compile", "mfu"),
         "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_eager_bf16")),
@@ -417,6 +428,7 @@ def _result(res: dict[str, Any], args: argparse.Namespace, prov: dict[str, Any],
         "serve_rounds": args.serve_rounds or args.rounds,
         "steps": args.steps,
         "lm_steps": args.lm_steps,
+        "edge_steps": args.edge_steps,
         "wall_s": time.monotonic() - t0,
         "provenance": prov,
         "differences": {k: v.get("differences", []) for k, v in res.items()},
@@ -429,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30, help="molecular steps per side and round")
     ap.add_argument("--lm-steps", type=int, default=20, help="LM steps per side and round")
+    ap.add_argument("--edge-steps", type=int, default=12,
+                    help="steps per side and round of the edge part")
     ap.add_argument("--serve-rounds", type=int, default=None,
                     help="rounds of the serving part (default: --rounds)")
     ap.add_argument("--mol-atoms", type=int, default=16384, help="atoms per batch (<= 32768)")
@@ -447,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--mol-atoms must be between 1 and 32768", file=sys.stderr)
         return 2
     parts = {"molecular": lambda tmp: bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms),
+             "edge": lambda tmp: bench_edge_kernel(tmp, args.rounds, args.edge_steps, args.mol_atoms),
              "lm": lambda tmp: bench_lm(tmp, args.rounds, args.lm_steps),
              "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds)}
     order = list(dict.fromkeys(args.only.split(",")))
