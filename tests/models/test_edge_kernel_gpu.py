@@ -82,3 +82,29 @@ def test_auto_runs_triton_for_inference_at_the_bench_shape(monkeypatch):
     calls.clear()
     run_model("auto", "silu", True, b, training=True, device="cuda", hidden=256)
     assert calls == []  # training: a double backward would recompute with torch anyway
+
+
+def test_compiled_blocks_with_the_kernel_match_eager():
+    """train.compile=blocks around the Triton path (eval mode, direct forces: first order
+    only): traced or broken around by dynamo, the numbers are eager's."""
+    from convergent.models.config import ModelConfig
+    from convergent.models.molecular import build_model
+
+    b = mixed_batch().to("cuda")
+    out = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        m = build_model(ModelConfig(hidden=64, layers=2, heads=4, forces="direct",
+                                    edge_kernel="triton")).cuda().eval()
+        if compiled:
+            for blk in m.layers:
+                blk.compile()
+        try:
+            e, f = m(b, with_forces=True)
+            (e.sum() + (f * f).sum()).backward()
+        finally:
+            torch.compiler.reset()
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        out.append((e.detach(), f.detach(), grads))
+    for a, c in zip(*out, strict=True):
+        assert_close(a, c, torch.float32, k=64)
