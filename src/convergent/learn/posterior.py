@@ -92,14 +92,14 @@ class Posterior:
 
     def variance(self, x: np.ndarray) -> np.ndarray:
         """Posterior variance of the prediction at each (standardised) row of ``x``."""
-        return np.einsum("ij,jk,ik->i", x, self.cov, x)
+        return np.sum((x @ self.cov) * x, axis=1)  # einsum's loop is ~8x slower at 2,000 x 263
 
     def pool_gain(self, x: np.ndarray, pool_second_moment: np.ndarray) -> np.ndarray:
         """Per row of ``x``: how much labelling it would lower the mean posterior variance
         over a pool whose (standardised) rows have second moment ``pool_second_moment``
         (``mean_p p pᵀ``): ``xᵀ P S P x / (ridge + xᵀ P x)``."""
         a = self.cov @ pool_second_moment @ self.cov
-        return np.einsum("ij,jk,ik->i", x, a, x) / (self.ridge + self.variance(x))
+        return np.sum((x @ a) * x, axis=1) / (self.ridge + self.variance(x))
 
     def condition(self, x: np.ndarray) -> None:
         """Observe one more (standardised) row ``x`` (Sherman–Morrison)."""
