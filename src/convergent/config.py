@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from convergent.analytics.config import AnalyticsConfig
 from convergent.cluster.config import ClusterConfig
@@ -39,6 +39,23 @@ class RunConfig(Section):
     root: PathStr = "runs"
 
 
+class DemoConfig(Section):
+    """What ``convergent demo`` trains beside ours. ``peers``: other model kinds trained on
+    the same split with the same training settings, screened on the same held-out
+    molecules and run through the same MD check; the report puts them side by side.
+    ``mace``: mace-torch's MACE, sized by ``model.mace`` (the demo's preset makes it small;
+    needs the ``mace`` extra). Empty by default: ``make demo`` trains ours only."""
+
+    peers: list[Literal["mace"]] = Field(default_factory=list)
+
+    @field_validator("peers")
+    @classmethod
+    def _each_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("names a model kind twice")
+        return v
+
+
 class ConvergentConfig(Section):
     """All sections; each stage reads only its own."""
 
@@ -58,6 +75,7 @@ class ConvergentConfig(Section):
     serve: ServeConfig = ServeConfig()
     learn: LearnConfig = LearnConfig()
     text: TextConfig = TextConfig()  # the LM task's text corpus (convergent.data.textcorpus)
+    demo: DemoConfig = DemoConfig()  # what `convergent demo` trains beside ours
 
 
 # Keys of earlier layouts and where each went: a config that uses one is refused in one

@@ -2,7 +2,8 @@
 
 Built only from files in the run directory (config.yaml, stages.json, metrics.jsonl,
 screen/predictions.json: the held-out predictions with the per-element baseline's,
-:mod:`convergent.monitor.accuracy`), so ``convergent report RUN_DIR`` can rebuild it at any time.
+:mod:`convergent.monitor.accuracy`; the peers' ``peer_<kind>`` stages,
+:mod:`convergent.monitor.comparison`), so ``convergent report RUN_DIR`` can rebuild it at any time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from convergent.core.errors import RunDirError
 from convergent.core.fsutil import atomic_write_text
 from convergent.monitor.accuracy import HeldoutPredictions
 from convergent.monitor.accuracy_report import accuracy_sections
+from convergent.monitor.comparison import comparison_section, model_results
 from convergent.monitor.diagnosis import diagnose, step_breakdown
 from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 from convergent.runsdb.accounting import collect_slurm, usage_table
@@ -189,6 +191,7 @@ def build_report(run_dir: str | Path) -> Path:
         md += lines
         figs.update(acc_figs)
     md += _md_check_section(stages.get("md_check"))
+    md += comparison_section(model_results(stages))  # ours beside each peer (demo.peers)
     collect_slurm(run.path)  # Slurm's record of each job the run's stages name
     cost = usage_table(run.path)
     if cost:
