@@ -58,3 +58,17 @@ def test_the_cpu_preset_is_one_seed_and_the_gpu_preset_three():
     assert science.PRESETS["cpu"].seeds == 1 and science.PRESETS["gpu"].seeds == 3
     assert science.PRESETS["gpu"].device == "cuda" and science.PRESETS["gpu"].md_ps == 5.0
     assert len(science.PRESETS["cpu"].budgets) == len(science.PRESETS["gpu"].budgets) == 2
+
+
+def test_the_balanced_scaffold_split_holds_out_many_scaffolds_never_the_largest():
+    from bench.models.nci2k import balanced_scaffold_split
+
+    # one scaffold is 40 % of the records (nci2k's benzene is ~27 %), 60 small ones the rest
+    recs = [{"scaffold": "c1ccccc1", "molecule_id": f"b{i}"} for i in range(40)]
+    recs += [{"scaffold": f"s{i // 1}", "molecule_id": f"m{i}"} for i in range(60)]
+    tr, te = balanced_scaffold_split(recs, 0.2, seed=0)
+    held = {recs[i]["scaffold"] for i in te}
+    assert len(te) == 20 and len(held) == 20 and "c1ccccc1" not in held
+    assert not held & {recs[i]["scaffold"] for i in tr}
+    assert balanced_scaffold_split(recs, 0.2, seed=0) == (tr, te)  # seeded
+    assert balanced_scaffold_split(recs, 0.2, seed=1)[1] != te

@@ -3,7 +3,7 @@
 * :func:`load_records` — nci2k (bench/models/nci2k.py, the chunks already built) or the
   same records from a compact ``.npz`` (:func:`export_npz`: float32 positions and forces,
   small enough to carry to a GPU machine beside the packages it lacks).
-* :func:`make_split` — a balanced scaffold split (:func:`scaffold_split`, groups by
+* :func:`make_split` — a balanced scaffold split (:func:`bench.models.nci2k.balanced_scaffold_split`, groups by
   bench/models/nci2k.py's ``scaffold_group``, shuffled with the seed): the pool is the
   training scaffolds' structures (optionally a seeded sample of their compounds), the test
   set a seeded sample of the held-out scaffolds' structures. No scaffold group is on both
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.learn.retrospective_rules import Rules
+from bench.models.nci2k import balanced_scaffold_split
 
 FIELDS = ("key", "molecule_id", "scaffold", "kind")
 
@@ -84,30 +85,12 @@ class Split:
     info: dict[str, Any]
 
 
-def scaffold_split(records: Sequence[dict[str, Any]], fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(pool, held-out) indices of a balanced scaffold split (chemprop's ``scaffold_balanced``):
-    groups larger than half the held-out target stay in the pool, the rest are shuffled with
-    ``seed`` and fill the held-out set up to ``fraction`` of the structures."""
-    from bench.models.nci2k import scaffold_group
-
-    members: dict[str, list[int]] = {}
-    for i, r in enumerate(records):
-        members.setdefault(scaffold_group(r), []).append(i)
-    target = fraction * len(records)
-    small = sorted(g for g, idx in members.items() if len(idx) <= target / 2)
-    held: list[int] = []
-    for j in np.random.default_rng(seed_of("scaffold-split", seed)).permutation(len(small)):
-        if len(held) + len(members[small[j]]) <= target:
-            held += members[small[j]]
-    held_set = set(held)
-    return [i for i in range(len(records)) if i not in held_set], sorted(held)
-
-
 def make_split(records: Sequence[dict[str, Any]], rules: Rules, seed: int) -> Split:
     """The pool and the test set of ``seed`` (module docstring)."""
     from bench.models.nci2k import scaffold_group
 
-    pool, held = scaffold_split(records, rules.test_fraction, seed)
+    pool, held = balanced_scaffold_split(records, rules.test_fraction,
+                                         seed_of("scaffold-split", seed))
     shared = {scaffold_group(records[i]) for i in pool} & {scaffold_group(records[i]) for i in held}
     assert not shared, f"seed {seed}: scaffold groups in the pool and the test set: {sorted(shared)[:3]}"
     rng = np.random.default_rng(seed_of("retrospective-split", seed))
