@@ -247,13 +247,18 @@ def write_summary(preset: str, out_dir: Path) -> dict[str, Any]:
     with its commit) and the transfer result's ``transfer_energy_mae_eV``."""
     from convergent.core.fsutil import atomic_write_text, dumps_json
 
-    out: dict[str, Any] = {"benchmark": "model_accuracy", "preset": preset, "parts": {}}
+    out: dict[str, Any] = {"benchmark": "model_accuracy", "commit": None, "dirty": None,
+                           "loaded": None, "preset": preset, "parts": {}}
     for part in ("accuracy", "md", "ablations"):
         p = out_dir / f"science_{part}_{preset}.json"
         if p.is_file():
             d = json.loads(p.read_text())
             out["parts"][part] = {"file": p.name, "commit": d.get("commit"),
-                                  "device": d.get("device")}
+                                  "device": d.get("device"), "loaded": d.get("loaded")}
+            if out["commit"] is None:  # the first part's commit and provenance (the others
+                out.update(commit=d.get("commit"), dirty=d.get("dirty"),  # name theirs)
+                           loaded=d.get("loaded"), provenance=d.get("provenance"))
+            out[f"{part}_summary"] = d.get("summary")  # medians with their spread
             for key in ("energy_mae_ratio_vs_best_peer", "force_mae_ratio_vs_best_peer",
                         "best_peer", "md_stable_fraction", "device"):
                 if key in d:
