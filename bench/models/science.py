@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     names, skipped, mace_version = resolve_sides(args.models)
     check_clean(args)
     train, held_out = split(preset, args.data_chunks)
-    _, test = split_test(held_out, preset)
+    test = held_out_sample(held_out, preset)
     parts = ("accuracy", "md", "ablations") if args.part == "all" else (args.part,)
     out_dir = Path(args.out)  # --out: the folder of the part files and the summary
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -325,12 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(write_summary(args.preset, out_dir), indent=1))
 
 
-def split_test(held_out: list[dict], preset: Preset) -> tuple[list, list]:
-    """(held_out, its seeded sample of ``test_structures``)."""
+def held_out_sample(held_out: list[dict], preset: Preset) -> list[dict]:
+    """A seeded sample of ``test_structures`` of the held-out records (all when fewer)."""
     if len(held_out) <= preset.test_structures:
-        return held_out, held_out
+        return held_out
     idx = np.random.default_rng(0).choice(len(held_out), preset.test_structures, replace=False)
-    return held_out, [held_out[i] for i in sorted(idx)]
+    return [held_out[i] for i in sorted(idx)]
 
 
 if __name__ == "__main__":
