@@ -23,7 +23,8 @@ Parts (``--part``, each its own JSON so one short GPU run can make each):
   ``md_stable_fraction`` per side and temperature, NVE drift, and the RDF distance of the
   300 K trajectories to nci2k's own xTB Langevin frames (300 K) of the same compounds.
 * ``ablations``: ours with one change at a time at the smaller budget (vector features,
-  fewer radial functions, a shorter cutoff, force weight x10, no EMA, a constant LR).
+  fewer radial functions, a shorter cutoff, force weight x10, no EMA, a constant LR, one
+  reference energy per atom shared by every element instead of per-element references).
 
 Presets (``--preset``): ``cpu`` sizes the whole of it to about 40 minutes on 2 cores (one
 seed; its results say ``preset: cpu``); ``gpu`` is the device run (3 seeds, wall-second
@@ -92,6 +93,7 @@ ABLATIONS: dict[str, dict[str, dict[str, Any]]] = {
     "force_weight_x10": {"train": {"force_weight": 0.1}},
     "no_ema": {"train": {"ema_decay": 0.0}},
     "constant_lr": {"train": {"lr_schedule": "constant"}},
+    "per_atom_reference": {"train": {"reference_fit": "per_atom"}},
 }
 
 

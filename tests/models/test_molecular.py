@@ -197,6 +197,12 @@ def test_fit_reference_energies_recovers_linear_model():
     m = build_model(ModelConfig(hidden=16, layers=1))
     m.set_reference(ref)
     assert float(m.atomref[8]) == pytest.approx(true[8], abs=0.05)
+    # the ablation: one energy per atom for every element, the least-squares mean
+    shared = fit_reference_energies(recs, ridge=0, per_element=False)
+    n = np.array([len(r["numbers"]) for r in recs], dtype=float)
+    mu = float(n @ np.array([r["energy"] for r in recs]) / (n @ n))
+    assert set(shared.energies) == set(true)
+    assert all(e == pytest.approx(mu, rel=1e-9) for e in shared.energies.values())
 
 
 def test_loss_and_training_step_reduce_error():

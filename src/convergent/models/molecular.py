@@ -306,10 +306,12 @@ def install_reference(ref: ReferenceEnergies, max_z: int, atomref: torch.Tensor,
 
 
 def fit_reference_energies(
-    records: Iterable[Mapping[str, Any]], limit: int | None = None, ridge: float = 1e-6
+    records: Iterable[Mapping[str, Any]], limit: int | None = None, ridge: float = 1e-6,
+    per_element: bool = True,
 ) -> ReferenceEnergies:
     """Fit ``E ≈ Σ_atoms ref[Z]`` by (ridge-regularised; ``ridge=0``: plain) least squares
-    over records.
+    over records; ``per_element=False`` fits one energy per atom shared by every element
+    (``E ≈ n_atoms · μ``; the ablation of per-element references).
 
     Returns the per-element energies and a per-atom ``scale``: the RMS force (eV/Å·Å ->
     eV) when forces are present, else the std of the per-atom residual (floor 0.01 eV).
@@ -341,6 +343,9 @@ def fit_reference_energies(
     for row, c in enumerate(comps):
         for z, cnt in c.items():
             a[row, col[z]] = cnt
+    if not per_element:  # one column: the atom count; every element gets its coefficient
+        a = a.sum(1, keepdims=True)
+        col = dict.fromkeys(elements, 0)
     y = np.asarray(energies)
     n_atoms = a.sum(1)
     if ridge == 0:  # plain least squares (minimum-norm where compositions are collinear)
@@ -348,7 +353,7 @@ def fit_reference_energies(
     else:  # ridge toward the mean energy per atom keeps collinear compositions well defined
         mu = float((y / n_atoms).mean())
         lam = ridge * max(1.0, float((a * a).sum() / len(y)))
-        coef = np.linalg.solve(a.T @ a + lam * np.eye(len(elements)), a.T @ (y - n_atoms * mu)) + mu
+        coef = np.linalg.solve(a.T @ a + lam * np.eye(a.shape[1]), a.T @ (y - n_atoms * mu)) + mu
     resid = (y - a @ coef) / n_atoms
     if n_force:
         scale = math.sqrt(sq_force / n_force)

@@ -63,6 +63,9 @@ class TrainConfig(Section):
     # refit the offsets only and keep the network's scale (fine-tuning to another level of
     # theory), or keep the warm model's
     init_reference: Literal["refit", "offsets", "keep"] = "refit"
+    # the element reference energies fitted on the training data: one per element (the
+    # default), or one energy per atom shared by every element (the science bench's ablation)
+    reference_fit: Literal["per_element", "per_atom"] = "per_element"
     # fine-tuning: parameters whose names match a pattern here (fnmatch, e.g. "embedding.*")
     # are frozen; param_lr maps patterns to LR multipliers (first match wins; others 1)
     freeze: list[str] = []

@@ -146,7 +146,7 @@ def build(cfg: ConvergentConfig, source: MoleculeSource) -> nn.Module:
         model.load_state_dict(warm.state_dict())
         model.trained_elements = warm.trained_elements
     if mode != "keep":
-        ref = fit_reference_energies(recs)
+        ref = fit_reference_energies(recs, per_element=t.reference_fit == "per_element")
         if mode == "offsets":  # the network was trained in the warm model's units
             ref.scale, ref.shift = float(model.scale), float(model.shift)
         model.set_reference(ref)
