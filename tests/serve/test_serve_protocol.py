@@ -176,6 +176,8 @@ def _ref_sample(model, ids, n, seed, temperature, top_k=0, top_p=1.0):
         TopPLogitsWarper,
     )
 
+    from convergent.serve.sampling import seeded_gumbel
+
     ids, out = list(ids), []
     for _ in range(n):
         with torch.no_grad():
@@ -185,8 +187,9 @@ def _ref_sample(model, ids, n, seed, temperature, top_k=0, top_p=1.0):
             x = TopKLogitsWarper(top_k)(None, x)
         if top_p < 1:
             x = TopPLogitsWarper(top_p)(None, x)
-        g = torch.Generator().manual_seed((seed * 1_000_003 + len(ids)) & 0x7FFFFFFFFFFF)
-        t = int(torch.multinomial(torch.softmax(x[0], -1), 1, generator=g))
+        # the Gumbel-max draw with the row's seed (request seed, position)
+        noise = seeded_gumbel(torch.tensor([seed * 1_000_003 + len(ids)]), x.shape[-1])
+        t = int((torch.log_softmax(x, -1) + noise).argmax(-1))
         out.append(t)
         ids.append(t)
     return out
