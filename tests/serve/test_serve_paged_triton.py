@@ -72,3 +72,27 @@ def test_engine_with_the_triton_backend_is_token_exact(hf_llama_dir, hf_greedy):
         reqs = [eng.add_request(eng.make_request(p, 12)) for p in prompts]
         eng.run()
     assert [r.output for r in reqs] == ref
+
+
+@pytest.mark.numerics
+def test_padded_static_decode_with_the_triton_kernel(hf_llama_dir):
+    """The decode graphs' static path with the Triton kernel over the static block table
+    (3 sequences padded to the bucket of 4; the padding row reads the scratch block only):
+    the eager Triton step's logits and tokens (fp32)."""
+    from tests.serve.graph_cases import (
+        decode_meta,
+        eager_logits,
+        make_runner,
+        prefill,
+        static_logits,
+    )
+
+    runner = make_runner(hf_llama_dir, backend="triton")
+    assert runner.graphs is not None and runner.graphs.backend == "triton"
+    toks, lens = prefill(runner, [[256, 72, 105, 33], [256] + list(range(60, 90)), [256, 7]])
+    meta = decode_meta(toks, lens)
+    ref = eager_logits(runner, meta)
+    got = static_logits(runner, meta)
+    assert runner.graphs.bucket(3) == 4 and runner.graphs.static_runs == 1
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()

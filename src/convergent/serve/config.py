@@ -50,6 +50,15 @@ class EngineConfig(Section):
     # decode attention: auto = triton on CUDA where Triton imports, else sdpa_gather (the
     # padded gather + SDPA); flex = FlexAttention (compiled on CUDA); prefills take SDPA
     attention_backend: Literal["auto", "sdpa_gather", "triton", "flex"] = "auto"
+    # decode steps through static buffers padded to batch-size buckets, captured as CUDA
+    # graphs at start-up (convergent.models.paged_graphs): auto = on for CUDA with the
+    # triton or sdpa_gather backend; on = also on the CPU, there the padded static path
+    # runs without capture (a check of it); off = eager
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    cuda_graph_max_seqs: Count0 = 0  # largest captured bucket; 0: serve.scheduler.max_num_seqs
+    # host work overlapped with the device step (convergent.serve.engine_async): auto = on
+    # for CUDA; the tokens are the same either way
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
 
 
 class SchedulerConfig(Section):
@@ -136,7 +145,8 @@ def _moved(section: str, keys: str) -> dict[str, str]:
 MOVED_KEYS: dict[str, str] = {
     **_moved("engine", "dtype quantize device torch_threads kv_budget_bytes block_size max_model_len"),
     # newer than the flat layout; their flat spelling is refused the same way, naming the place
-    **_moved("engine", "gpu_memory_utilization attention_backend"),
+    **_moved("engine", "gpu_memory_utilization attention_backend cuda_graphs "
+             "cuda_graph_max_seqs async_scheduling"),
     **_moved(
         "scheduler",
         "stages predictor predictor_path max_num_seqs max_batched_tokens chunked_prefill "

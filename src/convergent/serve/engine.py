@@ -30,6 +30,7 @@ from convergent.core.errors import InputError
 from convergent.models.layersplit import split_layers
 from convergent.serve.config import ServeConfig
 from convergent.serve.costs import CostTable
+from convergent.serve.engine_async import AsyncOutput, async_enabled
 from convergent.serve.engine_faults import FailureHandling
 from convergent.serve.engine_setup import (
     check_weights,
@@ -59,7 +60,7 @@ TokenListener = Callable[[TokenEvent], None]
 FatalListener = Callable[[BaseException], None]
 
 
-class Engine(FailureHandling):
+class Engine(FailureHandling, AsyncOutput):
     """Serve requests on a Llama checkpoint with a pipeline of stages and a scheduler.
 
     ``Engine(model_dir, cfg)``; :meth:`add_request`; then either :meth:`run` (offline:
@@ -105,7 +106,10 @@ class Engine(FailureHandling):
         self._specs = stage_specs(model_dir, cfg.engine, p, self.bm.num_blocks)
         for spec in self._specs:  # the step's metadata buffers, sized once
             spec.step_capacity = step_capacity(cfg.engine, cfg.scheduler)
+            spec.max_num_seqs = cfg.scheduler.max_num_seqs  # the decode graphs' buckets
         self._use_local = executor == "local" or (executor == "auto" and p == 1)
+        # serve.engine.async_scheduling: token events after the next launch (engine_async)
+        self.defer_events = async_enabled(cfg.engine.async_scheduling, cfg.engine.device)
         self.executor = self._make_executor()
         self.kv_bytes = self.executor.kv_bytes
         self.profile_s = 0.0
@@ -173,7 +177,7 @@ class Engine(FailureHandling):
 
     def _make_executor(self) -> LocalExecutor | ProcessExecutor:
         if self._use_local:
-            return LocalExecutor(self._specs)
+            return LocalExecutor(self._specs, defer=self.defer_events)
         return ProcessExecutor(self._specs, heartbeat_timeout=self.cfg.faults.heartbeat_timeout_s)
 
     # -- what the HTTP layer reads
@@ -247,9 +251,7 @@ class Engine(FailureHandling):
 
     def _emit(self, r: Request, token: int) -> None:
         if self._token_listeners:
-            ev = TokenEvent(r.rid, token, r.finished, r.finish_reason)
-            for fn in self._token_listeners:
-                fn(ev)
+            self._emit_event(TokenEvent(r.rid, token, r.finished, r.finish_reason))
 
     # -- requests
     def make_request(
@@ -386,12 +388,14 @@ class Engine(FailureHandling):
         self.stats.t_start = time.monotonic()
         while self.sched.has_unfinished() or self.in_flight:
             self._submit_ready()
+            self._flush_events()  # the previous step's, while this one runs
             if not self.in_flight:
                 self._stalled()
                 continue
             done = self._handle(self.executor.poll(timeout=1.0))
             if progress and done:
                 progress(len(done))
+        self._flush_events()
         self.stats.t_end = time.monotonic()
         return sorted(self.sched.finished, key=lambda r: r.rid)
 
@@ -409,8 +413,13 @@ class Engine(FailureHandling):
                 try:
                     self._step()
                 except Exception as exc:  # a stage died (or a bug): fail fast, maybe restart
-                    if not self._recover(exc):
-                        return
+                    self._flush_events()
+                    defer, self.defer_events = self.defer_events, False  # errors at once
+                    try:
+                        if not self._recover(exc):
+                            return
+                    finally:
+                        self.defer_events = defer
         except BaseException as exc:  # surfaced by the API as 503s
             self.error = exc
             self.healthy = False
@@ -418,6 +427,8 @@ class Engine(FailureHandling):
 
     def _step(self) -> None:
         block = not (self.sched.has_unfinished() or self.in_flight)
+        if block:
+            self._flush_events()
         try:
             msg = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
             while True:
@@ -428,6 +439,7 @@ class Engine(FailureHandling):
         if self._shutdown_at is not None and time.monotonic() >= self._shutdown_at:
             self._fail_all("the server is shutting down")
         self._submit_ready()
+        self._flush_events()  # the previous step's events while this one runs
         if self.in_flight:
             self._handle(self.executor.poll(timeout=0.02))
         else:

@@ -21,6 +21,7 @@ import socket
 import time
 
 from convergent.core.errors import ConvergentError
+from convergent.serve.engine_async import PendingSampled
 from convergent.serve.messages import (
     BatchMeta,
     BatchResult,
@@ -60,15 +61,19 @@ def _exit_reason(code: int) -> str:
 
 
 class LocalExecutor:
-    """Runs the stages in this process, synchronously."""
+    """Runs the stages in this process. ``defer`` (``serve.engine.async_scheduling``):
+    :meth:`submit` launches a step and returns without waiting for its tokens
+    (:class:`~convergent.serve.engine_async.PendingSampled`); :meth:`poll` waits."""
 
-    def __init__(self, specs: list[StageSpec]) -> None:
+    def __init__(self, specs: list[StageSpec], defer: bool = False) -> None:
         import torch
 
         torch.set_num_threads(max(1, specs[0].engine.torch_threads))
         self.runners = [StageRunner(s) for s in specs]
         self.kv_bytes = sum(r.kv.nbytes for r in self.runners)
+        self.defer = defer
         self._done: list[StageReport] = []
+        self._pending: list[tuple[int, PendingSampled, float]] = []
 
     def submit(self, meta: BatchMeta) -> None:
         x = None
@@ -76,15 +81,27 @@ class LocalExecutor:
         for s, r in enumerate(self.runners):
             t0 = time.monotonic()
             try:
-                x = r.run(meta, x)
+                x = r.run(meta, x, defer=self.defer and s == last)
             except Exception as exc:
                 raise StageFailure(f"stage {s} failed: {exc!r}") from exc
             t1 = time.monotonic()
             if s < last:
                 self._done.append(StageBusy(s, meta.bid, t0, t1))
-        self._done.append(BatchResult(meta.bid, x, t0, t1))
+        if isinstance(x, PendingSampled):
+            self._pending.append((meta.bid, x, t0))
+        else:
+            self._done.append(BatchResult(meta.bid, x, t0, t1))
 
     def poll(self, timeout: float) -> list[StageReport]:
+        """The finished steps' reports; a launched step's tokens are waited for here."""
+        for bid, pending, t0 in self._pending:
+            try:
+                sampled = pending.result()
+            except Exception as exc:
+                self._pending = []
+                raise StageFailure(f"stage {len(self.runners) - 1} failed: {exc!r}") from exc
+            self._done.append(BatchResult(bid, sampled, t0, time.monotonic()))
+        self._pending = []
         out, self._done = self._done, []
         return out
 
@@ -93,6 +110,7 @@ class LocalExecutor:
 
     def close(self, kill: bool = False) -> None:
         self._done = []
+        self._pending = []
 
 
 class ProcessExecutor:

@@ -37,6 +37,8 @@ from convergent.serve.messages import (
 if TYPE_CHECKING:
     import torch
 
+    from convergent.serve.engine_async import PendingSampled
+
 __all__ = ["StageRunner", "StageSpec", "split_layers", "stage_main"]
 
 PROMPT_LOGPROB_CHUNK = 256  # prompt rows per LM-head call when scoring a prompt
@@ -54,6 +56,7 @@ class StageSpec:
     num_blocks: int
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_capacity: int = 1 << 15  # int64 elements of a step's metadata buffers (they grow)
+    max_num_seqs: int = 256  # serve.scheduler.max_num_seqs: the decode graphs' largest bucket
 
 
 class StageRunner:
@@ -96,26 +99,46 @@ class StageRunner:
         # numpy into pinned host memory, one copy to the device per micro-batch
         self.backend = resolve_backend(eng.attention_backend, self.device)
         self.buffers = StepBuffers(self.device, capacity=spec.step_capacity)
+        from convergent.serve.graphs import build_graphs, graph_mode
+
+        # serve.engine.cuda_graphs: the decode graphs' padding rows write one spare block
+        mode = graph_mode(eng, self.device, self.backend, self.model.model.rotary.dynamic)
         self.kv = KVCache(
             len(self.layers),
-            spec.num_blocks,
+            spec.num_blocks + (mode != "off"),
             eng.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
             self.dtype,
             self.device,
         )
+        with torch.inference_mode():
+            self.graphs = build_graphs(
+                self.model, self.kv.layers, cfg, eng, mode=mode, num_blocks=spec.num_blocks,
+                max_num_seqs=spec.max_num_seqs, backend=self.backend, first=self.first,
+                last=self.last, dtype=self.dtype, device=self.device)
 
-    def run(self, meta: BatchMeta, x: torch.Tensor | None = None) -> torch.Tensor | Sampled:
+    def run(self, meta: BatchMeta, x: torch.Tensor | None = None,
+            defer: bool = False) -> torch.Tensor | Sampled | PendingSampled:
         """Stage 0 takes ``meta.input_ids``; others the previous stage's hidden ``x``.
 
         Returns the hidden states (``[T, hidden]``) or, on the last stage, the
-        :class:`~convergent.serve.messages.Sampled` tokens (and logprobs where asked).
+        :class:`~convergent.serve.messages.Sampled` tokens (and logprobs where asked);
+        with ``defer`` a step without logprobs returns a
+        :class:`~convergent.serve.engine_async.PendingSampled` instead (the tokens'
+        copy to the host started, not waited for). A pure decode step goes through the
+        decode graphs where the stage has them (:mod:`convergent.serve.graphs`).
         """
         torch = self.torch
         from convergent.models.llama import PagedBatch
 
         with torch.inference_mode():
+            g = self.graphs
+            if g is not None and not meta.prompt_rows and g.fits(
+                    meta.query_lens, meta.context_lens, meta.sample_rows):
+                out = g.run(meta.input_ids if self.first else x, meta.positions, meta.slots,
+                            meta.context_lens, meta.block_tables)
+                return self._sample(meta, out, defer) if self.last else out
             # every index list of the step in one upload: ids (stage 0), the sampled and
             # the prompt-logprob rows (last stage) beside the attention's metadata
             batch = PagedBatch.build(
@@ -137,25 +160,32 @@ class StageRunner:
             h = self.model.model.forward_paged(x, batch, self.kv.layers)
             if not self.last:
                 return h
-            return self._sample(meta, h, sample_rows, prompt_rows)
+            logits = (self.model.logits(h.index_select(0, sample_rows)).float()
+                      if meta.sample_rows else None)
+            out = self._sample(meta, logits, defer)
+            if meta.prompt_rows:
+                self._prompt_logprobs(meta, h, prompt_rows, out)
+            return out
 
-    def _sample(
-        self, meta: BatchMeta, h: torch.Tensor, rows: torch.Tensor, prompt_rows: torch.Tensor
-    ) -> Sampled:
-        """The LM head on the sampled ``rows``, then the sampler (fp32); prompt logprobs of
-        the ``prompt_rows`` that ask for them (device index tensors of the step)."""
-        from convergent.serve.sampling import row_logprobs, sample_rows
+    def _sample(self, meta: BatchMeta, logits: torch.Tensor | None,
+                defer: bool) -> Sampled | PendingSampled:
+        """The sampler on the device over the sampled rows' ``logits`` (fp32); logprobs
+        where asked. ``defer`` (and no logprobs): the tokens' copy is started, not
+        waited for (:class:`~convergent.serve.engine_async.PendingSampled`)."""
+        from convergent.serve.engine_async import PendingSampled
+        from convergent.serve.sampling import row_logprobs, sample_device
 
         out = Sampled()
-        if meta.sample_rows:
-            logits = self.model.logits(h.index_select(0, rows)).float()
-            toks = sample_rows(logits, meta.sampling)
-            lps = row_logprobs(logits, toks, meta.sampling)
-            rids = meta.sample_rids
-            out.tokens = dict(zip(rids, toks, strict=True))
-            out.logprobs = {r: x for r, x in zip(rids, lps, strict=True) if x is not None}
-        if meta.prompt_rows:
-            self._prompt_logprobs(meta, h, prompt_rows, out)
+        if logits is None:
+            return out
+        toks_dev = sample_device(logits, meta.sampling)
+        rids = meta.sample_rids
+        if defer and not meta.prompt_rows and all(k < 0 for k in meta.sampling.logprobs):
+            return PendingSampled.start(out, rids, toks_dev)
+        toks = toks_dev.tolist()  # the step's one device-to-host wait
+        lps = row_logprobs(logits, toks, meta.sampling)
+        out.tokens = dict(zip(rids, toks, strict=True))
+        out.logprobs = {r: x for r, x in zip(rids, lps, strict=True) if x is not None}
         return out
 
     def _prompt_logprobs(
