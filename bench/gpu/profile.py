@@ -17,7 +17,10 @@ profiled wall time the GPU was busy, and the kernels' count, to ``--out`` (JSON)
 stdout. Needs CUDA; on a machine without it, one line and exit code 2.
 
 Usage: ``python -m bench.gpu.profile [--mol-atoms 16384] [--edge-kernel auto] [--requests 64]
-[--max-output 48] [--attention-backend auto] [--only molecular,serve] [--out F]``
+[--max-output 48] [--attention-backend auto] [--cuda-graphs auto] [--async-scheduling auto]
+[--only molecular,serve] [--out F]`` (on CUDA ``auto`` captures the decode steps as CUDA
+graphs and overlaps the host's work: ``--cuda-graphs off --async-scheduling off`` profiles
+the eager engine of the same commit)
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def profile_molecular(tmp: Path, atoms: int, steps: int = 3,
     return out
 
 
-def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "auto") -> dict[str, Any]:
+def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "auto",
+                  graphs: str = "auto", asyn: str = "auto") -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -116,7 +120,7 @@ def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "aut
              for r in scale_trace(make_trace(256, seed=0), 0.5)[:requests]]
     cfg = ServeConfig(
         engine={"device": "cuda", "dtype": "bfloat16", "kv_budget_bytes": 16 * 2**30,
-                "attention_backend": backend},
+                "attention_backend": backend, "cuda_graphs": graphs, "async_scheduling": asyn},
         scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
                    "max_batched_tokens": 8192, "profile_costs": False})
     run_trace(mdir, cfg, trace[:8])  # warm-up: kernels, allocator
@@ -127,6 +131,7 @@ def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "aut
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     return {"requests": len(trace), "max_output": max_output, "attention_backend": backend,
+            "cuda_graphs": graphs, "async_scheduling": asyn,
             "output_tokens": sum(r.output_len for r in trace),
             "output_tok_s_profiled": res["output_tok_s"], **_summary(prof, wall)}
 
@@ -142,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto",
                     choices=["auto", "sdpa_gather", "triton", "flex"],
                     help="serving: serve.engine.attention_backend of the profiled engine")
+    ap.add_argument("--cuda-graphs", default="auto", choices=["auto", "on", "off"],
+                    help="serving: serve.engine.cuda_graphs (decode steps as CUDA graphs)")
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                    help="serving: serve.engine.async_scheduling")
     ap.add_argument("--only", default="molecular,serve")
     ap.add_argument("--out", type=Path, default=Path("gpu_profile.json"))
     args = ap.parse_args(argv)
@@ -159,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                  # the decode-attention micro-benchmark first: short, and what decides the backend
                  "serve": [("serve_attention", lambda: decode_attention_bench("cuda")),
                            ("serve", lambda: profile_serve(Path(d), args.requests, args.max_output,
-                                                           args.attention_backend))]}
+                                                           args.attention_backend, args.cuda_graphs,
+                                                           args.async_scheduling))]}
         for key, fn in [x for part in args.only.split(",") for x in steps[part]]:
             try:
                 res[key] = fn()

@@ -45,7 +45,8 @@ part, so a run cut short keeps what it finished); the harness result of each par
 ``edge``, ``lm``, ``serve`` (settings, per_round, summary).
 
 Usage: ``python -m bench.gpu.throughput [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
-[--edge-steps 12] [--only molecular,lm,serve]`` (``edge`` is a part too; the parts run in
+[--edge-steps 12] [--only molecular,lm,serve]`` (``edge`` and ``serve_modes``, the decode
+graphs and async scheduling on and off: bench/gpu/serve_modes.py, are parts too; the parts run in
 ``--only``'s order; each runs ``--rounds`` rounds, serving, the longest, ``--serve-rounds``
 if given).
 """
@@ -65,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.edge import bench_edge_kernel, edge_keys
+from bench.gpu.serve_modes import bench_serve_modes, graphs_speedup
 from bench.lib.harness import Side, check_clean, interleave, provenance, write_result
 from bench.lib.paths import RESULTS
 
@@ -421,6 +423,7 @@ def _result(res: dict[str, Any], args: argparse.Namespace, prov: dict[str, Any],
         "serve_output_tok_s_bf16": _med(srv, "ours_bf16"),
         "serve_vs_hf_generate": _ratio(_med(srv, "ours_bf16"),
                                        _med(srv, "hf_generate_bf16_batch64")),
+        **graphs_speedup(res.get("serve_modes", {}), _med),
         "statistic": "median over rounds of each side's per-round median (spread in summary)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -463,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = {"molecular": lambda tmp: bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms),
              "edge": lambda tmp: bench_edge_kernel(tmp, args.rounds, args.edge_steps, args.mol_atoms),
              "lm": lambda tmp: bench_lm(tmp, args.rounds, args.lm_steps),
-             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds)}
+             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds),
+             "serve_modes": lambda tmp: bench_serve_modes(tmp, args.serve_rounds or args.rounds)}
     order = list(dict.fromkeys(args.only.split(",")))
     unknown = [n for n in order if n not in parts]
     if unknown:
