@@ -16,7 +16,7 @@ from convergent.models.paged_graphs import decode_buckets  # noqa: E402
 from convergent.serve.config import EngineConfig, ServeConfig  # noqa: E402
 from convergent.serve.engine import Engine  # noqa: E402
 from convergent.serve.graphs import graph_mode  # noqa: E402
-from convergent.serve.sampling import SamplingParams  # noqa: E402
+from convergent.serve.sampling import RowParams, SamplingParams, sample_device  # noqa: E402
 from tests.serve.graph_cases import (  # noqa: E402
     BS,
     NUM_BLOCKS,
@@ -133,8 +133,8 @@ def test_engine_with_static_decode_and_async_scheduling_keeps_tokens(hf_llama_di
 @pytest.mark.parametrize("n", [3, 8])
 def test_graph_replay_equals_eager_on_cuda(hf_llama_dir, backend, dtype, n):
     """Captured at start-up; a replay's logits equal the eager step's (fp32: float32
-    rounding; bf16: the teacher-forced tolerance of test_serve_dtype), and a replay runs
-    with no host synchronisation (sync debug mode "error")."""
+    rounding; bf16: the teacher-forced tolerance of test_serve_dtype), and a replay and
+    the device sampler run with no host synchronisation (sync debug mode "error")."""
     if backend == "triton":
         pytest.importorskip("triton")
     from tests.serve.test_serve_dtype import logit_tol
@@ -153,10 +153,14 @@ def test_graph_replay_equals_eager_on_cuda(hf_llama_dir, backend, dtype, n):
     else:
         tol = logit_tol(torch.bfloat16, ref.cpu())
         assert float((got - ref).abs().max()) <= tol
+    rows = RowParams()
+    for i in range(n):  # greedy and seeded rows: the sampler stays on the device too
+        rows.add(SamplingParams(temperature=0.7 * (i % 2), top_k=5, top_p=0.9, seed=i), lens[i])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         g._graphs[g.bucket(n)].replay()
+        sample_device(g._out[g.bucket(n)][:n], rows)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -144,7 +144,9 @@ def _row_tensors(p: RowParams, device):
     host[1] = p.top_ks
     host[2] = np.asarray(p.top_ps, np.float64).view(np.int64)
     host[3] = np.asarray(p.seeds, np.int64) & 0x7FFFFFFFFFFFFFFF
-    t = torch.from_numpy(host).to(device, non_blocking=False)
+    t = torch.from_numpy(host)
+    if torch.device(device).type == "cuda":  # pinned: a copy the host does not wait for
+        t = t.pin_memory().to(device, non_blocking=True)
     return t[0].view(torch.float64).float(), t[1], t[2].view(torch.float64), t[3]
 
 
