@@ -7,7 +7,9 @@ most 64 sequences, 16 GiB KV, decode attention ``auto`` = Triton):
 ``graphs_async`` (``serve.engine.cuda_graphs=on``, ``async_scheduling=on``: the CUDA
 default), ``graphs_sync``, ``eager_async`` and ``eager_sync`` (both off: the engine before
 these items). Output tokens/s after start-up (``setup_s``, which holds the graphs'
-capture, is reported beside it). Run as a part of the GPU benchmark:
+capture, is reported beside it, with the decode steps that ran as graphs and a digest of
+the outputs: bf16 tokens may differ between graphs and eager where the padded GEMMs round
+differently near a tie). Run as a part of the GPU benchmark:
 ``python -m bench.gpu.throughput --only serve_modes --serve-rounds 2`` (~3 min on an H100),
 which writes it under ``serve_modes`` of ``bench/results/gpu.json`` with the top-level
 ``serve_graphs_speedup`` (graphs_async / eager_sync) computed by the caller from the
@@ -46,7 +48,8 @@ def bench_serve_modes(tmp: Path, rounds: int) -> dict[str, Any]:
         def run() -> dict:
             res = run_trace(mdir, cfg, trace)
             return {"per_s": res["output_tok_s"], "wall_s": res["wall_s"],
-                    "setup_s": res["setup_s"]}
+                    "setup_s": res["setup_s"], "decode_graph_steps": res["decode_graph_steps"],
+                    "outputs_digest": res["outputs_digest"]}
 
         return run
 

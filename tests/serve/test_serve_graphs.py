@@ -107,6 +107,7 @@ def _serve(model_dir, prompts, n, **engine):
         eng.run()
         g = eng.executor.runners[0].graphs
         runs = (g.static_runs + g.replays) if g is not None else 0
+        assert eng.summary()["decode_graph_steps"] == runs
     return [r.output for r in reqs], events, runs
 
 

@@ -488,6 +488,8 @@ class Engine(FailureHandling, AsyncOutput):
                 "preemptions": self.sched.num_preemptions,
                 "mode_switches": getattr(self.sched, "mode_switches", None),
                 "aged_switches": getattr(self.sched, "aged_switches", None),
+                "decode_graph_steps": sum((r.graphs.replays + r.graphs.static_runs)  # in process
+                                          for r in getattr(self.executor, "runners", []) if r.graphs),
             }
         )
         return s
