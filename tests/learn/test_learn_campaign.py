@@ -26,7 +26,7 @@ SETS = ["cluster.n_workers=2", "model.hidden=16", "model.layers=1", "model.heads
         "learn.pool.holdout_per_molecule=1", "learn.rounds=2", "learn.committee=2",
         "learn.label.init=4", "learn.label.batch=3", "learn.label.chunk=1",
         "learn.members.first_round_steps=30", "train.steps=15", "learn.explore.trajectories=2",
-        "learn.explore.steps=20", "learn.seed=3"]
+        "learn.explore.steps=20", "learn.explore.chunk=1", "learn.seed=3"]
 
 
 def _cmd(run_dir: Path, resume: bool = False) -> list[str]:
@@ -84,7 +84,7 @@ def test_campaign_labels_with_provenance_and_retries_a_crashed_member(uninterrup
     # every kind of task ran on the pool and was recorded per worker
     rows = [json.loads(line) for line in (run / "learn" / "timeline.jsonl").read_text().splitlines()]
     spans = [r for r in rows if "start" in r]  # the attempts that ran
-    assert {s["kind"] for s in spans} >= {"label", "train", "explore", "score", "eval"}
+    assert {s["kind"] for s in spans} >= {"label", "holdout", "train", "explore", "score", "eval"}
     # the crashed member's attempt is in the timeline too: kind, attempt 0, the failure
     crashed = [r for r in rows if r["failure"] is not None]
     assert crashed and {(r["kind"], r["attempt"]) for r in crashed} == {("train", 0)}, crashed
@@ -92,6 +92,8 @@ def test_campaign_labels_with_provenance_and_retries_a_crashed_member(uninterrup
     assert len({s["worker"] for s in spans}) >= 2 and all(s["end"] >= s["start"] for s in spans)
     sel = json.loads((run / "learn" / "selection-r002.json").read_text())
     assert sel["from_md"] > 0  # round 2 scored frames of the surrogate-driven MD
+    # round 2's exploration: one task per trajectory (learn.explore.chunk=1)
+    assert sorted(s["name"] for s in spans if s["kind"] == "explore" and s["round"] == 2) == ["t0", "t1"]
     report = (run / "report" / "learn.md").read_text()
     assert "utilisation" in report and "| 2 | 7 | 3 |" in report
     assert (run / "report" / "timeline.png").stat().st_size > 0
@@ -130,6 +132,27 @@ def test_killed_driver_resumes_to_the_same_dataset(uninterrupted, tmp_path):
     logged = [json.loads(x)["key"] for x in log.read_text().splitlines() if x]
     assert len(logged) == len(set(logged)), "a structure was labelled twice"
     assert sorted(keys) == sorted(_keys(ref / "data" / "labels"))
+
+
+def test_sequential_phases_label_the_same_structures(uninterrupted, tmp_path):
+    """learn.pipelined=false changes the schedule only: the same labels, the same curve."""
+    ref, _ = uninterrupted
+    run = tmp_path / "seq"
+    p = subprocess.run([*_cmd(run), "--set", "learn.pipelined=false"], capture_output=True,
+                       text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(_keys(run / "data" / "labels")) == sorted(_keys(ref / "data" / "labels"))
+    curve = json.loads((run / "learn" / "state.json").read_text())["curve"]
+    ref_curve = json.loads((ref / "learn" / "state.json").read_text())["curve"]
+    assert {k: v["labels"] for k, v in curve.items()} == {k: v["labels"] for k, v in ref_curve.items()}
+    from convergent.learn.engine import read_timeline
+
+    spans = read_timeline(run / "learn" / "timeline.jsonl")
+    first_train = min(s["start"] for s in spans if s["kind"] == "train")
+    assert all(s["end"] <= first_train for s in spans if s["kind"] == "holdout")  # round 0 first
+    for rnd in (1, 2):  # strict phases: round r's exploration ran after its committee trained
+        train_end = max(s["end"] for s in spans if s["kind"] == "train" and s["round"] == rnd)
+        assert all(s["start"] >= train_end for s in spans if s["kind"] == "explore" and s["round"] == rnd + 1)
 
 
 def test_failed_label_is_quarantined_and_the_batch_refilled(tmp_path):

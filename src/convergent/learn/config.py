@@ -82,9 +82,12 @@ class MembersConfig(Section):
 
 class ExploreConfig(Section):
     """Short Langevin MD driven by the committee's mean from labelled structures:
-    ``trajectories`` per round of ``steps`` steps, a candidate frame every ``interval``."""
+    ``trajectories`` per round of ``steps`` steps, a candidate frame every ``interval``;
+    ``chunk`` trajectories per task (batched MD), so the next round's exploration is
+    several low-priority tasks that fill whichever cores the critical path leaves idle."""
 
     trajectories: Count0 = 4
+    chunk: Count = 2
     steps: Count = 40
     interval: Count = 10
     temperature: Positive = 600.0  # K

@@ -2,7 +2,7 @@
 
 No scheduler of our own: the campaign's :class:`Pool` is the task farm of
 :mod:`convergent.sim.taskfarm` with learn's priorities — labels the trainer waits for and
-training first, then exploration MD, then screening and evaluation — and Dask's queueing
+training first, then scoring, then exploration MD, then evaluation — and Dask's queueing
 and work stealing place them. Long low-priority work is chunked (one short trajectory or
 one chunk of candidates per task), so a free core takes the highest-priority ready task
 within seconds. On a machine with a GPU, a GPU worker joins the cluster with the Dask
@@ -27,8 +27,10 @@ from convergent.cluster.pool import GPU_RESOURCE, WORKER_ENV
 from convergent.core.errors import ConfigError
 from convergent.sim.taskfarm import TaskFarm
 
-#: Dask priorities (higher runs first) per task kind.
-PRIORITY = {"label": 40, "train": 40, "explore": 20, "score": 10, "eval": 10}
+#: Dask priorities (higher runs first) per task kind: the critical path (labels, training,
+#: then scoring the round's candidates), then exploration for a later round, the held-out
+#: set's labels (pipelined: only the first evaluation needs them), evaluation.
+PRIORITY = {"label": 40, "train": 40, "score": 30, "explore": 20, "holdout": 15, "eval": 10}
 #: Kinds that run on the GPU worker when there is one.
 GPU_KINDS = ("train", "explore", "score", "eval")
 

@@ -14,6 +14,7 @@ submitted again, so a resumed campaign labels nothing twice.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,7 @@ class _Labelling:
     rank: dict[str, int] = field(default_factory=dict)
     writer: DatasetWriter | None = None
     on_chunk: Callable[[int], None] | None = None
+    kind: str = "label"
 
     def prov(self, c: Candidate) -> dict[str, Any]:
         """The provenance a candidate's record carries in its meta."""
@@ -129,7 +131,7 @@ class _Labelling:
     def job(self, cands: list[Candidate]) -> Job:
         """The label task of one chunk."""
         items = [_item(c, {kk: v for kk, v in self.prov(c).items() if v is not None}) for c in cands]
-        return Job("label", cands[0].key[:10], label_items, (items, self.calc, self.min_distance),
+        return Job(self.kind, cands[0].key[:10], label_items, (items, self.calc, self.min_distance),
                    round=self.rnd, tag=cands)
 
     def finished(self, job: Job, res: Any) -> list[Job]:
@@ -198,9 +200,12 @@ def label_batch(
     max_force: float = 0.0,
     log: Path | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    kind: str = "label",
 ) -> LabelOutcome:
     """Label the first ``k`` usable candidates of ``ranked`` (refilling after failures;
-    ``max_force`` eV/Å > 0 quarantines labels with a larger force component)."""
+    ``max_force`` eV/Å > 0 quarantines labels with a larger force component) as tasks of
+    ``kind`` (its Dask priority: ``holdout`` for the held-out set, labelled in the
+    background while the first committee trains)."""
     t0 = time.perf_counter()
     out = LabelOutcome()
     qlog = QuarantineLog(dataset / QUARANTINE_NAME)
@@ -210,7 +215,8 @@ def label_batch(
     out.skipped = sum(1 for c in queue if c.key in done)
     todo, nxt = _first_todo(queue, committed, done, k)
     job = _Labelling(calc, rnd, strategy, scores, min_distance, max_force, log, qlog, queue, done,
-                     nxt, out, rank={c.key: i for i, c in enumerate(ranked)}, on_chunk=on_chunk)
+                     nxt, out, rank={c.key: i for i, c in enumerate(ranked)}, on_chunk=on_chunk,
+                     kind=kind)
     jobs = [job.job(todo[i:i + chunk]) for i in range(0, len(todo), chunk)]
     if jobs:
         with DatasetWriter(dataset, schema="molecular", append=True) as writer:
@@ -218,3 +224,29 @@ def label_batch(
             pool.run(jobs, retries=retries, on_done=job.finished, on_failed=job.failed)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+class Background:
+    """``fn()`` (a :func:`label_batch`) in a thread of the driver, e.g. the held-out set's
+    labels while the first committee trains; :meth:`join` waits and re-raises its error."""
+
+    def __init__(self, fn: Callable[[], LabelOutcome]) -> None:
+        self.out: LabelOutcome | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), name="learn-background", daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], LabelOutcome]) -> None:
+        try:
+            self.out = fn()
+        except BaseException as exc:  # handed to whoever joins
+            self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> LabelOutcome | None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.out

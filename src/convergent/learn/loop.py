@@ -8,8 +8,9 @@ curve), scores the candidates — a seeded sample of the unlabelled pool and the
 of short Langevin trajectories that ``C_{r-1}`` drove from labelled structures — by
 committee disagreement, selects a batch and labels it. With ``pipelined`` the driver
 only waits for the critical path (training, scoring, labelling): the exploration of the
-next round (driven by ``C_r``) and evaluations are submitted as soon as they can run, at
-lower Dask priority, and fill the cores the critical path leaves idle.
+next round (``learn.explore.chunk`` trajectories a task), the held-out labels and the
+evaluations run at lower Dask priority in the gaps: the driver's selection, a batch's
+last labels, a committee's last member (``pipelined=false``: strict phases).
 
 Everything that decides the next step is on disk under ``<run>/learn/`` (pool, held-out
 set, MD frames and selection of each round, ``state.json``) and in the labels dataset,
@@ -20,6 +21,7 @@ point and rerun with ``--resume`` continues to the same dataset, labelling nothi
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -36,12 +38,17 @@ from convergent.core.elements import symbol
 from convergent.core.errors import InputError
 from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.format import MANIFEST_NAME
-from convergent.data.manifest import check_dataset
 from convergent.data.reader import open_dataset
 from convergent.learn import tasks
-from convergent.learn.config import LearnConfig
 from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
-from convergent.learn.label import LABEL_LOG, committed_keys, label_batch, quarantined_keys
+from convergent.learn.inputs import check_inputs as check_inputs  # the CLI's pre-flight
+from convergent.learn.label import (
+    LABEL_LOG,
+    Background,
+    committed_keys,
+    label_batch,
+    quarantined_keys,
+)
 from convergent.learn.paths import Paths
 from convergent.learn.pool import (
     Candidate,
@@ -56,7 +63,6 @@ from convergent.learn.select import combined_score, select_batch
 from convergent.runsdb.rundir import RunDir
 from convergent.sim.calculators import CalcSpec
 from convergent.sim.molecules import stable_int
-from convergent.sim.sources import check_source
 from convergent.sim.taskfarm import Job
 
 console = Console(stderr=True)
@@ -81,6 +87,7 @@ class Campaign:
         self.cands, self.held = self._pool()
         self.md_futures: dict[int, list] = {}
         self.eval_futures: dict[int, Any] = {}
+        self.held_bg: Background | None = None  # the held-out labels, pipelined
         self.curve: dict[int, dict[str, Any]] = {int(k): v for k, v in self.state.get("curve", {}).items()}
 
     # ---------------------------------------------------------------- bookkeeping
@@ -125,28 +132,33 @@ class Campaign:
         return len(committed_keys(Path(self.L.label.init_dataset)))
 
     def label(self, rnd: int, ranked: list[Candidate], k: int, strategy: str,
-              scores: dict[str, float] | None = None, dataset: Path | None = None):
+              scores: dict[str, float] | None = None, dataset: Path | None = None, kind: str = "label"):
         return label_batch(self.pool, dataset or self.p.labels, ranked, k, self.calc(rnd),
                            rnd=rnd, strategy=strategy, scores=scores, chunk=self.L.label.chunk,
                            retries=self.L.label.retries, min_distance=self.cfg.simulate.min_distance,
-                           max_force=self.L.label.max_force,
+                           max_force=self.L.label.max_force, kind=kind,
                            log=self.p.root / LABEL_LOG if dataset is None else None)
 
     # ---------------------------------------------------------------- round 0
     def start(self) -> None:
         """Label the held-out set and the initial random labels (round 0); the initial
-        labels hold every element of the pool and the held-out set (``cover_elements``)."""
+        labels hold every element of the pool and the held-out set (``cover_elements``).
+        Pipelined, the held-out set is labelled in the background (below every critical
+        kind) while the first committee trains: only the first evaluation waits for it."""
         init = []
         if not self.L.label.init_dataset:  # refused before any label is spent
             rng = np.random.default_rng(_seed("init", self.L.seed))
             ranked = [self.cands[i] for i in rng.permutation(len(self.cands))]
             init = cover_elements(ranked, self.held, self.L.label.init)
-        held = self.label(0, self.held, len(self.held), "holdout", dataset=self.p.holdout)
+        held = functools.partial(self.label, 0, self.held, len(self.held), "holdout",
+                                 dataset=self.p.holdout, kind="holdout")
+        self.held_bg = Background(held) if self.L.pipelined else None
+        n_held = "in the background" if self.held_bg else len(held().labelled)
         if init:
             out = self.label(0, init, self.L.label.init, "init")
             self.check_cover(committed_keys(self.p.labels))
-            self.say(f"round 0: {len(held.labelled)} held-out and {len(out.labelled)} initial "
-                     f"labels ({len(out.quarantined)} quarantined)")
+            self.say(f"round 0: {len(out.labelled)} initial labels ({len(out.quarantined)} "
+                     f"quarantined); held-out labels: {n_held}")
 
     def check_cover(self, labelled: set[str]) -> None:
         """Refuse to go on when quarantine left an element of the pool without a label."""
@@ -246,12 +258,12 @@ class Campaign:
         starts = [{"numbers": r["numbers"], "positions": r["positions"],
                    "molecule_id": r["molecule_id"], "key": r["key"]} for r in starts]
         E = L.explore
-        f = self.pool.submit("explore", f"t{len(starts)}", rnd, tasks.explore_md, models, starts,
-                             E.steps, E.interval, E.temperature, E.timestep_fs, E.friction,
-                             [_seed("md", L.seed, rnd, j) for j in range(len(starts))],
-                             device="cpu")
-        futs = [(f, starts)]
-        self.md_futures[rnd] = futs
+        seeds = [_seed("md", L.seed, rnd, j) for j in range(len(starts))]
+        self.md_futures[rnd] = [  # ``chunk`` trajectories a task, start j seeded by j
+            (self.pool.submit("explore", f"t{i}", rnd, tasks.explore_md, models, starts[i:i + E.chunk],
+                              E.steps, E.interval, E.temperature, E.timestep_fs, E.friction,
+                              seeds[i:i + E.chunk], device="cpu"), starts[i:i + E.chunk])
+            for i in range(0, len(starts), E.chunk)]
 
     def md_candidates(self, rnd: int) -> list[Candidate]:
         """The exploration frames of round ``rnd`` (waits for them; saved for resume)."""
@@ -275,14 +287,23 @@ class Campaign:
 
     # ---------------------------------------------------------------- evaluation
     def submit_eval(self, rnd: int, labels: int) -> None:
-        if rnd in self.curve or rnd in self.eval_futures:
+        """Evaluate committee ``rnd`` (deferred while the held-out set is being labelled)."""
+        if rnd in self.curve or (rnd in self.eval_futures and self.eval_futures[rnd][0]):
             return
+        if self.held_bg is not None and not self.held_bg.done():
+            self.eval_futures[rnd] = (None, labels)
+            return
+        if self.held_bg is not None:
+            self.held_bg, _ = None, self.held_bg.join()  # its error, if it failed
         f = self.pool.submit("eval", "holdout", rnd, tasks.evaluate, self.members(rnd),
                              str(self.p.holdout), self.cfg.train.batch_atoms, device="cpu")
         self.eval_futures[rnd] = (f, labels)
 
     def collect_eval(self, rnd: int) -> dict[str, Any] | None:
         if rnd not in self.curve and rnd in self.eval_futures:
+            if self.eval_futures[rnd][0] is None and self.held_bg is not None:  # wait for the
+                self.held_bg.join()  # held-out labels
+                self.submit_eval(rnd, self.eval_futures[rnd][1])
             f, labels = self.eval_futures.pop(rnd)
             self.curve[rnd] = {"round": rnd, "labels": labels, **self.pool.result(f)}
             self.save()
@@ -442,17 +463,6 @@ class Campaign:
 def _fault_marker() -> str | None:
     """``CONVERGENT_LEARN_FAULT=train``: crash one training worker once (a test hook)."""
     return "fault-train.marker" if os.environ.get("CONVERGENT_LEARN_FAULT") == "train" else None
-
-
-def check_inputs(cfg: ConvergentConfig) -> None:
-    """What can fail before any work: the pool source, the warm-start model and dataset."""
-    L: LearnConfig = cfg.learn
-    check_source(cfg.simulate.source, "quarantine")
-    init_model = L.members.init_model
-    if init_model and not (Path(init_model) / "model_config.json").is_file():
-        raise InputError(f"learn.members.init_model: {init_model} is not a saved model directory")
-    if L.label.init_dataset:
-        check_dataset(L.label.init_dataset, "learn.label.init_dataset")
 
 
 def run_learning(cfg: ConvergentConfig, run: RunDir, client=None, progress: bool = True) -> dict[str, Any]:

@@ -20,27 +20,44 @@ from convergent.core.fsutil import atomic_write_text
 from convergent.learn.engine import read_timeline
 from convergent.monitor.reportkit import fmt, md_table, pyplot, save_png
 
-COLOURS = {"label": "tab:blue", "train": "tab:red", "explore": "tab:green",
+COLOURS = {"label": "tab:blue", "holdout": "tab:cyan", "train": "tab:red", "explore": "tab:green",
            "score": "tab:orange", "eval": "tab:purple"}
 
 
 def utilisation(spans: list[dict[str, Any]]) -> dict[str, Any]:
-    """Busy / available core-seconds over the sessions of a timeline, and busy share per kind."""
+    """Busy / available core-seconds over the sessions of a timeline, busy seconds per kind,
+    and ``per_worker``: each worker's (a core, or a GPU worker: ``resource`` gpu when its
+    tasks ran on CUDA) busy and available seconds, utilisation and busy seconds per kind."""
     by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in spans:
         by_session[s.get("session", "")].append(s)
     busy = avail = 0.0
     kinds: dict[str, float] = defaultdict(float)
+    per: dict[str, dict[str, Any]] = {}
     for rows in by_session.values():
         t0 = min(min(r["start"] for r in rows), *(r.get("opened", float("inf")) for r in rows))
         t1 = max(r["end"] for r in rows)
         workers = max(int(rows[0].get("workers") or 0), len({r["worker"] for r in rows}))
         avail += workers * (t1 - t0)
+        for w in {r["worker"] for r in rows}:
+            row = per.setdefault(w, {"worker": w, "resource": "cpu", "busy_s": 0.0, "available_s": 0.0,
+                                     "busy_by_kind_s": defaultdict(float)})
+            row["available_s"] += t1 - t0
         for r in rows:
-            busy += r["end"] - r["start"]
-            kinds[r["kind"]] += r["end"] - r["start"]
+            d = r["end"] - r["start"]
+            busy += d
+            kinds[r["kind"]] += d
+            row = per[r["worker"]]
+            row["busy_s"] += d
+            row["busy_by_kind_s"][r["kind"]] += d
+            if r.get("device") == "cuda":
+                row["resource"] = "gpu"
+    workers_out = [{**w, "busy_by_kind_s": dict(w["busy_by_kind_s"]),
+                    "utilisation": w["busy_s"] / w["available_s"] if w["available_s"] > 0 else None}
+                   for w in sorted(per.values(), key=lambda w: (w["resource"], w["worker"]))]
     return {"utilisation": busy / avail if avail > 0 else None, "busy_core_s": busy,
-            "available_core_s": avail, "busy_by_kind_s": dict(kinds), "tasks": len(spans)}
+            "available_core_s": avail, "busy_by_kind_s": dict(kinds), "tasks": len(spans),
+            "per_worker": workers_out}
 
 
 def plot_timeline(spans: list[dict[str, Any]], out: Path, title: str = "") -> str | None:
@@ -62,9 +79,9 @@ def plot_timeline(spans: list[dict[str, Any]], out: Path, title: str = "") -> st
         labels.append(w.rsplit(":", 1)[-1] + (" (GPU)" if gpu else ""))
     ax.set_yticks(range(len(workers)), labels, fontsize=7)
     ax.set_xlabel("seconds since the first task")
-    ax.set_ylabel("worker (core)")
+    ax.set_ylabel("worker (core; GPU)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
-    ax.legend(handles, list(COLOURS), ncol=5, fontsize=7, loc="upper center",
+    ax.legend(handles, list(COLOURS), ncol=6, fontsize=7, loc="upper center",
               bbox_to_anchor=(0.5, 1.18))
     if title:
         ax.set_title(title, pad=24, fontsize=9)
@@ -129,7 +146,15 @@ def build_learn_report(run_dir: str | Path) -> Path:
             ("available core-seconds", fmt(u["available_core_s"], ".1f")),
             ("tasks", str(u["tasks"])),
             *[(f"busy in {k} (s)", fmt(v, ".1f")) for k, v in sorted(u["busy_by_kind_s"].items())],
-        ]), ""]
+        ]), "", "Per worker (a core, or a GPU worker; the timeline has one row each; a worker "
+            "idle for a whole driver session counts only in the pool's total):", "",
+            "| worker | resource | busy (s) | available (s) | utilisation | busiest kinds (s) |",
+            "|---|---|---|---|---|---|",
+            *[f"| {w['worker'].rsplit(':', 1)[-1]} | {w['resource']} | {fmt(w['busy_s'], '.1f')} | "
+              f"{fmt(w['available_s'], '.1f')} | {fmt(w['utilisation'], '.1%')} | "
+              + ", ".join(f"{k} {v:.0f}" for k, v in sorted(w["busy_by_kind_s"].items(),
+                                                          key=lambda kv: -kv[1])[:3]) + " |"
+              for w in u["per_worker"]], ""]
     if curve:
         md += ["## Learning curve (held-out molecules)",
                "| round | labels | energy MAE (eV/atom) | energy MAE (eV) | force MAE (eV/Å) | "
