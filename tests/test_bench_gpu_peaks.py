@@ -6,10 +6,12 @@ from bench.gpu.peaks import (
     PARAM_TRAFFIC,
     DevicePeaks,
     StepCost,
+    fraction_keys,
     fractions,
     measure_peaks,
     part_fractions,
     step_cost,
+    with_fractions,
 )
 from bench.gpu.throughput import _med
 
@@ -54,3 +56,19 @@ def test_fractions_of_the_peaks():
     assert set(sides) == {"ours_bf16", "ours_fp32"}
     assert sides["ours_fp32"]["matmul_peak_dtype"] == "fp32"  # no tf32 on CPU
     assert sides["ours_fp32"]["matmul_fraction"] == 1e-2
+
+
+def test_with_fractions_and_the_top_level_keys():
+    part = {"summary": {"ours_bf16": {"per_s": {"median": 3200.0}},
+                        "ours_fp32": {"per_s": {"median": 1600.0}}}}
+    out = with_fractions(part, _lm(2), "cpu", _med)
+    assert "fractions_of_peak_error" not in out
+    assert set(out["step_cost"]) == {"bf16", "fp32"} and out["step_cost"]["fp32"]["units"] == 32
+    side = out["fractions_of_peak"]["ours_bf16"]  # 3200 tokens/s = 100 steps/s of 32 tokens
+    assert side["achieved_flops"] == 100 * out["step_cost"]["bf16"]["flops"]
+    keys = fraction_keys({"lm": out})
+    assert keys["lm_matmul_fraction_bf16"] == side["matmul_fraction"] > 0
+    assert keys["molecular_matmul_fraction_bf16"] is None
+    assert keys["device_peaks"]["device"] == "cpu"
+    broken = with_fractions({"summary": {}}, ["model.kind=nonsense"], "cpu", _med)
+    assert "fractions_of_peak_error" in broken and "fractions_of_peak" not in broken

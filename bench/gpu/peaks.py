@@ -195,3 +195,36 @@ def part_fractions(part: dict[str, Any], costs: dict[bool, StepCost], peaks: Dev
         peak = dtype if dtype in peaks.matmul_flops else "fp32"
         out[side] = fractions(med(part, side), costs[bf16], peaks, peak)
     return out
+
+
+_PEAKS: list[DevicePeaks] = []  # measured once per run, at the first part that needs them
+
+
+def with_fractions(part: dict[str, Any], sets: list[str], device: Any, med: Any
+                   ) -> dict[str, Any]:
+    """A harness ``part`` with the device's measured peaks (once per process), the step's
+    cost for the task ``sets`` configure, and each side's fractions of the peaks; a failure
+    here is recorded in the part, never fatal (the throughputs stand without it)."""
+    try:
+        if not _PEAKS:
+            _PEAKS.append(measure_peaks(device))
+        costs = {bf16: step_cost(sets, device, bf16) for bf16 in (True, False)}
+        part["device_peaks"] = _PEAKS[0].record()
+        part["step_cost"] = {"bf16" if k else "fp32": v.record() for k, v in costs.items()}
+        part["fractions_of_peak"] = part_fractions(part, costs, _PEAKS[0], med)
+    except Exception as exc:  # noqa: BLE001
+        part["fractions_of_peak_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    return part
+
+
+def fraction_keys(res: dict[str, Any]) -> dict[str, Any]:
+    """gpu.json's top-level keys: ours bf16's fractions of the measured matmul peak and
+    copy bandwidth per part, and the peaks."""
+    out: dict[str, Any] = {}
+    for part in ("molecular", "lm"):
+        side = res.get(part, {}).get("fractions_of_peak", {}).get("ours_bf16", {})
+        for k in ("matmul_fraction", "bandwidth_fraction"):
+            out[f"{part}_{k}_bf16"] = side.get(k)
+    out["device_peaks"] = next((res[p]["device_peaks"] for p in ("molecular", "lm")
+                                if "device_peaks" in res.get(p, {})), None)
+    return out

@@ -38,7 +38,8 @@ Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
 ``molecular_bf16_speedup_vs_fp32``, ``data_wait_fraction``, ``edge_train_atoms_per_s_bf16``
 (per kernel), ``edge_torch_vs_index_train_bf16``, ``edge_triton_vs_torch_train_bf16``,
 ``edge_triton_vs_torch_infer_bf16``, ``edge_bf16_vs_fp32_train`` (per kernel), ``lm_mfu_bf16``,
-``lm_vs_hf_train`` (eager vs eager), ``lm_vs_hf_train_compiled``,
+``lm_vs_hf_train`` (eager vs eager), ``lm_vs_hf_train_compiled``, ``device_peaks`` and
+``{molecular,lm}_{matmul,bandwidth}_fraction_bf16`` (bench/gpu/peaks.py),
 ``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``, ``torch``, ``cuda``,
 ``provenance``, ``differences``, ``complete`` and ``parts`` (the JSON is written after every
 part, so a run cut short keeps what it finished); the harness result of each part under ``molecular``,
@@ -66,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.edge import bench_edge_kernel, edge_keys
+from bench.gpu.peaks import fraction_keys, with_fractions
 from bench.gpu.serve_modes import bench_serve_modes, graphs_speedup
 from bench.lib.harness import Side, check_clean, interleave, provenance, write_result
 from bench.lib.paths import RESULTS
@@ -185,7 +187,8 @@ def bench_molecular(tmp: Path, rounds: int, steps: int, atoms: int) -> dict[str,
     diffs = ["plain_bf16_prebuilt has no input pipeline (4 batches prebuilt on the GPU, reused): "
              "it is the model's ceiling, ours reads, collates and copies every batch",
              "ours_fp32 runs fp32 with TF32 matmuls, the others bf16 autocast"]
-    return _rounds("gpu.molecular", sides, settings, rounds, diffs)
+    return with_fractions(_rounds("gpu.molecular", sides, settings, rounds, diffs), base,
+                          DEVICE, _med)
 
 
 # ----------------------------------------------------------------------------- LM
@@ -263,7 +266,7 @@ def bench_lm(tmp: Path, rounds: int, steps: int) -> dict[str, Any]:
     diffs = ["ours draws a new synthetic batch each step through its input pipeline; the "
              "transformers side reuses one batch already on the GPU",
              "ours_fp32 runs fp32 with TF32 matmuls, the others bf16 autocast"]
-    return _rounds("gpu.lm", sides, settings, rounds, diffs)
+    return with_fractions(_rounds("gpu.lm", sides, settings, rounds, diffs), base, DEVICE, _med)
 
 
 # ----------------------------------------------------------------------------- serving
@@ -415,6 +418,7 @@ def _result(res: dict[str, Any], args: argparse.Namespace, prov: dict[str, Any],
         "molecular_bf16_speedup_vs_fp32": _ratio(_med(mol, "ours_bf16"), _med(mol, "ours_fp32")),
         "data_wait_fraction": _med(mol, "ours_bf16", "data_wait_fraction"),
         **edge_keys(res.get("edge", {}), _med, _ratio),
+        **fraction_keys(res),
         "lm_mfu_bf16": _med(lm, "ours_bf16", "mfu"),
         "lm_mfu_bf16_compile": _med(lm, "ours_bf16_compile", "mfu"),
         "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_eager_bf16")),
