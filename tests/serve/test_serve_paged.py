@@ -114,3 +114,44 @@ def test_in_situ_profile_through_stage_processes(hf_llama_dir):
     cap = 256
     for ql, cl in sweep_shapes(64, 32, 2048, cap):
         assert sum(ql) <= 64 and len(ql) <= 32 and sum(cl) <= cap + 128
+
+
+@pytest.mark.numerics
+def test_fused_serving_projections_match_the_plain_forward():
+    """fuse_for_serving (one QKV and one gate-up GEMM per layer, oneDNN-prepacked weights
+    on the CPU): the same paged logits as the model's own nn.Linear layers, within float32
+    rounding, and the same greedy tokens; INT8 layers are left alone; the dense forward
+    and the state dict do not change."""
+    import copy
+
+    from convergent.compress.quant import quantize
+    from convergent.models.paged_linear import fuse_for_serving
+
+    cfg = LlamaConfig.tiny(max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).eval()
+    model.reset_parameters(std=0.2, seed=3)
+    fused = copy.deepcopy(model)
+    keys = set(fused.state_dict())
+    assert fuse_for_serving(fused) == cfg.num_hidden_layers
+    assert set(fused.state_dict()) == keys and fused.serving_head is not None
+    rng = random.Random(4)
+    seqs = [[rng.randrange(256) for _ in range(rng.choice([1, 3, 9, 30]))] for _ in range(12)]
+    out = []
+    for m in (model, fused):
+        kv = KVCache(cfg.num_hidden_layers, 200, 4, cfg.num_key_value_heads, cfg.head_dim)
+        tables = {i: [] for i in range(len(seqs))}
+        tables["next"] = 0
+        with torch.inference_mode():
+            first, _ = _paged_step(m, kv, 4, tables, seqs, [len(s) for s in seqs])
+            last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1  # each prompt's end
+            grown = [s + [t] for s, t in zip(seqs, first[last].argmax(-1).tolist(), strict=True)]
+            second, _ = _paged_step(m, kv, 4, tables, grown, [1] * len(seqs))
+        out.append((first, second))
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    ids = torch.tensor([seqs[3]])
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(ids), model(ids), atol=0, rtol=0)
+    q8 = quantize(copy.deepcopy(model), "int8")[0]
+    assert fuse_for_serving(q8) == 0 and q8.serving_head is None

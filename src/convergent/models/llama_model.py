@@ -39,6 +39,8 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) by default."""
 
+    serving = None  # (gate-up, down) fused projections, set by fuse_for_serving
+
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
@@ -49,9 +51,21 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
+    def forward_paged(self, x: torch.Tensor) -> torch.Tensor:
+        """The serving forward: one gate-up GEMM where :attr:`serving` is set."""
+        if self.serving is None:
+            return self(x)
+        gate_up, down = self.serving
+        gu = gate_up(x)
+        i = gu.shape[-1] // 2
+        h = self.act(gu[:, :i])
+        return down(h.mul_(gu[:, i:]))
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE."""
+
+    serving = None  # (qkv, o) fused projections, set by fuse_for_serving
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
@@ -96,11 +110,18 @@ class Attention(nn.Module):
         t = x.shape[0]
         nq, nkv, hd = self.nq, self.nkv, self.hd
         cos, sin = batch._rope["cos"].to(x.dtype), batch._rope["sin"].to(x.dtype)
-        q = apply_rope(self.q_proj(x).view(t, nq, hd), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, nkv, hd), cos, sin)
-        v = self.v_proj(x).view(t, nkv, hd)
+        if self.serving is not None:  # one QKV GEMM, RoPE on queries and keys at once
+            qkv_proj, o_proj = self.serving
+            qkv = qkv_proj(x).view(t, nq + 2 * nkv, hd)
+            qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
+        else:
+            o_proj = self.o_proj
+            q = apply_rope(self.q_proj(x).view(t, nq, hd), cos, sin)
+            k = apply_rope(self.k_proj(x).view(t, nkv, hd), cos, sin)
+            v = self.v_proj(x).view(t, nkv, hd)
         out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
-        return self.o_proj(out.reshape(t, nq * hd))
+        return o_proj(out.reshape(t, nq * hd))
 
 
 class DecoderLayer(nn.Module):
@@ -121,7 +142,7 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: PagedBatch, kc: torch.Tensor, vc: torch.Tensor
     ) -> torch.Tensor:
         x = x + self.self_attn.forward_paged(self.input_layernorm(x), batch, kc, vc)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp.forward_paged(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
@@ -218,10 +239,13 @@ class LlamaForCausalLM(nn.Module):
         h = self.model(input_ids)
         return self.lm_head(h) if self.lm_head is not None else h
 
+    serving_head = None  # the LM head as a ServingLinear, set by fuse_for_serving
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits (last stage only)."""
         assert self.lm_head is not None, "this stage has no LM head"
-        return self.lm_head(hidden)
+        head = self.serving_head
+        return head(hidden) if head is not None else self.lm_head(hidden)
 
     @torch.no_grad()
     def generate_greedy(self, input_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -1,0 +1,79 @@
+"""The serving forward's projections: fused at load time and, on the CPU, prepacked.
+
+:func:`fuse_for_serving` gives every decoder layer of a loaded model one query-key-value
+projection and one gate-up projection (the weights concatenated along the output
+dimension, one GEMM instead of three / two), and the output, down and LM-head
+projections beside them, as :class:`ServingLinear`. On the CPU in float32 each weight is
+also reordered once into oneDNN's blocked layout (``torch.ops.mkldnn``, the layout its
+GEMM reads without repacking per call): for the small row counts of decode steps (a few
+to a few dozen tokens) that GEMM runs 1.3-2x faster than ``F.linear`` on the plain
+weight. The layer's ``nn.Linear`` modules are kept (the dense forward, training and
+``state_dict`` use them); :meth:`LlamaModel.forward_paged` uses the fused ones when
+present. Only plain float ``nn.Linear`` layers are fused (an INT8 model keeps its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ServingLinear", "fuse_for_serving", "packed_gemm_available"]
+
+
+def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights on ``device`` in ``dtype`` can be prepacked for oneDNN's GEMM."""
+    return (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class ServingLinear:
+    """``y = x @ W.T (+ b)`` with ``W`` the row-concatenation of ``linears``' weights;
+    prepacked for oneDNN when :func:`packed_gemm_available` (else ``F.linear``)."""
+
+    def __init__(self, linears: list[nn.Linear], pack: bool = True) -> None:
+        with torch.no_grad():
+            w = torch.cat([m.weight.detach() for m in linears]).contiguous()
+            has_bias = [m.bias is not None for m in linears]
+            b = (torch.cat([m.bias.detach() for m in linears]).contiguous()
+                 if all(has_bias) else None)
+        if any(has_bias) and b is None:
+            raise ValueError("fusing linears of which only some have a bias")
+        self.out_features = w.shape[0]
+        self.bias = b
+        self.packed = None
+        self.weight: torch.Tensor | None = w
+        if pack and packed_gemm_available(w.device, w.dtype):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            self.weight = None  # the packed copy is the one read
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _plain(*mods: nn.Module | None) -> bool:
+    return all(type(m) is nn.Linear and m.weight.is_floating_point() for m in mods)
+
+
+def fuse_for_serving(model: nn.Module, pack: bool = True) -> int:
+    """Attach the fused projections to ``model`` (a ``LlamaForCausalLM``, whole or one
+    stage) as plain attributes ``serving`` of each attention and MLP and
+    ``serving_head`` of the model; returns how many layers were fused. Call it again
+    after the weights change."""
+    n = 0
+    for layer in model.model.layers.values():
+        at, mlp = layer.self_attn, layer.mlp
+        if not _plain(at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
+                      mlp.down_proj):
+            continue
+        at.serving = (ServingLinear([at.q_proj, at.k_proj, at.v_proj], pack),
+                      ServingLinear([at.o_proj], pack))
+        mlp.serving = (ServingLinear([mlp.gate_proj, mlp.up_proj], pack),
+                       ServingLinear([mlp.down_proj], pack))
+        n += 1
+    head = getattr(model, "lm_head", None)
+    model.serving_head = ServingLinear([head], pack) if head is not None and _plain(head) else None
+    return n
