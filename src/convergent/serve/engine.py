@@ -53,6 +53,7 @@ from convergent.serve.restarts import RestartBudget
 from convergent.serve.sampling import SamplingParams
 from convergent.serve.scheduler import MicroBatch, Request, make_scheduler
 from convergent.serve.stats import EngineLoad, EngineStats, KVUsage, ServingStats
+from convergent.serve.timing import StepTiming
 
 __all__ = ["Engine", "EngineStats", "LocalExecutor", "ProcessExecutor", "StageFailure", "free_port"]
 
@@ -60,7 +61,7 @@ TokenListener = Callable[[TokenEvent], None]
 FatalListener = Callable[[BaseException], None]
 
 
-class Engine(FailureHandling, AsyncOutput):
+class Engine(FailureHandling, AsyncOutput, StepTiming):
     """Serve requests on a Llama checkpoint with a pipeline of stages and a scheduler.
 
     ``Engine(model_dir, cfg)``; :meth:`add_request`; then either :meth:`run` (offline:
@@ -326,7 +327,7 @@ class Engine(FailureHandling, AsyncOutput):
                     "shape": self.sched.batch_shape(b),
                     "stages": {},
                 }
-            self.executor.submit(meta)
+            self._timed_submit(meta)  # timed while recording (serve.timing)
             if self._record:
                 self.stats.kv_timeline.append((time.monotonic(), self.bm.num_used))
 
@@ -392,7 +393,7 @@ class Engine(FailureHandling, AsyncOutput):
             if not self.in_flight:
                 self._stalled()
                 continue
-            done = self._handle(self.executor.poll(timeout=1.0))
+            done = self._handle(self._timed_poll(1.0))
             if progress and done:
                 progress(len(done))
         self._flush_events()
@@ -476,6 +477,7 @@ class Engine(FailureHandling, AsyncOutput):
 
     def summary(self) -> dict:
         s = self.stats.summary(self.bm.num_blocks)
+        s.update(self.timing_summary())  # step split, TTFT/TPOT (serve.timing)
         s.update(
             {
                 "scheduler": self.sched.name,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["TraceRequest", "make_trace", "trace_stats", "TASK_KINDS", "scale_trace"]
+__all__ = ["TraceRequest", "make_trace", "trace_stats", "TASK_KINDS", "scale_trace", "uniform_trace"]
 
 INPUT_MU, INPUT_SIGMA = 4.19, 1.20
 OUTPUT_MU, OUTPUT_SIGMA = 5.83, 1.01
@@ -110,6 +110,29 @@ def make_trace(
     k = len(TASK_KINDS)
     edges = np.quantile(rng.normal(0, 1, 20000), np.linspace(0, 1, k + 1)[1:-1])
     kinds = np.searchsorted(edges, zn)
+    return requests_from(rng, kinds, inp, out)
+
+
+def uniform_trace(
+    n: int = 1000,
+    seed: int = 0,
+    input_range: tuple[int, int] = (128, 1024),
+    output_range: tuple[int, int] = (64, 512),
+) -> list[TraceRequest]:
+    """``n`` requests with prompt and output lengths (tokens, BOS included) drawn uniformly
+    from the inclusive ``input_range`` and ``output_range``, reproducible by seed; every
+    request arrives at once (an offline batch: the GPU serving benchmark of issue 39 item 9,
+    1,000 requests, prompts 128-1,024, outputs 64-512). The prompt's kind follows its output
+    length's octile, as in :func:`make_trace`."""
+    lo_in, hi_in = input_range
+    lo_out, hi_out = output_range
+    if not 2 <= lo_in <= hi_in or not 1 <= lo_out <= hi_out:
+        raise ValueError(f"bad ranges: input {input_range}, output {output_range}")
+    rng = np.random.default_rng(seed)
+    inp = rng.integers(lo_in, hi_in + 1, n)
+    out = rng.integers(lo_out, hi_out + 1, n)
+    k = len(TASK_KINDS)
+    kinds = np.minimum((out - lo_out) * k // (hi_out - lo_out + 1), k - 1)
     return requests_from(rng, kinds, inp, out)
 
 
