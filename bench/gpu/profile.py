@@ -108,12 +108,12 @@ def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "aut
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.gpu.throughput import HF_BATCH, _serve_model
+    from bench.gpu.serve import PROFILE_SEQS, serve_model
     from convergent.serve.config import ServeConfig
     from convergent.serve.offline import run_trace
     from convergent.serve.workload import make_trace, scale_trace
 
-    mdir = _serve_model(tmp)
+    mdir = serve_model(tmp)
     # Outputs capped: the profiler keeps every CPU op and kernel, and a whole trace (~500
     # decode steps x 22 layers x ~25 kernels) took minutes to collect on an H100 (2026-11-26).
     trace = [dataclasses.replace(r, output_len=min(r.output_len, max_output))
@@ -121,7 +121,7 @@ def profile_serve(tmp: Path, requests: int, max_output: int, backend: str = "aut
     cfg = ServeConfig(
         engine={"device": "cuda", "dtype": "bfloat16", "kv_budget_bytes": 16 * 2**30,
                 "attention_backend": backend, "cuda_graphs": graphs, "async_scheduling": asyn},
-        scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
+        scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": PROFILE_SEQS,
                    "max_batched_tokens": 8192, "profile_costs": False})
     run_trace(mdir, cfg, trace[:8])  # warm-up: kernels, allocator
     torch.cuda.synchronize()

@@ -1,7 +1,7 @@
 """GPU benchmark part ``serve_modes``: the serving engine's decode CUDA graphs and async
 scheduling, on and off, on the serving part's model and trace (issue 39 items 2 and 4).
 
-Four sides, one engine each (bench/gpu/throughput.py's 1.1B random Llama, the
+Four sides, one engine each (bench/gpu/serve.py's 1.1B random Llama, the
 ``make_trace(256, seed=0)`` trace scaled 0.5, bf16, one stage, interleaved scheduler, at
 most 64 sequences, 16 GiB KV, decode attention ``auto`` = Triton):
 ``graphs_async`` (``serve.engine.cuda_graphs=on``, ``async_scheduling=on``: the CUDA
@@ -30,19 +30,20 @@ MODES = {"graphs_async": ("on", "on"), "graphs_sync": ("on", "off"),
 
 def bench_serve_modes(tmp: Path, rounds: int) -> dict[str, Any]:
     """The four sides over ``rounds`` interleaved rounds (bench/lib/harness.py)."""
-    from bench.gpu.throughput import HF_BATCH, _rounds, _serve_model
+    from bench.gpu.serve import PROFILE_SEQS, serve_model
+    from bench.gpu.throughput import _rounds
     from convergent.serve.config import ServeConfig
     from convergent.serve.offline import run_trace
     from convergent.serve.workload import make_trace, scale_trace
 
-    mdir = _serve_model(tmp)
+    mdir = serve_model(tmp)
     trace = scale_trace(make_trace(256, seed=0), 0.5)
 
     def side(graphs: str, asyn: str):
         cfg = ServeConfig(
             engine={"device": "cuda", "dtype": "bfloat16", "kv_budget_bytes": 16 * 2**30,
                     "cuda_graphs": graphs, "async_scheduling": asyn},
-            scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
+            scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": PROFILE_SEQS,
                        "max_batched_tokens": 8192, "profile_costs": False})
 
         def run() -> dict:
@@ -57,7 +58,7 @@ def bench_serve_modes(tmp: Path, rounds: int) -> dict[str, Any]:
     common = {"model": "random Llama 1.1B (22 layers, hidden 2048, GQA 32/4, vocab 32000)",
               "trace": "make_trace(256, seed=0) scaled 0.5", "requests": len(trace),
               "engine": "1 stage, interleaved, bf16, 16 GiB KV, 8192 batched tokens, "
-                        f"max_num_seqs {HF_BATCH}, attention_backend auto (Triton)"}
+                        f"max_num_seqs {PROFILE_SEQS}, attention_backend auto (Triton)"}
     settings = {name: {**common, "cuda_graphs": g, "async_scheduling": a}
                 for name, (g, a) in MODES.items()}
     diffs = ["only serve.engine.cuda_graphs and serve.engine.async_scheduling differ",

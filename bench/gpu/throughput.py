@@ -27,11 +27,13 @@ machine, the load before/after, each side's settings and the differences between
   AdamW at the trainer's LR, the same clipping) eager and under ``torch.compile``:
   eager is compared with eager and compiled with compiled (no best-of-two side).
   Tokens/s; MFU = counted FLOPs x tokens/s / the GPU's dense bf16 peak.
-* **serving** (a random 1.1B Llama: 22 layers, hidden 2048, GQA 32/4, vocab 32,000; the
-  ``bench-serve -r 256 --scale 0.5 --seed 0`` trace): our engine, one stage on the GPU,
-  bf16 and fp32 with at most 64 sequences at a time, and transformers' ``generate`` in
-  bf16 on the same prompts in static batches of 64 (each batch runs to its longest
-  output; only requested tokens count).
+* **serving** (``--only serve``, bench/gpu/serve.py, issue 39 item 9): a random 1.1B Llama
+  on a 1,000-request trace (prompts 128-1,024, outputs 64-512, all at t=0, EOS ignored);
+  our engine (one stage, up to 256 sequences, the CUDA defaults) in bf16 and fp32, and
+  transformers' ``generate`` in bf16 on the trace's first ``--hf-requests`` requests in static
+  batches of ``--hf-batch`` (ours on the same subset beside it); TTFT/TPOT, the step's split
+  (host prepare, GPU, sync), the memory-bandwidth floor of the run's steps and the TD-Pipe vs
+  interleaved projection onto 4 PCIe GPUs (bench/gpu/serve_floor.py).
 
 Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
 ``molecular_atoms_per_s_bf16`` (with ``molecular_batch_atoms``),
@@ -40,13 +42,16 @@ Top-level keys of the JSON: ``commit``, ``dirty``, ``device``,
 ``edge_triton_vs_torch_infer_bf16``, ``edge_bf16_vs_fp32_train`` (per kernel), ``lm_mfu_bf16``,
 ``lm_vs_hf_train`` (eager vs eager), ``lm_vs_hf_train_compiled``, ``device_peaks`` and
 ``{molecular,lm}_{matmul,bandwidth}_fraction_bf16`` (bench/gpu/peaks.py),
-``serve_output_tok_s_bf16``, ``serve_vs_hf_generate``, ``torch``, ``cuda``,
+the ``serve_*`` keys of bench/gpu/serve.py's ``serve_keys`` (``serve_output_tok_s_bf16``,
+``serve_bf16_speedup_vs_fp32``, ``serve_vs_hf_generate``, TTFT/TPOT p50/p99,
+``serve_step_split``, ``serve_bandwidth_floor_tok_s``, ``serve_fraction_of_floor``,
+``serve_projection_4gpu_pcie``), ``torch``, ``cuda``,
 ``provenance``, ``differences``, ``complete`` and ``parts`` (the JSON is written after every
 part, so a run cut short keeps what it finished); the harness result of each part under ``molecular``,
 ``edge``, ``lm``, ``serve`` (settings, per_round, summary).
 
 Usage: ``python -m bench.gpu.throughput [--rounds 3] [--serve-rounds N] [--steps 30] [--lm-steps 20]
-[--edge-steps 12] [--only molecular,lm,serve]`` (``edge`` and ``serve_modes``, the decode
+[--edge-steps 12] [--hf-requests 256] [--hf-batch 256] [--only molecular,lm,serve]`` (``edge`` and ``serve_modes``, the decode
 graphs and async scheduling on and off: bench/gpu/serve_modes.py, are parts too; the parts run in
 ``--only``'s order; each runs ``--rounds`` rounds, serving, the longest, ``--serve-rounds``
 if given).
@@ -68,6 +73,7 @@ from typing import Any
 
 from bench.gpu.edge import bench_edge_kernel, edge_keys
 from bench.gpu.peaks import fraction_keys, with_fractions
+from bench.gpu.serve import bench_serve, serve_keys
 from bench.gpu.serve_modes import bench_serve_modes, graphs_speedup
 from bench.lib.harness import Side, check_clean, interleave, provenance, write_result
 from bench.lib.paths import RESULTS
@@ -75,7 +81,6 @@ from bench.lib.paths import RESULTS
 NAMES = ["H2O", "CH4", "NH3", "C2H6", "CH3OH", "C2H4", "HCN", "CO2", "H2CO", "C2H2", "CH3CN",
          "C3H8", "CH3CHO", "CH3CH2OH", "HCOOH", "CH3COOH", "C6H6"]
 DEVICE = "cuda"  # the trainer sides run here
-HF_BATCH = 64  # sequences at once, for both serving sides
 LM_SHAPE = dict(hidden=768, layers=12, heads=12, seq=1024, batch=16, vocab=32000, mlp_ratio=4)
 
 
@@ -269,91 +274,6 @@ def bench_lm(tmp: Path, rounds: int, steps: int) -> dict[str, Any]:
     return with_fractions(_rounds("gpu.lm", sides, settings, rounds, diffs), base, DEVICE, _med)
 
 
-# ----------------------------------------------------------------------------- serving
-
-
-def _serve_model(tmp: Path) -> Path:
-    import torch
-
-    from convergent.models.llama import LlamaConfig, LlamaForCausalLM, save_pretrained
-
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                      max_position_embeddings=4096, bos_token_id=256, eos_token_id=257)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg)
-    model.reset_parameters(std=0.02)
-    return save_pretrained(model.to(torch.bfloat16), tmp / "llama-1.1b")
-
-
-def bench_serve(tmp: Path, rounds: int) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    from convergent.serve.config import ServeConfig
-    from convergent.serve.offline import run_trace
-    from convergent.serve.tokenizer import ByteTokenizer
-    from convergent.serve.workload import make_trace, scale_trace
-
-    mdir = _serve_model(tmp)
-    trace = scale_trace(make_trace(256, seed=0), 0.5)
-
-    def ours(dtype: str) -> Callable[[], dict]:
-        cfg = ServeConfig(
-            engine={"device": "cuda", "dtype": dtype, "kv_budget_bytes": 16 * 2**30},
-            scheduler={"kind": "interleaved", "stages": 1, "max_num_seqs": HF_BATCH,
-                       "max_batched_tokens": 8192, "profile_costs": False})
-
-        def run() -> dict:
-            res = run_trace(mdir, cfg, trace)
-            return {"per_s": res["output_tok_s"], "wall_s": res["wall_s"]}
-
-        return run
-
-    tok = ByteTokenizer(32000)
-    prompts = [tok.encode(r.prompt) for r in trace]
-    hf = transformers.LlamaForCausalLM.from_pretrained(mdir, dtype=torch.bfloat16).cuda().eval()
-
-    def hf_generate() -> dict:
-        t0 = time.monotonic()
-        useful = 0
-        for i in range(0, len(trace), HF_BATCH):
-            chunk = list(range(i, min(i + HF_BATCH, len(trace))))
-            width = max(len(prompts[j]) for j in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            for r, j in enumerate(chunk):  # left padding
-                ids[r, width - len(prompts[j]):] = torch.tensor(prompts[j])
-                mask[r, width - len(prompts[j]):] = 1
-            n = max(trace[j].output_len for j in chunk)
-            with torch.no_grad():
-                hf.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n,
-                            min_new_tokens=n, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)
-            useful += sum(trace[j].output_len for j in chunk)
-        torch.cuda.synchronize()
-        wall = time.monotonic() - t0
-        return {"per_s": useful / wall, "wall_s": wall}
-
-    sides = {"ours_bf16": ours("bfloat16"), "ours_fp32": ours("float32"),
-             "hf_generate_bf16_batch64": hf_generate}
-    common = {"model": "random Llama 1.1B (22 layers, hidden 2048, GQA 32/4, vocab 32000)",
-              "trace": "make_trace(256, seed=0) scaled 0.5", "requests": len(trace),
-              "output_tokens": sum(r.output_len for r in trace), "max_sequences_at_once": HF_BATCH,
-              "sampling": "greedy, every request runs to its requested output length"}
-    settings = {"ours_bf16": {**common, "side": "convergent engine, interleaved scheduler, 1 stage, "
-                                                "bf16, 16 GiB KV budget, 8192 batched tokens"},
-                "ours_fp32": {**common, "side": "the same in fp32"},
-                "hf_generate_bf16_batch64": {**common, "side": "transformers generate, bf16, static "
-                                                               f"batches of {HF_BATCH}, left padding"}}
-    diffs = [f"ours batches continuously (up to {HF_BATCH} sequences, a finished one is replaced "
-             f"at once); transformers' generate runs static batches of {HF_BATCH}, each to its "
-             "longest output (only requested tokens count): that scheduling is the comparison",
-             "ours_fp32 runs fp32, the others bf16"]
-    return _rounds("gpu.serve", sides, settings, rounds, diffs)
-
-
 # ----------------------------------------------------------------------------- driver
 
 
@@ -424,9 +344,7 @@ def _result(res: dict[str, Any], args: argparse.Namespace, prov: dict[str, Any],
         "lm_vs_hf_train": _ratio(_med(lm, "ours_bf16"), _med(lm, "hf_sdpa_eager_bf16")),
         "lm_vs_hf_train_compiled": _ratio(_med(lm, "ours_bf16_compile"),
                                           _med(lm, "hf_sdpa_compile_bf16")),
-        "serve_output_tok_s_bf16": _med(srv, "ours_bf16"),
-        "serve_vs_hf_generate": _ratio(_med(srv, "ours_bf16"),
-                                       _med(srv, "hf_generate_bf16_batch64")),
+        **serve_keys(srv, _med, _ratio),
         **graphs_speedup(res.get("serve_modes", {}), _med),
         "statistic": "median over rounds of each side's per-round median (spread in summary)",
         "torch": torch.__version__,
@@ -452,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="steps per side and round of the edge part")
     ap.add_argument("--serve-rounds", type=int, default=None,
                     help="rounds of the serving part (default: --rounds)")
+    ap.add_argument("--hf-requests", type=int, default=256,
+                    help="serving: the trace's first N requests for transformers generate")
+    ap.add_argument("--hf-batch", type=int, default=256, help="serving: generate's static batch")
     ap.add_argument("--mol-atoms", type=int, default=16384, help="atoms per batch (<= 32768)")
     ap.add_argument("--only", default="molecular,lm,serve")
     ap.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
@@ -470,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = {"molecular": lambda tmp: bench_molecular(tmp, args.rounds, args.steps, args.mol_atoms),
              "edge": lambda tmp: bench_edge_kernel(tmp, args.rounds, args.edge_steps, args.mol_atoms),
              "lm": lambda tmp: bench_lm(tmp, args.rounds, args.lm_steps),
-             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds),
+             "serve": lambda tmp: bench_serve(tmp, args.serve_rounds or args.rounds,
+                                              args.hf_requests, args.hf_batch),
              "serve_modes": lambda tmp: bench_serve_modes(tmp, args.serve_rounds or args.rounds)}
     order = list(dict.fromkeys(args.only.split(",")))
     unknown = [n for n in order if n not in parts]
