@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SETS = ["cluster.n_workers=2", "model.hidden=16", "model.layers=1", "model.heads=2",
         "simulate.source=g2", "simulate.max_molecules=8", "learn.pool.conformers=3",
         "learn.pool.holdout_per_molecule=1", "learn.rounds=2", "learn.committee=2",
-        "learn.label.init=4", "learn.label.batch=3", "learn.label.chunk=1",
+        "learn.label.init=4", "learn.label.batch=3", "learn.label.chunk=1", "learn.label.budget=10",
         "learn.members.first_round_steps=30", "train.steps=15", "learn.explore.trajectories=2",
         "learn.explore.steps=20", "learn.explore.chunk=1", "learn.seed=3"]
 
@@ -65,7 +65,7 @@ def test_campaign_labels_with_provenance_and_retries_a_crashed_member(uninterrup
     # that worker fails with it (allowed_failures 0): one or both are retried, once each
     retries = sum(r["train_retries"] for r in state["rounds"].values())
     assert 1 <= retries <= 2, state["rounds"]
-    assert state["stop"] == "rounds" and state["final_round"] == 3
+    assert state["stop"] == "label budget" and state["final_round"] == 3
     keys = _keys(run / "data" / "labels")
     assert len(keys) == len(set(keys)) == 4 + 2 * 3
     from convergent.data.reader import open_dataset
@@ -110,8 +110,10 @@ def test_killed_driver_resumes_to_the_same_dataset(uninterrupted, tmp_path):
     killed = False
     try:
         while time.time() < deadline and proc.poll() is None:
-            if log.exists() and any(json.loads(x)["round"] == 1 for x in log.read_text().splitlines() if x):
-                os.kill(proc.pid, signal.SIGKILL)  # the driver, mid-way through round 1's labels
+            # the driver, mid-way through the labels of round 2, the last (the budget binds:
+            # the resumed round must still label its whole batch)
+            if log.exists() and any(json.loads(x)["round"] == 2 for x in log.read_text().splitlines() if x):
+                os.kill(proc.pid, signal.SIGKILL)
                 killed = True
                 break
             time.sleep(0.05)
@@ -121,7 +123,7 @@ def test_killed_driver_resumes_to_the_same_dataset(uninterrupted, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert killed, "the campaign finished before round 1 was labelled"
+    assert killed, "the campaign finished before round 2 was labelled"
     assert proc.returncode == -signal.SIGKILL
     state = json.loads((run / "learn" / "state.json").read_text())
     assert "stop" not in state  # it really was cut short

@@ -250,3 +250,22 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.out
+
+
+def labelled_records(dataset: Path) -> list[dict[str, Any]]:
+    """Every structure of ``dataset`` as a record to predict (sorted by key; none when it
+    does not exist yet)."""
+    from convergent.data.format import MANIFEST_NAME
+    from convergent.data.reader import open_dataset
+
+    if not (dataset / MANIFEST_NAME).is_file():
+        return []
+    ds = open_dataset(dataset)
+    try:
+        recs = [ds[i] for i in range(len(ds))]
+    finally:
+        ds.close()
+    return sorted(({"key": r["key"], "molecule_id": r.get("molecule_id", ""),
+                    "numbers": np.asarray(r["numbers"]), "positions": np.asarray(r["positions"]),
+                    "charge": r.get("charge", 0), "multiplicity": r.get("multiplicity", 1)}
+                   for r in recs), key=lambda r: r["key"])

@@ -34,12 +34,11 @@ from rich.console import Console
 
 from convergent.cluster.pool import dask_client, job_kinds, watch_jobs
 from convergent.config import ConvergentConfig
-from convergent.core.elements import symbol
-from convergent.core.errors import InputError
 from convergent.core.fsutil import atomic_write_text, dumps_json
 from convergent.data.format import MANIFEST_NAME
 from convergent.data.reader import open_dataset
 from convergent.learn import tasks
+from convergent.learn.committee import MemberScores, joined
 from convergent.learn.engine import Pool, gpu_wanted, gpu_worker
 from convergent.learn.inputs import check_inputs as check_inputs  # the CLI's pre-flight
 from convergent.learn.label import (
@@ -47,12 +46,14 @@ from convergent.learn.label import (
     Background,
     committed_keys,
     label_batch,
+    labelled_records,
     quarantined_keys,
 )
 from convergent.learn.paths import Paths
 from convergent.learn.pool import (
     Candidate,
     build_pool,
+    check_cover,
     cover_elements,
     dataset_molecules,
     load_candidates,
@@ -88,6 +89,7 @@ class Campaign:
         self.md_futures: dict[int, list] = {}
         self.eval_futures: dict[int, Any] = {}
         self.held_bg: Background | None = None  # the held-out labels, pipelined
+        self.early: dict[int, MemberScores | None] = {}  # score tasks submitted per member
         self.curve: dict[int, dict[str, Any]] = {int(k): v for k, v in self.state.get("curve", {}).items()}
 
     # ---------------------------------------------------------------- bookkeeping
@@ -126,6 +128,16 @@ class Campaign:
         n = len(committed_keys(self.p.labels))
         return n + self.init_count()
 
+    def labels_before(self, rnd: int, row: dict[str, Any] | None) -> int:
+        """The labels committee ``rnd`` trains on: a resumed round's own labels (its batch,
+        partly labelled before the driver was killed) and later rounds' do not count."""
+        if row is not None:
+            return int(row["labels_before"])
+        n = self.labels_used()
+        if (sel := self.p.selection(rnd)).exists():
+            n -= len(committed_keys(self.p.labels) & set(json.loads(sel.read_text())["ranked"]))
+        return n
+
     def init_count(self) -> int:
         if not self.L.label.init_dataset:
             return 0
@@ -156,21 +168,9 @@ class Campaign:
         n_held = "in the background" if self.held_bg else len(held().labelled)
         if init:
             out = self.label(0, init, self.L.label.init, "init")
-            self.check_cover(committed_keys(self.p.labels))
+            check_cover(self.cands, self.held, committed_keys(self.p.labels))
             self.say(f"round 0: {len(out.labelled)} initial labels ({len(out.quarantined)} "
                      f"quarantined); held-out labels: {n_held}")
-
-    def check_cover(self, labelled: set[str]) -> None:
-        """Refuse to go on when quarantine left an element of the pool without a label."""
-        keys = set(labelled)
-        have = {int(z) for c in self.cands if c.key in keys for z in c.numbers}
-        need = {int(z) for c in self.cands + self.held for z in c.numbers}
-        if need - have:
-            z = min(need - have)
-            raise InputError(
-                f"learn: no initial label holds element {symbol(z)} (Z={z}): its "
-                "structures were quarantined, so the committee could not predict them",
-                hint="see learn/quarantine and raise learn.label.init")
 
     # ---------------------------------------------------------------- training
     def members(self, rnd: int) -> list[str]:
@@ -200,9 +200,7 @@ class Campaign:
         extra = [L.label.init_dataset] if L.label.init_dataset else []
         steps = (L.members.first_round_steps if rnd == 1 and not L.members.init_model
                  else self.cfg.train.steps)
-        fault = None
-        if (marker := _fault_marker()) is not None:
-            fault = str(self.p.root / marker)
+        fault = str(self.p.root / marker) if (marker := _fault_marker()) is not None else None
 
         def job(k: int) -> Job:
             init = str(self.p.member(rnd - 1, k)) if rnd > 1 else L.members.init_model
@@ -213,6 +211,7 @@ class Campaign:
 
         summaries: list[dict[str, Any]] = []
         retried = 0
+        early = self.early.setdefault(rnd, self.early_scores(rnd)) if len(done) < L.committee else None
 
         def finished(j: Job, summary: dict[str, Any]) -> list[Job]:
             nonlocal retried
@@ -220,6 +219,8 @@ class Campaign:
             summaries.append(summary)
             self.state["members"].setdefault(str(rnd), []).append(j.tag)
             self.save()
+            if early is not None:  # this member scores the round's pool while the others train
+                early.submit(j.tag)
             return []
 
         def failed(j: Job, exc: BaseException) -> list[Job]:
@@ -310,53 +311,44 @@ class Campaign:
         return self.curve.get(rnd)
 
     # ---------------------------------------------------------------- scoring
+    def member_scores(self, rnd: int, records: list[dict[str, Any]], features: bool) -> MemberScores:
+        """Committee ``rnd``'s score tasks on ``records`` (:mod:`convergent.learn.committee`)."""
+        elements = [atomic_numbers[e] for e in self.cfg.simulate.elements] if features else None
+        return MemberScores(self.pool, rnd, self.members(rnd), records, self.L.select.score_chunk,
+                            self.cfg.train.batch_atoms, elements)
+
     def predict(self, rnd: int, cands: list[Candidate], records: list[dict[str, Any]] | None = None,
                 features: bool = False) -> dict[str, np.ndarray]:
-        """Committee ``rnd`` on ``cands`` (or on ``records``; chunked score tasks on the
-        pool): arrays ``energy_pred``, ``energy_std``, ``force_std_max``, ``n_atoms`` and,
-        with ``features``, the last-layer ``features`` (:mod:`convergent.learn.posterior`)."""
-        L = self.L
-        recs_all = records if records is not None else [c.record() for c in cands]
-        elements = [atomic_numbers[e] for e in self.cfg.simulate.elements] if features else None
-        futs = []
-        for i in range(0, len(recs_all), L.select.score_chunk):
-            futs.append(self.pool.submit("score", f"c{i}", rnd, tasks.score_records, self.members(rnd),
-                                         recs_all[i:i + L.select.score_chunk], self.cfg.train.batch_atoms,
-                                         device="cpu",
-                                         elements=elements))
-        parts = [self.pool.result(f) for f in futs]
-        names = ("energy_pred", "energy_std", "force_std_max", "n_atoms") + (("features",) if features else ())
-        return {k: np.concatenate([np.asarray(p[k], np.float64) for p in parts]) if parts else np.zeros(0)
-                for k in names}
+        """Committee ``rnd`` on ``cands`` (or on ``records``): arrays ``energy_pred``,
+        ``energy_std``, ``force_std_max``, ``n_atoms`` and, with ``features``, the
+        last-layer ``features`` (:mod:`convergent.learn.posterior`)."""
+        recs = records if records is not None else [c.record() for c in cands]
+        return joined([self.member_scores(rnd, recs, features).collect()])
 
     def score(self, rnd: int, cands: list[Candidate]) -> np.ndarray:
         p = self.predict(rnd, cands)
         return combined_score(p["energy_std"], p["force_std_max"], p["n_atoms"], self.L.select.force_weight)
 
-    def candidates(self, rnd: int, exclude: set[str]) -> list[Candidate]:
-        """A seeded sample of the unlabelled pool, then this round's exploration frames."""
+    def pool_candidates(self, rnd: int, exclude: set[str]) -> list[Candidate]:
+        """A seeded sample of the unlabelled pool (the exploration frames come on top)."""
         L = self.L
         free = [c for c in self.cands if c.key not in exclude]
         if L.pool.sample and len(free) > L.pool.sample:
             rng = np.random.default_rng(_seed("pool-sample", L.seed, rnd))
             free = [free[i] for i in sorted(rng.choice(len(free), L.pool.sample, replace=False))]
-        return free + [c for c in self.md_candidates(rnd) if c.key not in exclude]
+        return free
 
-    def labelled_records(self) -> list[dict[str, Any]]:
-        """Every structure this campaign has labelled (records, sorted by key)."""
-        from convergent.data.format import MANIFEST_NAME
-
-        if not (self.p.labels / MANIFEST_NAME).is_file():
-            return []
-        ds = open_dataset(self.p.labels)
-        try:
-            recs = [ds[i] for i in range(len(ds))]
-        finally:
-            ds.close()
-        return sorted(({"key": r["key"], "molecule_id": r.get("molecule_id", ""),
-                        "numbers": np.asarray(r["numbers"]), "positions": np.asarray(r["positions"]),
-                        "charge": r.get("charge", 0), "multiplicity": r.get("multiplicity", 1)}
-                       for r in recs), key=lambda r: r["key"])
+    def early_scores(self, rnd: int) -> MemberScores | None:
+        """Pipelined, posterior acquisition: the score tasks of round ``rnd``'s pool sample
+        and labels, each member's submitted when it is trained (:meth:`train`)."""
+        L = self.L
+        if not (L.pipelined and L.select.strategy == "uncertainty" and L.select.acquisition == "posterior"
+                and str(rnd) not in self.state["rounds"] and rnd <= L.rounds
+                and self.labels_used() < L.label.budget and not self.p.selection(rnd).exists()):
+            return None
+        exclude = committed_keys(self.p.labels) | quarantined_keys(self.p.labels)
+        recs = [c.record() for c in self.pool_candidates(rnd, exclude)] + labelled_records(self.p.labels)
+        return self.member_scores(rnd, recs, features=True)
 
     def select(self, rnd: int, k: int) -> tuple[list[Candidate], dict[str, float]]:
         """The ranked candidates of round ``rnd`` (computed once, then read from disk)."""
@@ -368,16 +360,21 @@ class Campaign:
             return [by_key[x] for x in sel["ranked"]], sel["scores"]
         L, S = self.L, self.L.select
         exclude = committed_keys(self.p.labels) | quarantined_keys(self.p.labels)
-        cands = self.candidates(rnd, exclude)
+        free = self.pool_candidates(rnd, exclude)
+        cands = free + [c for c in self.md_candidates(rnd) if c.key not in exclude]
         feats = None
-        lab_recs = self.labelled_records() if S.labelled_tol > 0 or S.acquisition == "posterior" else []
+        lab_recs = labelled_records(self.p.labels) if S.labelled_tol > 0 or S.acquisition == "posterior" else []
         if S.strategy != "uncertainty":
             scores = np.full(len(cands), np.nan)
-        elif S.acquisition == "posterior":  # the candidates' and the labels' last-layer features, in one go
-            p = self.predict(rnd, [], records=[c.record() for c in cands] + lab_recs, features=True)
-            n = len(cands)
-            scores = combined_score(p["energy_std"][:n], p["force_std_max"][:n], p["n_atoms"][:n],
-                                    S.force_weight)
+        elif S.acquisition == "posterior":  # the candidates' and the labels' last-layer features
+            a, nf, n = [c.record() for c in free] + lab_recs, len(free), len(cands)  # then MD frames
+            early = self.early.pop(rnd, None)
+            if early is None or early.keys != [r["key"] for r in a]:
+                early = self.member_scores(rnd, a, features=True)
+            md = self.member_scores(rnd, [c.record() for c in cands[nf:]], features=True).submit_all()
+            pa = early.collect()  # the MD frames' tasks run meanwhile
+            p = joined([{k: v[:nf] for k, v in pa.items()}, md.collect(), {k: v[nf:] for k, v in pa.items()}])
+            scores = combined_score(p["energy_std"][:n], p["force_std_max"][:n], p["n_atoms"][:n], S.force_weight)
             x = p["features"].reshape(n + len(lab_recs), -1)
             feats = (x[:n], x[n:])
         else:
@@ -403,7 +400,7 @@ class Campaign:
         rnd = 1
         while True:
             done_row = self.state["rounds"].get(str(rnd))
-            labels_now = self.labels_used()
+            labels_now = self.labels_before(rnd, done_row)
             t_round = time.time()
             tr = self.train(rnd)
             self.submit_eval(rnd, labels_now)

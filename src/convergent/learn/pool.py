@@ -208,3 +208,16 @@ def load_candidates(path: Path) -> list[Candidate]:
                              m["origin"], m["meta"]))
         at += k
     return out
+
+
+def check_cover(cands: list[Candidate], held: list[Candidate], labelled: set[str]) -> None:
+    """Refuse to go on when quarantine left an element of the pool (or of the held-out set)
+    without a label among ``labelled`` keys."""
+    have = {int(z) for c in cands if c.key in labelled for z in c.numbers}
+    need = {int(z) for c in cands + held for z in c.numbers}
+    if need - have:
+        z = min(need - have)
+        raise InputError(
+            f"learn: no initial label holds element {symbol(z)} (Z={z}): its "
+            "structures were quarantined, so the committee could not predict them",
+            hint="see learn/quarantine and raise learn.label.init")

@@ -3,8 +3,9 @@
 * ``train``  — one committee member: a seeded run of ``steps`` optimiser steps on the
   labelled set (records sorted by key, so the result does not depend on arrival order),
   warm-started from the previous round's member; saved with ``models.io.save_model``.
-* ``score``  — committee predictions of a chunk of candidates (energy spread and the
-  largest per-atom force spread, :func:`convergent.screen.predict.predict_records`).
+* ``score``  — one member's predictions of a chunk of candidates (energies, forces and
+  last-layer features, :func:`member_predict`), combined over the committee by the
+  driver (:func:`combine`: energy spread and the largest per-atom force spread).
 * ``explore`` — one short Langevin trajectory driven by the committee's mean
   (:class:`convergent.models.calculator.SurrogateCalculator`), frames kept as candidates.
 * ``label``  — reference single points (:func:`convergent.sim.worker.execute_task`):
@@ -112,23 +113,58 @@ def _models(model_dirs: list[str], device: str):
     return load_ensemble([Path(d) for d in model_dirs], device)
 
 
-def score_records(model_dirs: list[str], records: list[dict[str, Any]], batch_atoms: int,
-                  device: str = "cpu", elements: list[int] | None = None) -> dict[str, list[Any]]:
-    """Committee mean energy, energy spread (eV) and largest force spread (eV/Å); with
-    ``elements``, also each structure's last-layer features
-    (:func:`convergent.learn.posterior.structure_features`)."""
+def member_predict(model_dir: str, records: list[dict[str, Any]], batch_atoms: int, device: str = "cpu",
+                   elements: list[int] | None = None) -> dict[str, Any]:
+    """One committee member on ``records``: ``energy`` (eV, per structure), ``forces``
+    (eV/Å, every atom in structure order), ``n_atoms`` and, with ``elements``, its
+    last-layer ``features`` (:func:`convergent.learn.posterior.structure_features`, without
+    the element fractions: :func:`combine` adds them once)."""
     _, device = _torch_setup(device)
     from convergent.screen.predict import predict_records
 
-    models = _models(model_dirs, device)
-    res = predict_records(models, records, batch_atoms, device)
-    out: dict[str, list[Any]] = {"energy_pred": res.energy_pred.tolist(), "energy_std": res.energy_std.tolist(),
-                                 "force_std_max": res.force_std_max.tolist(), "n_atoms": res.n_atoms.tolist()}
+    models = _models([model_dir], device)
+    res = predict_records(models, records, batch_atoms, device, keep_atoms=True)
+    out = {"energy": np.asarray(res.energy_pred, np.float64), "n_atoms": np.asarray(res.n_atoms),
+           "forces": np.asarray(res.forces_pred, np.float64).reshape(-1, 3), "features": None}
     if elements is not None:
         from convergent.learn.posterior import structure_features
 
-        out["features"] = structure_features(models, records, batch_atoms, device, elements).tolist()
+        out["features"] = structure_features(models, records, batch_atoms, device, [])
     return out
+
+
+def combine(parts: list[dict[str, Any]], records: list[dict[str, Any]],
+            elements: list[int] | None = None) -> dict[str, np.ndarray]:
+    """The committee from its members' :func:`member_predict` on the same ``records``:
+    ``energy_pred`` (the mean), ``energy_std`` (sample std over members, eV; NaN for one
+    member), ``force_std_max`` (per structure, the largest per-atom norm of the force
+    sample std, eV/Å), ``n_atoms`` and, with ``elements``, ``features``: the members'
+    side by side, then the element fractions."""
+    from convergent.learn.posterior import structure_features
+
+    e = np.stack([p["energy"] for p in parts])  # [K, S]
+    n = np.asarray(parts[0]["n_atoms"], np.int64)
+    s = len(n)
+    e_std, f_max = np.full(s, np.nan), np.full(s, np.nan)
+    if len(parts) > 1:
+        e_std = e.std(0, ddof=1)
+        per_atom = np.linalg.norm(np.stack([p["forces"] for p in parts]).std(0, ddof=1), axis=1)
+        f_max = np.zeros(s)
+        np.maximum.at(f_max, np.repeat(np.arange(s), n), per_atom)
+    out = {"energy_pred": e.mean(0), "energy_std": e_std, "force_std_max": f_max, "n_atoms": n.astype(np.float64)}
+    if elements is not None:
+        out["features"] = np.concatenate([*(p["features"] for p in parts),
+                                          structure_features([], records, 1, "cpu", elements)], axis=1)
+    return out
+
+
+def score_records(model_dirs: list[str], records: list[dict[str, Any]], batch_atoms: int,
+                  device: str = "cpu", elements: list[int] | None = None) -> dict[str, list[Any]]:
+    """Committee mean energy, energy spread (eV) and largest force spread (eV/Å) of
+    ``records`` in one task (:func:`combine` of each member's :func:`member_predict`); with
+    ``elements``, also each structure's last-layer features."""
+    parts = [member_predict(d, records, batch_atoms, device, elements) for d in model_dirs]
+    return {k: v.tolist() for k, v in combine(parts, records, elements).items()}
 
 
 def evaluate(model_dirs: list[str], dataset: str, batch_atoms: int, device: str = "cpu") -> dict[str, float]:
