@@ -1,30 +1,35 @@
-"""Active learning on one shared pool: uncertainty+diversity (ours) against random selection.
+"""Active learning, issue 41's done-when keys: the retrospective part and the prospective part.
 
-Pool: conformers of small NCI compounds (the SMILES file shipped with RDKit, embedded with
-ETKDGv3 + MMFF, then rattled); held out: the compounds a seeded hash puts aside, never in
-the pool (their conformers are labelled once per campaign for the learning curve, not
-counted as labels). Both strategies get the same settings: initial random labels, label
-budget, batch per round, committee size and optimiser steps per member and round, and
-the same exploration MD; only the choice of the batch differs. Three seeds (the seed
-changes the split, the pool conformers, the initial labels and every training run).
+``python -m bench.learn.active_learning --part retrospective|prospective|all|summary`` runs a
+part and rewrites bench/results/active_learning.json (the summary,
+bench/learn/active_learning_summary.py) from the parts' files beside it. Each part writes
+its own result with its own commit and provenance, its rules first:
 
-Measured in the same run:
-* ``labels_ratio_vs_random``: per seed, the labels ours needs to reach random's final
-  held-out energy MAE (eV/atom; linear interpolation along ours' learning curve) divided
-  by random's final label count; the median over seeds (null for a seed where ours never
-  reaches it, counted as +inf in the median).
-* ``utilisation``: busy core-seconds / available core-seconds of the pool for ours (seed
-  0, pipelined); ``utilisation_sequential``: the same campaign run as strict phases.
-* ``resume_identical``: ours (seed 0) run as a subprocess, its driver SIGKILLed during
-  round 2's labelling and resumed with --resume, ends with the same dataset keys as the
-  uninterrupted run, and no structure is labelled twice.
+* retrospective (bench/learn/retrospective.py, ``--retro-preset cpu``, ~37 min on 2 idle
+  cores, or ``gpu`` on a lease): nci2k with the labels revealed on selection, seeds 0-4;
+  ``labels_ratio_vs_random``, ``labels_ratio_per_seed``, the force-MAE ratio the same way
+  and the oracle ceiling -> ``active_learning_retrospective.json``.
+* prospective (this module): the product path, ``convergent learn`` with real xTB labels
+  on a Dask LocalCluster of 2 workers -> ``active_learning_prospective.json``:
 
-The seeds are the rounds of bench/lib/harness.py: per seed ours then random (interleaved);
-every number over seeds is a median with its spread. Writes
-bench/results/active_learning.json (+ active_learning.png, the curves, and
-active_learning_timeline.png beside it). Usage:
-``python -m bench.learn.active_learning [--seeds 0 1 2] [--set train.steps=60 ...]
-[--allow-dirty]`` (``--set`` changes a setting for both strategies; the JSON records it).
+  - ours (uncertainty+diversity) against random on one shared pool of conformers of small
+    NCI compounds (the SMILES file shipped with RDKit, ETKDGv3 + MMFF, rattled), for
+    ``--seeds`` (default 0): ``prospective_labels_ratio_vs_random`` (per seed, the labels ours
+    needs to reach random's final held-out energy MAE / random's final labels; the held-out
+    compounds never enter the pool). Both get the same settings (``SETTINGS``).
+  - ``utilisation`` / ``utilisation_sequential``: busy core-seconds / available core-seconds
+    of one campaign of ours (``UTILISATION``: training the largest share of the work) run
+    pipelined and again as strict phases (``learn.pipelined=false``) in the same run;
+    ``utilisation_detail`` has both per worker and per task kind, and the two timelines are
+    drawn (active_learning_prospective_timeline[_sequential].png).
+  - ``resume_identical``: ours (first seed) run as a subprocess, its driver SIGKILLed during
+    round 2's labelling and resumed with --resume, ends with the same dataset keys as the
+    uninterrupted run, and no structure is labelled twice.
+
+Usage: ``python -m bench.learn.active_learning --part prospective`` (~20 min on 2 idle
+cores); ``--set k=v`` changes a setting of every prospective campaign,
+``--set-utilisation k=v`` of the utilisation campaigns only; ``--out /tmp/al.json`` puts the
+summary and the parts in /tmp.
 """
 
 from __future__ import annotations
@@ -47,13 +52,16 @@ from bench.lib.harness import (
     add_args,
     check_clean,
     interleave,
+    provenance,
     spread,
+    stamp,
     stamp_png,
     write_result,
 )
 from bench.lib.paths import DATA, RESULTS
 
 WORK = DATA / "active_learning"
+BENCH = "active_learning_prospective"
 
 # One campaign: ~4 min on 2 shared cores. Every strategy gets exactly these settings.
 # The pool is every small NCI compound of C/H/N/O (6-16 atoms) but the held-out ones, 8
@@ -89,9 +97,30 @@ SETTINGS = {
 }
 
 
-def overrides(strategy: str, seed: int, pipelined: bool = True) -> list[str]:
-    s = dict(SETTINGS, **{"learn.select.strategy": strategy, "learn.seed": seed,
-                          "learn.pipelined": str(pipelined).lower()})
+# The utilisation campaign: ours on the same pool, where training is the largest share of
+# the work — a committee of 3 members of a larger model (hidden 64), 160 steps cold and 100
+# warm per member and round, 5 rounds — with surrogate-MD exploration (8 trajectories of
+# 120 steps a round, 2 per task). Two members' scoring of the pool takes about as long as
+# one member's training, so the early members' scoring can fill the lone member's tail. It runs pipelined and as strict phases
+# (learn.pipelined=false) in the same run; both label the same structures. Where the
+# phases leave a core idle: the third member of every round trains alone (3 members on 2
+# workers), the evaluation is one task, the driver's selection leaves both cores idle.
+# Pipelined, each member scores the round's pool as soon as it is trained (the lone member's
+# core-mate scores with the others), the exploration for round r+1 (driven by committee r)
+# and the evaluations fill the driver's selection; what stays idle is mostly the last
+# committee's lone member (it selects nothing).
+UTILISATION = {
+    "learn.committee": 3, "model.hidden": 64, "model.layers": 2, "model.heads": 4,
+    "learn.members.first_round_steps": 160, "train.steps": 100, "learn.rounds": 5,
+    "learn.label.budget": 176, "learn.explore.trajectories": 8, "learn.explore.steps": 120,
+    "learn.explore.interval": 20, "learn.explore.chunk": 2,
+}
+
+
+def overrides(strategy: str, seed: int, pipelined: bool = True,
+              extra: dict[str, Any] | None = None) -> list[str]:
+    s = dict(SETTINGS, **(extra or {}), **{"learn.select.strategy": strategy, "learn.seed": seed,
+                                           "learn.pipelined": str(pipelined).lower()})
     return [f"{k}={v}" for k, v in s.items()]
 
 
@@ -107,7 +136,8 @@ def versions() -> dict[str, str]:
     return out
 
 
-def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) -> dict[str, Any]:
+def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """One campaign in this process (its own Dask LocalCluster); its curve and utilisation."""
     from convergent.config import load_config
     from convergent.learn.config import LEARN_PRESET
@@ -118,7 +148,7 @@ def run_campaign(name: str, strategy: str, seed: int, pipelined: bool = True) ->
 
     path = WORK / name
     shutil.rmtree(path, ignore_errors=True)
-    cfg = load_config(None, overrides(strategy, seed, pipelined), preset=LEARN_PRESET)
+    cfg = load_config(None, overrides(strategy, seed, pipelined, extra), preset=LEARN_PRESET)
     run = open_run(cfg, path, command="learn")
     _share_pool(path, seed)
     t0 = time.time()
@@ -246,27 +276,13 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     plot_curves(curves, out)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                    help="one round per seed (at least 3 for a spread)")
-    ap.add_argument("--set", dest="sets", nargs="*", default=[],
-                    help="change a setting for every side, e.g. learn.rounds=2 (smoke runs)")
-    add_args(ap, str(RESULTS / "active_learning.json"))
-    args = ap.parse_args()
-    check_clean(args)
-    args.out = Path(args.out)
-    for item in args.sets:
-        k, v = item.split("=", 1)
-        SETTINGS[k] = v
-    WORK.mkdir(parents=True, exist_ok=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+def compare(seeds: list[int]) -> tuple[list[dict[str, Any]], Any]:
+    """Ours vs random on ``seeds`` (the harness's interleaved rounds, ours first)."""
     results: list[dict[str, Any]] = []
 
     def side(strategy: str):
         def run(r: int) -> dict:
-            seed = args.seeds[r]
+            seed = seeds[r]
             name = f"{'ours' if strategy == 'uncertainty' else 'random'}-s{seed}"
             out = run_campaign(name, strategy, seed)
             _keep_pool(WORK / out["name"], seed)
@@ -277,18 +293,23 @@ def main() -> None:
                     "utilisation": out["utilisation"]["utilisation"], "campaign_wall_s": out["wall_s"]}
         return run
 
-    res = interleave("active_learning", [
+    res = interleave(BENCH, [
         Side("ours", side("uncertainty"), {**SETTINGS, "learn.select.strategy": "uncertainty"}),
         Side("random", side("random"), {**SETTINGS, "learn.select.strategy": "random"})],
-        rounds=len(args.seeds), differences=[
+        rounds=len(seeds), differences=[
             "only the choice of each batch differs (uncertainty+diversity vs random); "
             "learn.select.force_weight, learn.select.max_per_molecule and learn.select.labelled_tol are read by ours only",
             "the seed of a round changes the split, the pool, the initial labels and the "
-            "training runs alike for both strategies"])
-    seq = run_campaign(f"ours-s{args.seeds[0]}-sequential", "uncertainty", args.seeds[0], pipelined=False)
-    resume = killed_and_resumed(args.seeds[0], WORK / f"ours-s{args.seeds[0]}")
+            "training runs alike for both strategies",
+            "the utilisation campaigns (pipelined, sequential) are one campaign of ours under "
+            "utilisation_settings, run twice: only learn.pipelined differs"])
+    return results, res
+
+
+def headline(seeds: list[int], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ours vs random, prospectively: the labels ratio per seed and its median."""
     per_seed = []
-    for seed in args.seeds:
+    for seed in seeds:
         ours = next(r for r in results if r["seed"] == seed and r["strategy"] == "uncertainty")
         rnd = next(r for r in results if r["seed"] == seed and r["strategy"] == "random")
         target = rnd["curve"][-1]["energy_mae_per_atom"]
@@ -303,25 +324,13 @@ def main() -> None:
             "ratio": need / rnd["curve"][-1]["labels"] if need is not None else None,
             # the ratio only means something when random's curve went down: if its final
             # error is no better than the first (shared) point, ours 'reaches' it at once
-            "random_improved": target < rnd["curve"][0]["energy_mae_per_atom"],
-        })
+            "random_improved": target < rnd["curve"][0]["energy_mae_per_atom"]})
     ratios = [p["ratio"] if p["ratio"] is not None else float("inf") for p in per_seed]
-    median_ratio = float(np.median(ratios))
-    ours0 = next(r for r in results if r["seed"] == args.seeds[0] and r["strategy"] == "uncertainty")
-    res.headline.update({
-        "labels_ratio_vs_random": median_ratio if np.isfinite(median_ratio) else None,
-        "labels_ratio_reached_in_all_seeds": all(np.isfinite(ratios)),
+    med = float(np.median(ratios))
+    return {
+        "prospective_labels_ratio_vs_random": med if np.isfinite(med) else None,
+        "prospective_labels_ratio_per_seed": {str(p["seed"]): p["ratio"] for p in per_seed},
         "labels_ratio_meaningful": all(p["random_improved"] for p in per_seed),
-        "utilisation": ours0["utilisation"]["utilisation"],
-        "utilisation_sequential": seq["utilisation"]["utilisation"],
-        "resume_identical": resume["identical"],
-        "targets": {"labels_ratio_vs_random": "<= 0.5", "utilisation": ">= 0.9"},
-        "machine_note": "2 shared cores; other engineers' jobs may run at the same time "
-                        "(see load averages): wall times are noisy, utilisation counts our workers' busy time",
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "wall_s": time.time() - t0,
-        "settings_changed_by_set": list(args.sets),
-        "sequential_settings": {"learn.pipelined": False, "seed": args.seeds[0]},
         "per_seed": per_seed,
         "energy_mae_per_atom_final": {
             "ours": spread([p["ours_final_energy_mae_per_atom"] for p in per_seed]),
@@ -329,30 +338,131 @@ def main() -> None:
         "force_mae_final": {
             "ours": spread([p["ours_final_force_mae"] for p in per_seed]),
             "random": spread([p["random_final_force_mae"] for p in per_seed])},
-        "ratio_per_seed": spread([p["ratio"] for p in per_seed]),
-        "utilisation_all_pipelined": spread([r["utilisation"]["utilisation"] for r in results]),
-        "utilisation_detail": {"pipelined": ours0["utilisation"], "sequential": seq["utilisation"],
-                               "pipelined_wall_s": ours0["wall_s"], "sequential_wall_s": seq["wall_s"]},
-        "resume": resume,
-        "curves": {r["name"]: r["curve"] for r in [*results, seq]},
-        "campaign_rounds": {r["name"]: r["rounds"] for r in [*results, seq]},
-    })
-    res.extra = {"versions": versions()}
-    write_result(res, args)  # first: it refuses a dirty tree, and the PNGs are tracked too
-    figs = args.out.parent / args.out.stem
-    plot(results, figs.with_suffix(".png"))
+        "machine_note": "2 cores; utilisation counts our workers' busy time over their available "
+                        "time, so other load stretches tasks and the driver alike (see load_guard)"}
+
+
+def utilisation_keys(pipe: dict[str, Any], seq: dict[str, Any]) -> dict[str, Any]:
+    """The utilisation campaign's numbers: pipelined against sequential phases."""
+    same = [p["labels"] for p in pipe["curve"]] == [p["labels"] for p in seq["curve"]]
+    u, us = pipe["utilisation"]["utilisation"], seq["utilisation"]["utilisation"]
+    return {
+        "utilisation": u, "utilisation_sequential": us,
+        "utilisation_gap": u - us if u is not None and us is not None else None,
+        "utilisation_detail": {
+            "pipelined": pipe["utilisation"], "sequential": seq["utilisation"],
+            "pipelined_wall_s": pipe["wall_s"], "sequential_wall_s": seq["wall_s"],
+            "same_label_counts": same,
+            # the schedule does not change what is selected: the same final error
+            "final_energy_mae_per_atom": {"pipelined": pipe["curve"][-1]["energy_mae_per_atom"],
+                                          "sequential": seq["curve"][-1]["energy_mae_per_atom"]},
+            "train_share_of_busy": {
+                m: r["utilisation"]["busy_by_kind_s"].get("train", 0.0) / r["utilisation"]["busy_core_s"]
+                for m, r in (("pipelined", pipe), ("sequential", seq))}}}
+
+
+def figures(out: Path, commit: str | None, results: list[dict[str, Any]], pipe: dict[str, Any],
+            seq: dict[str, Any]) -> None:
+    """The curves and both utilisation campaigns' per-worker timelines, stamped."""
     from convergent.learn.engine import read_timeline
     from convergent.learn.report import plot_timeline
 
-    plot_timeline(read_timeline(WORK / ours0["name"] / "learn" / "timeline.jsonl"),
-                  figs.with_name(figs.name + "_timeline.png"), "ours, seed 0, pipelined")
-    plot_timeline(read_timeline(WORK / seq["name"] / "learn" / "timeline.jsonl"),
-                  figs.with_name(figs.name + "_timeline_sequential.png"), "ours, seed 0, sequential phases")
+    figs = out.parent / out.stem
+    plot(results, figs.with_suffix(".png"))
+    for r, suffix, title in ((pipe, "_timeline.png", "utilisation campaign, pipelined"),
+                             (seq, "_timeline_sequential.png", "utilisation campaign, sequential phases")):
+        plot_timeline(read_timeline(WORK / r["name"] / "learn" / "timeline.jsonl"),
+                      figs.with_name(figs.name + suffix), title)
     for suffix in (".png", "_timeline.png", "_timeline_sequential.png"):
-        stamp_png(figs.with_name(figs.name + suffix), res.provenance.get("commit"), "active_learning")
-    print(json.dumps({k: res.headline[k] for k in ("labels_ratio_vs_random", "utilisation",
-                                                   "utilisation_sequential", "resume_identical")}))
+        if figs.with_name(figs.name + suffix).exists():
+            stamp_png(figs.with_name(figs.name + suffix), commit, BENCH)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("retrospective", "prospective", "all", "summary"), default="all",
+                    help="which part to run; the summary (--out) is rewritten after each")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="prospective: the seeds of ours vs random (the first also runs the "
+                         "utilisation campaigns and the resume check)")
+    ap.add_argument("--set", dest="sets", nargs="*", default=[],
+                    help="prospective: change a setting for every campaign, e.g. learn.rounds=2")
+    ap.add_argument("--set-utilisation", dest="util_sets", nargs="*", default=[],
+                    help="prospective: change a setting of the utilisation campaigns only")
+    ap.add_argument("--retro-preset", default="cpu", help="retrospective: the preset (cpu, gpu, smoke)")
+    ap.add_argument("--retro-expect-hash", default=None,
+                    help="retrospective: refuse to run under rules with another hash")
+    ap.add_argument("--retro-data", default="nci2k", help="retrospective: nci2k or an .npz")
+    add_args(ap, str(RESULTS / "active_learning.json"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.learn.active_learning_summary import part_paths, write_summary
+
+    args = _parser().parse_args(argv)
+    args.out = Path(args.out)
+    paths = part_paths(args.out)
+    if args.part in ("retrospective", "all"):
+        from bench.learn import retrospective
+
+        retro = ["--preset", args.retro_preset, "--data", args.retro_data,
+                 "--out", str(paths["retrospective"]), "--settle", str(args.settle)]
+        retro += ["--expect-hash", args.retro_expect_hash] if args.retro_expect_hash else []
+        retro += [f for f, on in (("--allow-dirty", args.allow_dirty), ("--allow-load", args.allow_load)) if on]
+        rc = retrospective.main(retro)
+        if rc:
+            return rc
+    if args.part in ("prospective", "all"):
+        prospective(argparse.Namespace(**{**vars(args), "out": paths["prospective"]}))
+    summary = write_summary(args.out)
+    print(json.dumps({k: summary.get(k) for k in ("labels_ratio_vs_random", "labels_ratio_per_seed",
+                                                  "utilisation", "utilisation_sequential",
+                                                  "resume_identical", "done_when")}, indent=1))
+    return 0
+
+
+def _util_extra(sets: list[str]) -> dict[str, Any]:
+    extra: dict[str, Any] = dict(UTILISATION)
+    for item in sets:
+        k, v = item.split("=", 1)
+        extra[k] = v
+    return extra
+
+
+def prospective(args: argparse.Namespace) -> dict[str, Any]:
+    """The prospective part: ours vs random (``--seeds``), the utilisation campaign
+    pipelined and as phases, the resume check; writes ``args.out`` (the settings first)."""
+    check_clean(args)
+    for item in args.sets:
+        k, v = item.split("=", 1)
+        SETTINGS[k] = v
+    util = _util_extra(args.util_sets)
+    WORK.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    prov = provenance()
+    rules = {"complete": False, "settings": dict(SETTINGS), "utilisation_settings": util,
+             "seeds": args.seeds, "settings_changed_by_set": list(args.sets) + list(args.util_sets),
+             "targets": {"utilisation": ">= 0.9 and >= utilisation_sequential + 0.1",
+                         "resume_identical": "true"},
+             "rules_written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_result(stamp(BENCH, prov, rules), args)  # the rules, before the first campaign
+    t0 = time.time()
+    results, res = compare(args.seeds)
+    seed0 = args.seeds[0]
+    pipe = run_campaign(f"util-s{seed0}-pipelined", "uncertainty", seed0, True, util)
+    seq = run_campaign(f"util-s{seed0}-sequential", "uncertainty", seed0, False, util)
+    resume = killed_and_resumed(seed0, WORK / f"ours-s{seed0}")
+    res.headline.update({**rules, "complete": True, **headline(args.seeds, results),
+                         **utilisation_keys(pipe, seq), "resume_identical": resume["identical"],
+                         "resume": resume, "wall_s": time.time() - t0,
+                         "curves": {r["name"]: r["curve"] for r in [*results, pipe, seq]},
+                         "campaign_rounds": {r["name"]: r["rounds"] for r in [*results, pipe, seq]}})
+    res.extra = {"versions": versions()}
+    write_result(res, args)  # first: it refuses a dirty tree, and the PNGs are tracked too
+    figures(args.out, res.provenance.get("commit"), results, pipe, seq)
+    return res.headline
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
