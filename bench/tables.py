@@ -44,11 +44,20 @@ def _machine(data: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+SUMMARY_KEYS = ("labels_ratio_vs_random", "utilisation", "utilisation_sequential",
+                "resume_identical")
+NOT_HEADLINE = {"complete", "settings", "utilisation_settings", "seeds", "settings_changed_by_set",
+                "preset", "rules", "rules_hash", "targets", "rules_written_utc"}
+
+
 def row(path: Path) -> str:
     data = json.loads(path.read_text())
     head = data.get("headline")
+    if head is None and "done_when" in data:  # a summary of parts (active_learning.json)
+        head = {k: data[k] for k in SUMMARY_KEYS if k in data}
     if isinstance(head, dict):
-        keys = [k for k in head if not k.endswith(("per_seed", "per_fold", "per_round"))][:3]
+        keys = [k for k in head if not k.endswith(("per_seed", "per_fold", "per_round"))
+                and k not in NOT_HEADLINE][:3]
         numbers = "; ".join(f"{k} = {_fmt(head[k])}" for k in keys)
     else:
         numbers = _fmt(head) if head else "(see the file)"
