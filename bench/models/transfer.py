@@ -23,7 +23,9 @@ never read for it. ``--hp FILE`` reuses the choice of an earlier result JSON ins
 Every trained side takes ``--steps`` optimizer steps at every N (128-atom batches); a
 longer-budget check (``--check-mult`` x the steps, seed 0, the largest N) is recorded to
 show the budget is past the flat part. Rounds are seeds (subset order, init of scratch,
-batch order), sides interleaved through the harness; medians over seeds.
+batch order); medians over seeds. Every fit is step-budgeted, seeded and one-threaded, so
+they run on ``--jobs`` worker processes (default: one per core) ahead of the harness's
+rounds, which read their results.
 
 Writes bench/results/transfer.json and transfer.png. Usage:
     .venv/bin/python -m bench.models.transfer [--rounds 3] [--steps 2000]
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -50,6 +53,8 @@ from bench.models.transfer_sides import (
     SIDES,
     TRAINED,
     Curve,
+    Jobs,
+    curve_fits,
     pretrain,
     pretrain_records,
     run_side,
@@ -77,6 +82,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--check-mult", type=float, default=2.0, help="0: no longer-budget check")
     ap.add_argument("--nci2k-chunks", type=int, default=None, help="pretrain on the first N chunks")
     ap.add_argument("--dataset", default=None, help="the DFT set (default bench/datasets/nci2k_dft_v1)")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="worker processes of one thread each for the independent fits "
+                         "(default: the cores)")
     return ap.parse_args()
 
 
@@ -92,7 +100,8 @@ def load_data(args: argparse.Namespace) -> tuple[list, list, list]:
     return pool, test, xtb
 
 
-def choose_hp(args: argparse.Namespace, pool: list, pre: dict, sides: list[str], work: Path) -> dict:
+def choose_hp(args: argparse.Namespace, pool: list, pre: dict, sides: list[str], work: Path,
+              jobs: Jobs) -> dict:
     if args.hp:
         got = json.loads(Path(args.hp).read_text())["extra"]["hyper_parameters"]
         return {**got, "source": f"reused from {args.hp}"}
@@ -100,7 +109,7 @@ def choose_hp(args: argparse.Namespace, pool: list, pre: dict, sides: list[str],
         return {"chosen": DEFAULT_HP, "rule": "--no-tune: fixed defaults (smoke run, not a result)"}
     return tune(pool, pre, args.tune_steps or args.steps, args.tune_n, work,
                 tuple(s for s in TRAINED if s in sides),
-                log=lambda m: print(m, file=sys.stderr, flush=True))
+                log=lambda m: print(m, file=sys.stderr, flush=True), jobs=jobs)
 
 
 def settings_of(side: str, hp: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -121,16 +130,26 @@ def settings_of(side: str, hp: dict[str, Any], args: argparse.Namespace) -> dict
     return out
 
 
-def budget_check(args: argparse.Namespace, res: Any, hp: dict, curve: Curve, pre: dict,
-                 test: list, sides: list[str], n: int) -> dict[str, Any]:
-    """Seed 0 at the largest N with ``check_mult`` x the steps, beside round 0's value."""
+def queue_checks(args: argparse.Namespace, hp: dict, curve: Curve, pre: dict, test: list,
+                 sides: list[str], n: int, jobs: Jobs) -> dict[str, Any]:
+    """The longer-budget fits (seed 0, the largest N, ``check_mult`` x the steps) of each
+    trained side, queued on ``jobs``: a result thunk per side."""
+    if args.check_mult <= 0:
+        return {}
+    steps = int(args.steps * args.check_mult)
+    checked = [s for s in TRAINED if s in sides]
+    got = jobs.submit([(run_side, (side, hp[side], steps, 0, curve.data(0, n), pre, test,
+                                   curve.work / f"check-{side}")) for side in checked])
+    return dict(zip(checked, got, strict=True))
+
+
+def budget_check(args: argparse.Namespace, res: Any, checks: dict[str, Any], n: int) -> dict[str, Any]:
+    """The longer-budget fits beside round 0's value."""
     steps = int(args.steps * args.check_mult)
     out: dict[str, Any] = {"n_train": n, "seed": 0, "steps": args.steps, "long_steps": steps,
                            "rule": "flat: the longer budget changes the energy MAE by < 10%"}
-    for side in (s for s in TRAINED if s in sides):
-        short = res.per_round[f"{side}@{n}"][0]
-        row = run_side(side, hp[side], steps, 0, curve.data(0, n), pre, test,
-                       curve.work / f"check-{side}")
+    for side, get in checks.items():
+        short, row = res.per_round[f"{side}@{n}"][0], get()
         rel = row["energy_mae"] / short["energy_mae"] - 1.0
         out[side] = {"energy_mae": short["energy_mae"], "energy_mae_long": row["energy_mae"],
                      "force_mae": short["force_mae"], "force_mae_long": row["force_mae"],
@@ -207,15 +226,27 @@ def main() -> None:
     print(f"[transfer] DFT pool {len(pool)}, test {len(test)}; xTB pretraining on {len(xtb)}",
           file=sys.stderr, flush=True)
     work = Path(tempfile.mkdtemp(prefix="transfer-"))
-    pre, pre_meta = {}, {}
-    for kind, steps in (("ours", args.pretrain_steps), ("mace", args.mace_pretrain_steps)):
-        if kind == "ours" or "mace_finetune" in sides:
-            pre[kind], pre_meta[kind] = pretrain(kind, xtb, steps, work / kind)
-    hp_sel = choose_hp(args, pool, pre, sides, work)
+    jobs = Jobs(args.jobs)
+    try:
+        run(args, sides, ns, pool, test, xtb, work, jobs)
+    finally:
+        jobs.close()
+
+
+def run(args: argparse.Namespace, sides: list[str], ns: list[int], pool: list, test: list,
+        xtb: list, work: Path, jobs: Jobs) -> None:
+    kinds = [(k, s) for k, s in (("mace", args.mace_pretrain_steps), ("ours", args.pretrain_steps))
+             if k == "ours" or "mace_finetune" in sides]
+    done = jobs.map([(pretrain, (k, xtb, s, work / k)) for k, s in kinds])
+    pre = {k: d[0] for (k, _), d in zip(kinds, done, strict=True)}
+    pre_meta = {k: d[1] for (k, _), d in zip(kinds, done, strict=True)}
+    hp_sel = choose_hp(args, pool, pre, sides, work, jobs)
     hp = hp_sel["chosen"]
     curve = Curve(pool, work)
-    runs = [Side(f"{s}@{n}", side_runner(s, n, hp.get(s, {}), args.steps, curve, pre, test),
-                 settings_of(s, hp.get(s, {}), args)) for n in ns for s in sides]
+    checks = queue_checks(args, hp, curve, pre, test, sides, max(ns), jobs)  # the longest first
+    fits = curve_fits(sides, ns, args.rounds, hp, args.steps, curve, pre, test, jobs)
+    runs = [Side(f"{s}@{n}", side_runner(fits, s, n), settings_of(s, hp.get(s, {}), args))
+            for n in ns for s in sides]
     differences = [
         "each trained side has its own LR / force weight (and finetune its freeze option), "
         "chosen on the validation scaffolds of the DFT training pool before the run "
@@ -225,10 +256,14 @@ def main() -> None:
         "refit_only does no training: its value changes with the seed only through the subset",
         "xTB pretraining: about equal CPU time, not equal steps (MACE costs ~8x ours per "
         "step on these molecules): extra.pretrained has each one's steps and CPU seconds",
+        f"every fit (pretraining, tuning, curve, budget check) ran on {args.jobs} worker "
+        "process(es) of one thread each, ahead of the harness's rounds, which read their "
+        "results: the fits are step-budgeted and seeded, so where and in which order they run "
+        "does not change them; wall_s is each fit's own",
     ]
     res = interleave("transfer", runs, rounds=args.rounds, differences=differences)
-    if args.check_mult > 0:
-        res.extra["budget_check"] = budget_check(args, res, hp, curve, pre, test, sides, max(ns))
+    if checks:
+        res.extra["budget_check"] = budget_check(args, res, checks, max(ns))
     res.extra.update(hyper_parameters=hp_sel, grid=GRID, pretrained=pre_meta, data=data_meta(pool, test, xtb),
                      command=" ".join(["python", "-m", "bench.models.transfer", *sys.argv[1:]]))
     headline(res, sides, ns)

@@ -9,7 +9,11 @@ warm-up + cosine to 0, gradient clipping at norm 10, EMA of the weights.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing as mp
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +166,7 @@ def run_side(side: str, hp: dict[str, Any], steps: int, seed: int, data: str,
     ``test`` (energy MAE eV per structure, per atom; force MAE eV/Å)."""
     from convergent.train.moldata import MoleculeSource, build
 
+    t0 = time.perf_counter()
     model_cfg, train = train_settings(side, hp, steps, seed, data, pre)
     cfg = train_config(model_cfg, train)
     row: dict[str, Any] = {"seed": seed}
@@ -173,8 +178,41 @@ def run_side(side: str, hp: dict[str, Any], steps: int, seed: int, data: str,
     ev = evaluate(OurPotential(model), test)
     row.update(energy_mae=ev["energy_mae"], energy_mae_per_atom=ev["energy_mae_per_atom"],
                force_mae=ev["force_mae"],
-               trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad))
+               trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+               wall_s=time.perf_counter() - t0)
     return row
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+class Jobs:
+    """Independent one-thread fits on ``n`` spawned worker processes (``n`` = 1: in this
+    process); :meth:`map` returns the results in the order of the calls. The fits are
+    step-budgeted and seeded, so their results do not depend on where or in which order
+    they run."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._ex = (ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=_one_thread)
+                    if n > 1 else None)
+
+    def submit(self, calls: list[tuple[Callable[..., Any], tuple]]) -> list[Callable[[], Any]]:
+        """Queue ``calls``; one thunk per call returns its result (waiting for it; in
+        process, running it)."""
+        if self._ex is None:
+            return [functools.partial(fn, *args) for fn, args in calls]
+        return [self._ex.submit(fn, *args).result for fn, args in calls]
+
+    def map(self, calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+        return [get() for get in self.submit(calls)]
+
+    def close(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(cancel_futures=True)
 
 
 class Curve:
@@ -188,19 +226,28 @@ class Curve:
         return write_dataset([self.pool[i] for i in order[:n]], self.work / f"dft-s{seed}-n{n}")
 
 
-def side_runner(side: str, n: int, hp: dict[str, Any], steps: int, curve: Curve,
-                pre: dict[str, Path], test: list[dict[str, Any]]):  # noqa: ANN201
-    """The harness's callable for ``side`` at ``n`` DFT labels: round r = seed r (the
-    subset, the scratch init and the batch order)."""
-    def run(seed: int) -> dict[str, Any]:
-        out = curve.work / f"{side}-n{n}-s{seed}"
-        return {"n_train": n, **run_side(side, hp, steps, seed, curve.data(seed, n), pre, test, out)}
+def curve_fits(sides: list[str], ns: list[int], rounds: int, hp: dict[str, Any], steps: int,
+               curve: Curve, pre: dict[str, Path], test: list[dict[str, Any]],
+               jobs: Jobs) -> dict[tuple[str, int, int], Callable[[], dict[str, Any]]]:
+    """Every (side, N, seed) fit of the curve, seed r = round r (the subset, the scratch
+    init and the batch order), queued on ``jobs`` (MACE's, the longest, first): a result
+    thunk per key."""
+    keys = sorted(((s, n, r) for r in range(rounds) for n in ns for s in sides),
+                  key=lambda k: (not k[0].startswith("mace"), k[2], k[1]))
+    calls = [(run_side, (s, hp.get(s, {}), steps, r, curve.data(r, n), pre, test,
+                         curve.work / f"{s}-n{n}-s{r}")) for s, n, r in keys]
+    return dict(zip(keys, jobs.submit(calls), strict=True))
 
-    return run
+
+def side_runner(fits: dict[tuple[str, int, int], Callable[[], dict[str, Any]]], side: str,
+                n: int):  # noqa: ANN201
+    """The harness's callable for ``side`` at ``n`` DFT labels: round r reads seed r's fit
+    (:func:`curve_fits`)."""
+    return lambda seed: {"n_train": n, **fits[(side, n, seed)]()}
 
 
 def tune(pool: list[dict[str, Any]], pre: dict[str, Path], steps: int, n: int, work: Path,
-         sides: tuple[str, ...] = TRAINED, log: Any = print) -> dict[str, Any]:
+         sides: tuple[str, ...] = TRAINED, log: Any = print, jobs: Jobs | None = None) -> dict[str, Any]:
     """Each trained side's hyper-parameters chosen from :data:`GRID` by energy MAE on the
     validation scaffolds of the DFT training pool (``n`` labels of the rest, seed 0)."""
     fit_pool, val = validation_split(pool)
@@ -212,10 +259,15 @@ def tune(pool: list[dict[str, Any]], pre: dict[str, Path], steps: int, n: int, w
                            "validation": "fold 0 of the 5-fold scaffold split (seed 1) of the "
                                          "DFT training pool; the test set is never read",
                            "chosen": {}, "grid": {}}
+    grid = sorted(((side, k, hp) for side in sides for k, hp in enumerate(GRID[side])),
+                  key=lambda g: not g[0].startswith("mace"))  # the longest fits first
+    calls = [(run_side, (side, hp, steps, 0, data, pre, val, work / f"tune-{side}-{k}"))
+             for side, k, hp in grid]
+    fitted = dict(zip([(side, k) for side, k, _ in grid], (jobs or Jobs(1)).map(calls), strict=True))
     for side in sides:
         rows = []
         for k, hp in enumerate(GRID[side]):
-            r = run_side(side, hp, steps, 0, data, pre, val, work / f"tune-{side}-{k}")
+            r = fitted[(side, k)]
             rows.append({**hp, "val_energy_mae": r["energy_mae"], "val_force_mae": r["force_mae"],
                          "cpu_ms_per_step": r.get("cpu_ms_per_step")})
             log(f"[transfer] tune {side} {hp}: val energy MAE {r['energy_mae']:.4f} eV")
