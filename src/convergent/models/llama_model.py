@@ -16,7 +16,8 @@ from torch import nn
 
 from convergent.models.llama_config import MLP_ACTS, LlamaConfig
 from convergent.models.llama_paged import PagedBatch, paged_attention, serving_attention
-from convergent.models.llama_rope import Rotary, apply_rope
+from convergent.models.llama_rope import Rotary, apply_rope, apply_rope_signed
+from convergent.models.paged_linear import AttentionProjections, MLPProjections
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP", "RMSNorm"]
 
@@ -39,7 +40,7 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) by default."""
 
-    serving = None  # (gate-up, down) fused projections, set by fuse_for_serving
+    serving: MLPProjections | None = None  # fused projections, set by fuse_for_serving
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
@@ -51,21 +52,21 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward_paged(self, x: torch.Tensor) -> torch.Tensor:
-        """The serving forward: one gate-up GEMM where :attr:`serving` is set."""
+    def forward_paged(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The serving forward plus the residual stream: ``residual + mlp(x)``, with one
+        gate-up GEMM and the residual added by the down GEMM where :attr:`serving` is set."""
         if self.serving is None:
-            return self(x)
-        gate_up, down = self.serving
-        gu = gate_up(x)
+            return residual + self(x)
+        gu = self.serving.gate_up(x)
         i = gu.shape[-1] // 2
         h = self.act(gu[:, :i])
-        return down(h.mul_(gu[:, i:]))
+        return self.serving.down(h.mul_(gu[:, i:]), residual)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE."""
 
-    serving = None  # (qkv, o) fused projections, set by fuse_for_serving
+    serving: AttentionProjections | None = None  # fused projections, set by fuse_for_serving
 
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
@@ -99,29 +100,30 @@ class Attention(nn.Module):
         batch: PagedBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        residual: torch.Tensor,
     ) -> torch.Tensor:
-        """Packed attention over a paged cache.
+        """Packed attention over a paged cache, plus the residual stream.
 
-        x [T, H]; k_cache / v_cache [num_slots, n_kv_heads, head_dim] (written in place).
-        Everything runs in ``x.dtype`` (the serving dtype: RoPE tables are cast to it,
-        like transformers); the attention itself is
+        x [T, H]; k_cache / v_cache [num_slots, n_kv_heads, head_dim] (written in place);
+        returns ``residual + attention(x)``. Everything runs in ``x.dtype`` (the serving
+        dtype: RoPE tables are cast to it, like transformers); the attention itself is
         :func:`~convergent.models.llama_paged.paged_attention`.
         """
         t = x.shape[0]
         nq, nkv, hd = self.nq, self.nkv, self.hd
-        cos, sin = batch._rope["cos"].to(x.dtype), batch._rope["sin"].to(x.dtype)
+        cos, sin_s = batch.rope(x.dtype)
         if self.serving is not None:  # one QKV GEMM, RoPE on queries and keys at once
-            qkv_proj, o_proj = self.serving
-            qkv = qkv_proj(x).view(t, nq + 2 * nkv, hd)
-            qk = apply_rope(qkv[:, : nq + nkv], cos, sin)
+            qkv = self.serving.qkv(x).view(t, nq + 2 * nkv, hd)
+            qk = apply_rope_signed(qkv[:, : nq + nkv], cos, sin_s)
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
         else:
-            o_proj = self.o_proj
-            q = apply_rope(self.q_proj(x).view(t, nq, hd), cos, sin)
-            k = apply_rope(self.k_proj(x).view(t, nkv, hd), cos, sin)
+            q = apply_rope_signed(self.q_proj(x).view(t, nq, hd), cos, sin_s)
+            k = apply_rope_signed(self.k_proj(x).view(t, nkv, hd), cos, sin_s)
             v = self.v_proj(x).view(t, nkv, hd)
-        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
-        return o_proj(out.reshape(t, nq * hd))
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale).reshape(t, nq * hd)
+        if self.serving is not None:  # the residual added in the output GEMM
+            return self.serving.o(out, residual)
+        return residual + self.o_proj(out)
 
 
 class DecoderLayer(nn.Module):
@@ -141,8 +143,8 @@ class DecoderLayer(nn.Module):
     def forward_paged(
         self, x: torch.Tensor, batch: PagedBatch, kc: torch.Tensor, vc: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.self_attn.forward_paged(self.input_layernorm(x), batch, kc, vc)
-        return x + self.mlp.forward_paged(self.post_attention_layernorm(x))
+        x = self.self_attn.forward_paged(self.input_layernorm(x), batch, kc, vc, residual=x)
+        return self.mlp.forward_paged(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaModel(nn.Module):

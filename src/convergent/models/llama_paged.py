@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from convergent.models.llama_rope import Rotary
+from convergent.models.llama_rope import Rotary, signed_sin
 from convergent.models.paged_decode import DecodeBatch, decode_flex
 from convergent.models.paged_meta import StepBuffers, StepPlan, pad_groups, plan_step
 
@@ -148,7 +148,7 @@ class PagedBatch:
 
     def prepare(self, rotary: Rotary) -> None:
         """Precompute RoPE tables (and, unless :meth:`build` made the batch, the attention
-        groups: planned as there, copied once) shared by all layers."""
+        groups: planned as there, copied once) shared by all layers (:meth:`rope`)."""
         if self._rope:
             return
         if not self._planned:
@@ -168,6 +168,15 @@ class PagedBatch:
             self._rope["cos"], self._rope["sin"] = torch.cat(cs), torch.cat(ss)
         else:
             self._rope["cos"], self._rope["sin"] = rotary.cos_sin(self.positions)
+        self._rope["sin_signed"] = signed_sin(self._rope["sin"])
+
+    def rope(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's RoPE tables in ``dtype`` (cast once per dtype, reused by every
+        layer): cos and the signed sin of :func:`~convergent.models.llama_rope.apply_rope_signed`."""
+        key = ("tables", dtype)
+        if key not in self._rope:
+            self._rope[key] = (self._rope["cos"].to(dtype), self._rope["sin_signed"].to(dtype))
+        return self._rope[key]
 
     def seq_slots(self, i: int) -> torch.Tensor:
         """KV slots of positions ``0 .. context_lens[i]-1`` of chunked sequence ``i``
