@@ -143,6 +143,9 @@ def test_a_resumed_stage_adds_its_launches_and_held_resources(tmp_path):
     auto = load_config(None, ["parallel.nproc=auto", "train.device=cpu"])
     assert allocation(auto, "train") == (2.0, 0.0)  # auto: 2 CPU processes x 1 thread
     assert allocation(cfg, "simulate") == (4.0, 0.0)
+    from convergent.monitor.comparison import peer_stage
+
+    assert allocation(cfg, peer_stage("mace")) == (6.0, 0.0)  # a demo peer trains as ours
     run = open_run(cfg, tmp_path / "r")
     first = timed_stage(cfg, "train", lambda: {"steps": 3})
     record_stage(run, "train", first)

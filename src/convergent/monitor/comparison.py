@@ -13,8 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 from convergent.monitor.reportkit import fmt
-
-PEER_PREFIX = "peer_"  # stages.json: the stage of peer ``kind`` is ``peer_<kind>``
+from convergent.runsdb.usage import PEER_PREFIX
 
 
 def peer_stage(kind: str) -> str:

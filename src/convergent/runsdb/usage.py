@@ -26,17 +26,21 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+PEER_PREFIX = "peer_"  # stages.json: the demo's stage training peer ``kind`` is ``peer_<kind>``
+
+
 def allocation(cfg: Any, stage: str, placement: Any | None = None) -> tuple[float, float]:
-    """(cores, gpus) that ``stage`` holds under ``cfg`` (a ConvergentConfig). Training
-    uses ``placement`` (a :class:`convergent.cluster.placement.Placement`, as ``convergent train``
-    resolved it), else resolves ``parallel.nproc``/``train.device`` the same way."""
+    """(cores, gpus) that ``stage`` holds under ``cfg`` (a ConvergentConfig). Training (and
+    a demo peer's stage, trained by the same launcher) uses ``placement`` (a
+    :class:`convergent.cluster.placement.Placement`, as ``convergent train`` resolved it),
+    else resolves ``parallel.nproc``/``train.device`` the same way."""
     if stage in ("simulate", "learn"):  # learn: the Dask pool that labels, trains and explores
         c = cfg.cluster
         if c.kind != "local":
             return 1.0, 0.0  # the client; the workers' use comes from the scheduler's records
         workers = c.n_workers or usable_cpus()
         return float(workers * c.threads_per_worker), 0.0
-    if stage == "train":
+    if stage == "train" or stage.startswith(PEER_PREFIX):
         if placement is None:
             from convergent.cluster.placement import plan_training, visible_gpus
 

@@ -1,7 +1,7 @@
 """What an engine is built from: a checkpoint whose weights it can read, the number of
-pipeline stages, the KV blocks of the byte budget, and one
-:class:`~convergent.serve.stage.StageSpec` per stage; and which ``config.json`` keys set
-the model's own context."""
+pipeline stages, and one :class:`~convergent.serve.stage.StageSpec` per stage; and which
+``config.json`` keys set the model's own context (the KV blocks are sized by
+:mod:`convergent.serve.memory`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from typing import TYPE_CHECKING
 
 from convergent.core.errors import ConfigError, InputError
 from convergent.serve.config import EngineConfig, SchedulerConfig
-from convergent.serve.kv_cache import blocks_for_budget
 from convergent.serve.stage import StageSpec
 
 if TYPE_CHECKING:
     from convergent.models.llama_config import LlamaConfig
 
-__all__ = ["check_weights", "context_source", "kv_blocks", "pipeline_stages", "stage_specs"]
+__all__ = ["check_weights", "context_source", "pipeline_stages", "stage_specs"]
 
 
 def check_weights(model_dir: Path) -> None:
@@ -64,19 +63,6 @@ def pipeline_stages(cfg: SchedulerConfig, device: str, mcfg: LlamaConfig) -> int
     # one GPU per stage: too many stages for the GPUs is a one-line error (exit 2)
     check_serve_stages(device, p, visible_gpus() if device == "cuda" else 0)
     return p
-
-
-def kv_blocks(cfg: EngineConfig, mcfg: LlamaConfig) -> int:
-    """KV blocks (K and V of every layer) that ``serve.engine.kv_budget_bytes`` holds; a
-    ConfigError when not even one fits."""
-    per_token = mcfg.kv_bytes_per_token(dtype_bytes=4 if cfg.dtype == "float32" else 2)
-    num_blocks = blocks_for_budget(cfg.kv_budget_bytes, per_token, cfg.block_size)
-    if num_blocks < 1:
-        raise ConfigError(
-            f"serve.engine.kv_budget_bytes={cfg.kv_budget_bytes} is smaller than one KV block",
-            hint=f"one block needs {per_token * cfg.block_size} bytes",
-        )
-    return num_blocks
 
 
 def stage_specs(model_dir: Path, cfg: EngineConfig, stages: int, num_blocks: int) -> list[StageSpec]:
