@@ -13,7 +13,6 @@ half on an H100 with the defaults (3 rounds, 12 steps).
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ def _edge_side(task: Any, batches: list, steps: int, warmup: int, dtype: str,
     forces without a graph (the first-order backward only, as MD and screening run)."""
     import torch
 
+    from bench.gpu.steps import cuda_timed
     from bench.gpu.throughput import LR
     from convergent.models.molecular import energy_and_forces
 
@@ -37,11 +37,8 @@ def _edge_side(task: Any, batches: list, steps: int, warmup: int, dtype: str,
         model = task.build_model().to("cuda")
         opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         model.train(not infer)
-        times = []
-        for i in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        def step(i: int) -> float:
             mb = batches[i % len(batches)]
-            a.record()
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
                 if infer:
                     energy_and_forces(model, mb.data, training=False)
@@ -51,12 +48,9 @@ def _edge_side(task: Any, batches: list, steps: int, warmup: int, dtype: str,
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            b.record()
-            b.synchronize()
-            times.append((a.elapsed_time(b) / 1e3, mb.units))
-        t = times[warmup:]
-        return {"per_s": statistics.median(u / s for s, u in t),
-                "step_s": statistics.median(s for s, _ in t)}
+            return mb.units
+
+        return cuda_timed(step, steps, warmup)
 
     return run
 

@@ -75,6 +75,7 @@ from bench.gpu.edge import bench_edge_kernel, edge_keys
 from bench.gpu.peaks import fraction_keys, with_fractions
 from bench.gpu.serve import bench_serve, serve_keys
 from bench.gpu.serve_modes import bench_serve_modes, graphs_speedup
+from bench.gpu.steps import cuda_timed
 from bench.lib.harness import Side, check_clean, interleave, provenance, write_result
 from bench.lib.paths import RESULTS
 
@@ -150,23 +151,17 @@ def _plain_molecular(data: Path, atoms: int, steps: int, warmup: int) -> Callabl
         torch.manual_seed(0)
         model = task.build_model().to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-        times = []
-        for i in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        def step(i: int) -> float:
             mb = batches[i % len(batches)]
-            a.record()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss, _ = task.loss(model, mb, 1)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            b.record()
-            b.synchronize()
-            times.append((a.elapsed_time(b) / 1e3, mb.units))
-        t = times[warmup:]
-        return {"per_s": statistics.median(u / s for s, u in t),
-                "step_s": statistics.median(s for s, _ in t)}
+            return mb.units
+
+        return cuda_timed(step, steps, warmup)
 
     return run
 
@@ -217,26 +212,18 @@ def _hf_lm(steps: int, warmup: int, compiled: bool) -> Callable[[], dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), device="cuda", generator=g)
 
-    def run() -> dict:
-        times = []
-        for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = fwd(ids[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, s["vocab"]), ids[:, 1:].reshape(-1))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        step = statistics.median(times[warmup:])
-        return {"per_s": s["batch"] * s["seq"] / step, "step_s": step}
+    def step(_: int) -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = fwd(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, s["vocab"]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return s["batch"] * s["seq"]
 
-    return run
+    return lambda: cuda_timed(step, steps, warmup)
 
 
 def bench_lm(tmp: Path, rounds: int, steps: int) -> dict[str, Any]:
