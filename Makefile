@@ -42,11 +42,14 @@ clean-demo:
 # once); each worker's Slurm fixture has its own ports (tests/slurm/conftest.py). TEST_JOBS=0:
 # one process. (--dist loadgroup would group folders, but with pytest-xdist 3.8 on this
 # pytest its xdist_group marks did not keep a group on one worker.)
+# The slowest tests are listed at the end of every run (the suite must stay under 15
+# minutes on 2 cores; CI's log says where the time goes).
+TEST_DURATIONS ?= --durations=30
 TEST_JOBS ?= $(shell n=$$(nproc); [ $$n -ge 2 ] && echo $$(( n < 4 ? n : 4 )) || echo 0)
 
 test: $(STAMP)
 	@xd=""; [ "$(TEST_JOBS)" -gt 0 ] && xd="-n $(TEST_JOBS) --dist loadfile"; \
-	  echo "$(BIN)/python -m pytest $$xd $(PYTEST_ARGS)"; $(BIN)/python -m pytest $$xd $(PYTEST_ARGS)
+	  echo "$(BIN)/python -m pytest $$xd $(TEST_DURATIONS) $(PYTEST_ARGS)"; $(BIN)/python -m pytest $$xd $(TEST_DURATIONS) $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "slow or not slow" $(PYTEST_ARGS)
