@@ -3,7 +3,7 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
-EXTRAS ?= dev,dft,slurm,tracking,vesin,mace,schnetpack
+EXTRAS ?= dev,dft,slurm,tracking,vesin,mace,schnetpack,eval
 STAMP  := $(VENV)/.install-stamp
 BIN    := $(VENV)/bin
 DEMO_ARGS ?= --resume
