@@ -11,13 +11,13 @@ recipe, ``--pretrain-steps`` / ``--mace-pretrain-steps``). Learning curve: for N
 the first structures covering every element — the sides:
 
 * ``finetune``: ours from the xTB model, element offsets refitted on the N labels, then
-  fine-tuned (the backbone at x0.3 the LR; the freeze option chosen on validation);
+  fine-tuned (the backbone at x0.3 the LR);
 * ``scratch``: ours, a fresh model on the N labels;
 * ``refit_only``: the xTB model, element references refitted on the N labels, no training;
 * ``mace_finetune``: MACE from its xTB pretraining, offsets refitted, fine-tuned.
 
-Hyper-parameters: before any side runs, each trained side's LR / force weight (/ freeze)
-is chosen from a small grid (bench/models/transfer_sides.GRID) on a validation split of the
+Hyper-parameters: before any side runs, each trained side's LR and force weight are
+chosen from a small grid (bench/models/transfer_sides.GRID) on a validation split of the
 DFT training pool (its scaffold fold 0; ``--tune-n`` labels of the rest); the test set is
 never read for it. ``--hp FILE`` reuses the choice of an earlier result JSON instead.
 Every trained side takes ``--steps`` optimizer steps at every N (128-atom batches); a
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace, sides: list[str], ns: list[int], pool: list, t
     runs = [Side(f"{s}@{n}", side_runner(fits, s, n), settings_of(s, hp.get(s, {}), args))
             for n in ns for s in sides]
     differences = [
-        "each trained side has its own LR / force weight (and finetune its freeze option), "
+        "each trained side has its own LR and force weight, "
         "chosen on the validation scaffolds of the DFT training pool before the run "
         "(extra.hyper_parameters); every trained side takes the same steps at every N",
         "finetune / refit_only / mace_finetune start from xTB-pretrained models (ours and MACE "
