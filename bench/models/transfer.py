@@ -267,8 +267,9 @@ def run(args: argparse.Namespace, sides: list[str], ns: list[int], pool: list, t
     res.extra.update(hyper_parameters=hp_sel, grid=GRID, pretrained=pre_meta, data=data_meta(pool, test, xtb),
                      command=" ".join(["python", "-m", "bench.models.transfer", *sys.argv[1:]]))
     headline(res, sides, ns)
-    res.extra["figure"] = str(plot(res, sides, ns, Path(args.out)))
-    write_result(res, args)
+    res.extra["figure"] = str(Path(args.out).with_suffix(".png"))
+    write_result(res, args)  # first: it refuses a dirty tree, and the tracked PNG would be one
+    plot(res, sides, ns, Path(args.out))
 
 
 def data_meta(pool: list, test: list, xtb: list) -> dict[str, Any]:
