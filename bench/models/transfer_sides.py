@@ -203,7 +203,6 @@ class Jobs:
     they run."""
 
     def __init__(self, n: int) -> None:
-        self.n = n
         self._ex = (ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=_one_thread)
                     if n > 1 else None)
 
