@@ -59,15 +59,28 @@ done
 for t in "$work"/sdist/*.tar.gz; do
   [ -e "$t" ] || continue
   tar -xzf "$t" -C "$work/sdist"
-  find "$work/sdist" -maxdepth 2 -name '*.py' ! -name setup.py -exec cp {} "$work/B/" \;
+done
+# pure-Python sdists (python-hostlist, antlr4-python3-runtime, which omegaconf needs): their
+# top-level modules and their top-level packages (a folder with __init__.py whose parent has
+# none), from the sdist's root or src/
+for root in "$work"/sdist/*/ "$work"/sdist/*/src/; do
+  [ -d "$root" ] || continue
+  find "$root" -maxdepth 1 -name '*.py' ! -name setup.py -exec cp {} "$work/B/" \;
+  for init in "$root"*/__init__.py; do
+    [ -e "$init" ] || continue
+    pkg=$(dirname "$init")
+    case "$(basename "$pkg")" in test|tests|doc|docs) continue;; esac
+    cp -r "$pkg" "$work/B/"
+  done
 done
 find "$work/A" "$work/B" -name '*.so*' -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
 find "$work/A" "$work/B" -path '*pyscf*' -type d \( -name test -o -name tests -o -name examples \) \
   -prune -exec rm -rf {} +
-# C: the few packages bench/gpu/profile.py needs that may sit in B, so that the first call
-# (carrying .gpuA and .gpuC) can already profile while the second runs make test-gpu
+# C: the few packages the serving bench and bench/gpu/profile.py need that may sit in B, so
+# that the first call (carrying .gpuA and .gpuC) can already run them (at 4e3e605 pydantic
+# sat in B and the first call failed on its import)
 mkdir -p "$work/C"
-for pkg in annotated_types orjson pydantic_core zstandard; do
+for pkg in annotated_types orjson pydantic pydantic_core typing_inspection zstandard; do
   for d in A B; do
     find "$work/$d" -maxdepth 1 -name "${pkg}*" -exec cp -r {} "$work/C/" \;
   done
