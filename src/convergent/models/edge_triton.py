@@ -33,8 +33,10 @@ import triton.language as tl
 BLOCK_E = 16  # edges per loop step
 
 
+# ``scale`` is a constexpr: Inductor (train.compile=blocks) passes a runtime Python float as
+# fp64, which promoted the fp32 accumulators (the compiled-blocks GPU test at 4e3e605)
 def _fwd(q_ptr, k_ptr, v_ptr, fe_ptr, env_ptr, dst_ptr, order_ptr, ptr_ptr, out_ptr, stats_ptr,
-         stride_q, stride_k, stride_v, stride_fe, n_heads, head_dim, scale,
+         stride_q, stride_k, stride_v, stride_fe, n_heads, head_dim, scale: tl.constexpr,
          HAS_ORDER: tl.constexpr, SOFTMAX: tl.constexpr,
          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
@@ -83,7 +85,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, fe_ptr, env_ptr, dst_ptr, order_ptr, ptr_ptr, out_
 
 def _bwd_recv(q_ptr, k_ptr, v_ptr, fe_ptr, env_ptr, dst_ptr, order_ptr, ptr_ptr,
               g_ptr, out_ptr, stats_ptr, dq_ptr, dfe_ptr, denv_ptr, ds_ptr, a_ptr,
-              stride_q, stride_k, stride_v, stride_fe, n_heads, head_dim, scale,
+              stride_q, stride_k, stride_v, stride_fe, n_heads, head_dim, scale: tl.constexpr,
               HAS_ORDER: tl.constexpr, SOFTMAX: tl.constexpr,
               BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
@@ -141,7 +143,7 @@ def _bwd_recv(q_ptr, k_ptr, v_ptr, fe_ptr, env_ptr, dst_ptr, order_ptr, ptr_ptr,
 
 
 def _bwd_send(q_ptr, g_ptr, fe_ptr, src_ptr, order_ptr, ptr_ptr, ds_ptr, a_ptr, dk_ptr, dv_ptr,
-              stride_q, stride_fe, n_heads, head_dim, scale,
+              stride_q, stride_fe, n_heads, head_dim, scale: tl.constexpr,
               BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     j = tl.program_id(0)
     h = tl.program_id(1)
