@@ -110,6 +110,12 @@ def test_cpu_run_step_split_and_latencies(cpu_part):
     assert split["host_prepare_s"] + split["gpu_s"] + split["sync_s"] == pytest.approx(
         split["wall_s"])
     assert 0 <= split["decide_s"] <= split["host_prepare_s"]
+    # every step is a pure decode or a mixed one (the first steps prefill: mixed)
+    kinds = split["by_kind"]
+    assert set(kinds) == {"decode", "mixed"}
+    assert kinds["decode"]["steps"] + kinds["mixed"]["steps"] == split["steps"]
+    assert kinds["mixed"]["steps"] >= 1 and all(k["gpu_ms_per_step"] is None
+                                                for k in kinds.values())
     assert math.isclose(split["gpu_fraction"], split["gpu_s"] / split["wall_s"])
     assert 0 < row["ttft_s_p50"] <= row["ttft_s_p99"] <= row["wall_s"]
     assert 0 < row["tpot_s_p50"] <= row["tpot_s_p99"]

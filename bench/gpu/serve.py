@@ -87,6 +87,7 @@ def ours_row(res: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": res["output_tokens"], "steps": split["steps"],
             "kv_peak_blocks": res["kv_peak_blocks"], "kv_blocks": res["kv_blocks"],
             "preemptions": res["preemptions"], "decode_graph_steps": res["decode_graph_steps"],
+            "mixed_graph_steps": res["mixed_graph_steps"],
             **{k: v for k, v in lat.items() if k != "requests"},
             **{f"{k}_fraction": split[f"{k}_fraction"] for k in ("host_prepare", "gpu", "sync")},
             "step_split": split, "outputs_digest": res["outputs_digest"]}

@@ -71,3 +71,22 @@ def static_logits(runner: StageRunner, meta: BatchMeta) -> torch.Tensor:
     with torch.inference_mode():
         return runner.graphs.run(meta.input_ids, meta.positions, meta.slots, meta.context_lens,
                                  meta.block_tables).clone()
+
+
+def mixed_logits(runner: StageRunner, meta: BatchMeta) -> torch.Tensor:
+    """The piecewise runner's logits of every row of a step (static buffers, graphs where
+    captured)."""
+    from convergent.models.llama import PagedBatch
+
+    with torch.inference_mode():
+        b = PagedBatch.build(runner.buffers, meta.positions, meta.slots, meta.query_lens,
+                             meta.context_lens, meta.block_tables, BS, backend=runner.backend,
+                             extras=[meta.input_ids])
+        return runner.model.logits(runner.mixed.run(b.extras[0], b)).float()
+
+
+def mixed_meta(tokens: dict[int, int], lens: list[int], prompt: list[int]) -> BatchMeta:
+    """A mixed step: one decode token for each prefilled sequence and a new prompt as the
+    next sequence."""
+    return _meta(2, [*[(i, [tokens[i]], lens[i]) for i in sorted(tokens)],
+                     (len(lens), prompt, 0)])

@@ -109,19 +109,30 @@ class Attention(nn.Module):
         dtype: RoPE tables are cast to it, like transformers); the attention itself is
         :func:`~convergent.models.llama_paged.paged_attention`.
         """
+        q, k, v = self.project_paged(x, *batch.rope(x.dtype))
+        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
+        return self.output_paged(out, residual)
+
+    def project_paged(self, x: torch.Tensor, cos: torch.Tensor,
+                      sin_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries, keys (RoPE applied: cos and the signed sin of
+        :func:`~convergent.models.llama_rope.apply_rope_signed`) and values of x [T, H]:
+        [T, nq, hd], [T, nkv, hd], [T, nkv, hd] (the work before the attention)."""
         t = x.shape[0]
         nq, nkv, hd = self.nq, self.nkv, self.hd
-        cos, sin_s = batch.rope(x.dtype)
         if self.serving is not None:  # one QKV GEMM, RoPE on queries and keys at once
             qkv = self.serving.qkv(x).view(t, nq + 2 * nkv, hd)
             qk = apply_rope_signed(qkv[:, : nq + nkv], cos, sin_s)
-            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
-        else:
-            q = apply_rope_signed(self.q_proj(x).view(t, nq, hd), cos, sin_s)
-            k = apply_rope_signed(self.k_proj(x).view(t, nkv, hd), cos, sin_s)
-            v = self.v_proj(x).view(t, nkv, hd)
-        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale).reshape(t, nq * hd)
-        if self.serving is not None:  # the residual added in the output GEMM
+            return qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :]
+        q = apply_rope_signed(self.q_proj(x).view(t, nq, hd), cos, sin_s)
+        k = apply_rope_signed(self.k_proj(x).view(t, nkv, hd), cos, sin_s)
+        return q, k, self.v_proj(x).view(t, nkv, hd)
+
+    def output_paged(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + o_proj(out)`` for the attention output out [T, nq, hd] (the work
+        after the attention; the residual added in the output GEMM where fused)."""
+        out = out.reshape(out.shape[0], self.nq * self.hd)
+        if self.serving is not None:
             return self.serving.o(out, residual)
         return residual + self.o_proj(out)
 

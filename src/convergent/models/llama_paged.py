@@ -206,6 +206,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention over a packed batch and its paged cache.
 
@@ -216,6 +217,8 @@ def paged_attention(
     the gathered KV blocks of each padded group, whose scores and softmax accumulate in
     float32; ``triton`` / ``flex`` read the blocks in place through the block
     tables (:mod:`convergent.models.paged_decode`). Prefills always take SDPA.
+    ``out``: where to write the result ([T, nq, hd], e.g. a static buffer of
+    :mod:`convergent.models.paged_pieces`); a new tensor when ``None``.
     """
     t, nq, hd = q.shape
     nkv = k.shape[1]
@@ -223,7 +226,8 @@ def paged_attention(
     dtype, dev = q.dtype, q.device
     k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
     v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
-    out = torch.empty(t, nq, hd, dtype=dtype, device=dev)
+    if out is None:
+        out = torch.empty(t, nq, hd, dtype=dtype, device=dev)
     bs = batch.block_size
     kb = k_cache.view(-1, bs, nkv, hd)
     vb = v_cache.view(-1, bs, nkv, hd)

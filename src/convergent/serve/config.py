@@ -56,6 +56,10 @@ class EngineConfig(Section):
     # runs without capture (a check of it); off = eager
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     cuda_graph_max_seqs: Count0 = 0  # largest captured bucket; 0: serve.scheduler.max_num_seqs
+    # the other steps (prefills, chunks, decodes together) with cuda_graphs on/auto: each
+    # layer's dense work as CUDA graphs per token bucket up to serve.scheduler.
+    # max_batched_tokens, the attention eager between them (convergent.models.paged_pieces)
+    mixed_graphs: Literal["auto", "off"] = "auto"
     # host work overlapped with the device step (convergent.serve.engine_async): auto = on
     # for CUDA; the tokens are the same either way
     async_scheduling: Literal["auto", "on", "off"] = "auto"
@@ -146,7 +150,7 @@ MOVED_KEYS: dict[str, str] = {
     **_moved("engine", "dtype quantize device torch_threads kv_budget_bytes block_size max_model_len"),
     # newer than the flat layout; their flat spelling is refused the same way, naming the place
     **_moved("engine", "gpu_memory_utilization attention_backend cuda_graphs "
-             "cuda_graph_max_seqs async_scheduling"),
+             "cuda_graph_max_seqs mixed_graphs async_scheduling"),
     **_moved(
         "scheduler",
         "stages predictor predictor_path max_num_seqs max_batched_tokens chunked_prefill "

@@ -108,6 +108,7 @@ class Engine(FailureHandling, AsyncOutput, StepTiming):
         for spec in self._specs:  # the step's metadata buffers, sized once
             spec.step_capacity = step_capacity(cfg.engine, cfg.scheduler)
             spec.max_num_seqs = cfg.scheduler.max_num_seqs  # the decode graphs' buckets
+            spec.max_batched_tokens = cfg.scheduler.max_batched_tokens  # the mixed graphs'
         self._use_local = executor == "local" or (executor == "auto" and p == 1)
         # serve.engine.async_scheduling: token events after the next launch (engine_async)
         self.defer_events = async_enabled(cfg.engine.async_scheduling, cfg.engine.device)
@@ -492,6 +493,8 @@ class Engine(FailureHandling, AsyncOutput, StepTiming):
                 "aged_switches": getattr(self.sched, "aged_switches", None),
                 "decode_graph_steps": sum((r.graphs.replays + r.graphs.static_runs)  # in process
                                           for r in getattr(self.executor, "runners", []) if r.graphs),
+                "mixed_graph_steps": sum((r.mixed.replays + r.mixed.static_runs)
+                                         for r in getattr(self.executor, "runners", []) if r.mixed),
             }
         )
         return s

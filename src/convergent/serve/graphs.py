@@ -4,8 +4,11 @@
 one the static path supports (:data:`~convergent.models.paged_graphs.GRAPH_BACKENDS`) and
 the RoPE is not dynamic NTK; ``on`` insists (a ConfigError where it cannot) and on the
 CPU runs the padded static-buffer path without capture (the check of its padding that
-runs without a GPU); ``off`` keeps every step eager. Prefills and mixed steps are always
-eager (:meth:`~convergent.models.paged_graphs.DecodeGraphs.fits`).
+runs without a GPU); ``off`` keeps every step eager. The other steps (prefills, chunks
+and decodes together) take the piecewise runner of :mod:`convergent.models.paged_pieces`
+in the same mode (graphs of each layer's dense work per token bucket, the attention eager
+between them) unless ``serve.engine.mixed_graphs=off``; steps past its largest bucket
+(``serve.scheduler.max_batched_tokens``) stay eager.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from convergent.core.errors import ConfigError
 from convergent.models.paged_graphs import GRAPH_BACKENDS, DecodeGraphs, GraphShape
+from convergent.models.paged_pieces import MixedGraphs
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +25,7 @@ if TYPE_CHECKING:
     from convergent.models.llama_config import LlamaConfig
     from convergent.serve.config import EngineConfig
 
-__all__ = ["GraphMode", "build_graphs", "graph_mode"]
+__all__ = ["GraphMode", "build_graphs", "build_mixed_graphs", "graph_mode"]
 
 GraphMode = Literal["capture", "static", "off"]
 
@@ -67,3 +71,15 @@ def build_graphs(model, kv, mcfg: LlamaConfig, eng: EngineConfig, *, mode: Graph
     if mode == "capture":
         graphs.capture()
     return graphs
+
+
+def build_mixed_graphs(model, kv, eng: EngineConfig, *, mode: GraphMode, max_tokens: int,
+                       first: bool, dtype, device) -> MixedGraphs | None:
+    """The stage's piecewise runner of the mixed steps (``None`` when ``mode`` is off or
+    ``serve.engine.mixed_graphs`` is), captured in ``capture`` mode."""
+    if mode == "off" or eng.mixed_graphs == "off":
+        return None
+    runner = MixedGraphs(model, kv, max_tokens, first=first, dtype=dtype, device=device)
+    if mode == "capture":
+        runner.capture()
+    return runner

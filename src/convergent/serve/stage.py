@@ -57,6 +57,7 @@ class StageSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     step_capacity: int = 1 << 15  # int64 elements of a step's metadata buffers (they grow)
     max_num_seqs: int = 256  # serve.scheduler.max_num_seqs: the decode graphs' largest bucket
+    max_batched_tokens: int = 1024  # serve.scheduler.max_batched_tokens: the mixed graphs' largest
 
 
 class StageRunner:
@@ -103,7 +104,7 @@ class StageRunner:
         # numpy into pinned host memory, one copy to the device per micro-batch
         self.backend = resolve_backend(eng.attention_backend, self.device)
         self.buffers = StepBuffers(self.device, capacity=spec.step_capacity)
-        from convergent.serve.graphs import build_graphs, graph_mode
+        from convergent.serve.graphs import build_graphs, build_mixed_graphs, graph_mode
 
         # serve.engine.cuda_graphs: the decode graphs' padding rows write one spare block
         mode = graph_mode(eng, self.device, self.backend, self.model.model.rotary.dynamic)
@@ -121,6 +122,9 @@ class StageRunner:
                 self.model, self.kv.layers, cfg, eng, mode=mode, num_blocks=spec.num_blocks,
                 max_num_seqs=spec.max_num_seqs, backend=self.backend, first=self.first,
                 last=self.last, dtype=self.dtype, device=self.device)
+            self.mixed = build_mixed_graphs(
+                self.model, self.kv.layers, eng, mode=mode, max_tokens=spec.max_batched_tokens,
+                first=self.first, dtype=self.dtype, device=self.device)
 
     def run(self, meta: BatchMeta, x: torch.Tensor | None = None,
             defer: bool = False) -> torch.Tensor | Sampled | PendingSampled:
@@ -161,7 +165,13 @@ class StageRunner:
             ids, sample_rows, prompt_rows = batch.extras
             if self.first:
                 x = ids
-            h = self.model.model.forward_paged(x, batch, self.kv.layers)
+            m = self.mixed
+            if m is not None and m.fits(len(meta.positions)):
+                h = m.run(x, batch)
+                if not self.last:  # a static buffer: the next step overwrites it
+                    h = h.clone()
+            else:
+                h = self.model.model.forward_paged(x, batch, self.kv.layers)
             if not self.last:
                 return h
             logits = (self.model.logits(h.index_select(0, sample_rows)).float()

@@ -16,6 +16,11 @@ launch. :class:`StepSplit` divides the loop's wall time into
   CPU's compute; for stage processes the busiest stage's);
 * **sync** — the engine thread blocked in ``poll`` waiting for a step's tokens.
 
+``by_kind`` splits the steps into pure decodes (``decode``: one new token per sequence,
+what the decode graphs take) and the others (``mixed``: prefills, chunks and decodes
+together): their count, the host's time inside ``submit`` a step (the forward's launches
+or graph replays, on CUDA) and the GPU's (CUDA events) a step.
+
 ``host_prepare + sync (+ GPU on the CPU) = wall``; on CUDA the GPU's share is its busy
 fraction, which overlaps the host's (async scheduling launches step N+1's host work
 while step N runs). :func:`token_latencies` gives TTFT (arrival to first token) and TPOT
@@ -30,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StepSplit", "StepTiming", "TokenLatencies", "token_latencies"]
+__all__ = ["StepSplit", "StepTiming", "TokenLatencies", "step_kind", "token_latencies"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class StepSplit:
     sync_s: float
     decide_s: float  # of host_prepare: the scheduler's schedule()/complete()
     gpu_timer: str  # "cuda_events" or "stage_busy"
+    by_kind: dict[str, dict[str, float]] | None = None  # decode / mixed (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         w = max(self.wall_s, 1e-12)
@@ -73,6 +79,13 @@ class TokenLatencies:
         return asdict(self)
 
 
+def step_kind(meta: Any) -> str:
+    """``decode`` (one new token per sequence after a context) or ``mixed``."""
+    decode = meta.query_lens and all(q == 1 for q in meta.query_lens) and min(
+        meta.context_lens) >= 2
+    return "decode" if decode else "mixed"
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
@@ -100,7 +113,7 @@ class StepTiming:
             dev = self.cfg.engine.device
             events = self._use_local and dev.startswith("cuda") and torch.cuda.is_available()
             t = self.__dict__["_step_timing"] = {"submit": 0.0, "sync": 0.0, "steps": 0,
-                                                "events": [] if events else None}
+                                                "events": [] if events else None, "kinds": {}}
         return t
 
     def _timed_submit(self, meta: Any) -> None:
@@ -120,8 +133,10 @@ class StepTiming:
         if ev is not None:
             b.record()
             ev.append((meta.bid, a, b))
-        t["submit"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        t["submit"] += dt
         t["steps"] += 1
+        t["kinds"][meta.bid] = (step_kind(meta), dt)
 
     def _timed_poll(self, timeout: float) -> list[Any]:
         """``executor.poll(timeout)``, its wait counted as sync while recording."""
@@ -154,7 +169,23 @@ class StepTiming:
             in_thread = self._use_local  # the stages compute inside submit, on this thread
             gpu, timer = (sum(busy) if in_thread else max(busy, default=0.0)), "stage_busy"
         host = max(0.0, wall - t["sync"] - (gpu if in_thread else 0.0))
-        return StepSplit(t["steps"], wall, host, gpu, t["sync"], self.stats.decide_s, timer)
+        return StepSplit(t["steps"], wall, host, gpu, t["sync"], self.stats.decide_s, timer,
+                         self._by_kind(t))
+
+    def _by_kind(self, t: dict[str, Any]) -> dict[str, dict[str, float]]:
+        """Steps, submit ms and device ms a step of each kind (device only with events)."""
+        dev = self.step_device_s() if t["events"] is not None else {}
+        out: dict[str, dict[str, float]] = {}
+        for bid, (kind, dt) in t["kinds"].items():
+            k = out.setdefault(kind, {"steps": 0, "submit_s": 0.0, "gpu_s": 0.0})
+            k["steps"] += 1
+            k["submit_s"] += dt
+            k["gpu_s"] += dev.get(bid, 0.0)
+        for k in out.values():
+            n = k["steps"]
+            k["submit_ms_per_step"] = 1e3 * k.pop("submit_s") / n
+            k["gpu_ms_per_step"] = 1e3 * k.pop("gpu_s") / n if dev else None
+        return out
 
     def timing_summary(self) -> dict[str, Any]:
         """``step_split``, ``token_latency`` and ``_step_device_s`` (by micro-batch id,
