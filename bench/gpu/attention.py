@@ -1,4 +1,6 @@
-"""Decode attention over the paged KV cache, side by side: gather + SDPA vs Triton vs FlexAttention.
+"""Decode attention over the paged KV cache, side by side: gather + SDPA vs Triton (split
+contexts as :func:`~convergent.models.paged_triton.choose_splits` says, and one split) vs
+FlexAttention.
 
 A micro-benchmark of one layer's decode step at the attention shape of the 1.1B Llama of
 bench/gpu/throughput.py (32 query / 4 KV heads, head_dim 64, blocks of 16 tokens, bf16),
@@ -86,13 +88,21 @@ def _side(backend: str, st: dict, q, k, v, bs: int, scale: float, device: str, r
 
     n = len(st["lens"])
     bufs = StepBuffers(device)
+    one_split = backend == "triton_one_split"  # the kernel before split contexts
     batch = PagedBatch.build(bufs, st["pos"], st["slots"], [1] * n, st["lens"], st["tables"], bs,
-                             backend=backend)
+                             backend="triton" if one_split else backend)
     kc, vc = st["kc"].clone(), st["vc"].clone()
 
     def call():
-        with torch.inference_mode():
-            return paged_attention(q, k, v, batch, kc, vc, scale)
+        from convergent.models import paged_triton
+
+        target = paged_triton.TARGET_PROGRAMS
+        paged_triton.TARGET_PROGRAMS = 0 if one_split else target  # 0: choose_splits -> 1
+        try:
+            with torch.inference_mode():
+                return paged_attention(q, k, v, batch, kc, vc, scale)
+        finally:
+            paged_triton.TARGET_PROGRAMS = target
 
     t0 = time.perf_counter()
     out = call()
@@ -128,7 +138,7 @@ def _sides(device: str) -> list[str]:
 
     sides = ["sdpa_gather"]
     if triton_available() and (device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        sides.append("triton")
+        sides += ["triton", "triton_one_split"]
     return [*sides, "flex"]
 
 

@@ -96,3 +96,38 @@ def test_padded_static_decode_with_the_triton_kernel(hf_llama_dir):
     assert runner.graphs.bucket(3) == 4 and runner.graphs.static_runs == 1
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_contexts_equal_one_split(dtype, splits):
+    """Flash-decoding: each context cut into ``splits`` parts of whole tiles (contexts of
+    2..70 tokens, tiles of 16: parts that are empty, partial and whole), the partial
+    softmaxes combined, equal the one-split kernel and the reference within the dtype's
+    tolerance."""
+    from convergent.models.paged_triton import decode_triton
+
+    c = make_case(3, dtype, prefill=False, n_dec=12)
+    _, b, kc, vc = run_case(c, "triton")
+    d = b.decode
+    outs = {}
+    for s in (1, splits):
+        out = torch.zeros_like(c["q"])
+        decode_triton(c["q"], kc, vc, out, d.rows, d.tables, d.ctx, c["bs"], c["scale"],
+                      tile=16, splits=s)
+        outs[s] = out
+    tol = tolerance(dtype, c)
+    torch.testing.assert_close(outs[splits].float(), outs[1].float(), atol=tol, rtol=0)
+    plain = decode_reference(c["q"], kc, vc, d, c["bs"], c["scale"])
+    torch.testing.assert_close(outs[splits][d.rows].float(), plain.float(), atol=tol, rtol=0)
+
+
+def test_choose_splits():
+    from convergent.models.paged_triton import choose_splits
+
+    assert choose_splits(256, 4, 1536, 32) == 2  # 1,024 programs -> 2,048
+    assert choose_splits(64, 4, 3072, 32) == 8
+    assert choose_splits(4, 1, 8192, 32) == 16  # at most 16
+    assert choose_splits(64, 4, 96, 32) == 1  # contexts of under 4 tiles stay whole
+    assert choose_splits(1024, 4, 4096, 32) == 1
