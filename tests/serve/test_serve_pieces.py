@@ -94,3 +94,32 @@ def test_piecewise_replay_equals_eager_on_cuda(hf_llama_dir, dtype):
         assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
     else:
         assert float((got - ref).abs().max()) <= logit_tol(torch.bfloat16, ref.cpu())
+
+
+@pytest.mark.numerics
+def test_two_stages_through_the_pieces_equal_eager(hf_llama_dir):
+    """A pipeline of two in-process stages with the pieces (the second takes hidden states
+    into the static residual stream) gives the eager pipeline's tokens, greedy and seeded,
+    over a prefill step and a mixed step."""
+    from convergent.serve.config import EngineConfig
+    from convergent.serve.executor import LocalExecutor
+    from convergent.serve.stage import StageSpec
+    from tests.serve.graph_cases import _meta
+
+    def tokens(mode):
+        eng = EngineConfig(block_size=4, max_model_len=32, cuda_graphs=mode)
+        ex = LocalExecutor([StageSpec(str(hf_llama_dir), s, 2, 72, eng) for s in range(2)])
+        runners = ex.runners
+        assert all((r.mixed is not None) == (mode == "on") for r in runners)
+        out = []
+        for meta in (_meta(0, [(i, p, 0) for i, p in enumerate(PROMPTS)]),
+                     _meta(1, [(len(PROMPTS), NEW, 0)])):
+            with torch.inference_mode():
+                h = runners[0].run(meta)
+                out.append(runners[1].run(meta, h).tokens)
+        if mode == "on":
+            assert [r.mixed.static_runs for r in runners] == [2, 2]
+        ex.close()
+        return out
+
+    assert tokens("on") == tokens("off")
