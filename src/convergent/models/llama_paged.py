@@ -146,11 +146,9 @@ class PagedBatch:
             self.decode = DecodeBatch(rows, tables, ctx, tables.shape[1])
         self._planned = True
 
-    def prepare(self, rotary: Rotary) -> None:
-        """Precompute RoPE tables (and, unless :meth:`build` made the batch, the attention
-        groups: planned as there, copied once) shared by all layers (:meth:`rope`)."""
-        if self._rope:
-            return
+    def plan(self) -> None:
+        """The attention groups, unless :meth:`build` made the batch (planned as there,
+        copied once)."""
         if not self._planned:
             plan = plan_step(self.query_lens, self.context_lens, self.block_tables,
                              self.block_size, gather_decode=self.backend == "sdpa_gather")
@@ -158,6 +156,13 @@ class PagedBatch:
             need = sum(p.size for p in parts)
             bufs = StepBuffers(self.positions.device, capacity=max(1, need), pinned=False)
             self._apply(plan, bufs.upload(parts))
+
+    def prepare(self, rotary: Rotary) -> None:
+        """Precompute RoPE tables (and :meth:`plan` the attention groups) shared by all
+        layers (:meth:`rope`)."""
+        if self._rope:
+            return
+        self.plan()
         if rotary.dynamic:  # dynamic NTK: each sequence's length decides its frequencies
             cs, ss, off = [], [], 0
             for q, c in zip(self.query_lens, self.context_lens, strict=True):

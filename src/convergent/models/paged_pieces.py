@@ -146,7 +146,7 @@ class MixedGraphs:
         b = self.bucket(t)
         (self._ids if self.first else self._res)[:t].copy_(x)
         self._pos[:t].copy_(batch.positions)
-        batch.prepare(self.body.rotary)  # plans the attention where build() did not
+        batch.plan()  # the attention's groups (the RoPE tables are piece 0's)
         captured = (b, 0) in self._graphs
         with serving_attention(self.device):
             for j, layer in enumerate(self.layers):
