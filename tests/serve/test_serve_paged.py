@@ -32,7 +32,7 @@ def test_pad_groups_partition_and_bound_padding():
             assert width * len(g) - sum(lengths[i] for i in g) <= 0.3 * width * len(g) + width
 
 
-def _paged_step(model, kv, bs, tables, seqs, new):
+def _paged_step(model, kv, bs, tables, seqs, new, max_waste=None):
     """One packed batch: ``new[i]`` new tokens of each sequence ``seqs[i]`` (token list)."""
     ids, pos, slots, ql, cl = [], [], [], [], []
     for i, (toks, n) in enumerate(zip(seqs, new, strict=True)):
@@ -48,14 +48,16 @@ def _paged_step(model, kv, bs, tables, seqs, new):
         ql.append(n)
         cl.append(c)
     batch = PagedBatch(
-        torch.tensor(pos), torch.tensor(slots), ql, cl, [tables[i] for i in range(len(seqs))], bs
+        torch.tensor(pos), torch.tensor(slots), ql, cl, [tables[i] for i in range(len(seqs))], bs,
+        max_waste=max_waste,
     )
     h = model.model.forward_paged(torch.tensor(ids), batch, kv.layers)
     return model.logits(h), batch
 
 
 @pytest.mark.numerics
-def test_batched_paged_forward_matches_dense():
+@pytest.mark.parametrize("max_waste", [None, 0.3])  # the CPU's one decode group; several
+def test_batched_paged_forward_matches_dense(max_waste):
     cfg = LlamaConfig.tiny(max_position_embeddings=128)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
@@ -76,8 +78,9 @@ def test_batched_paged_forward_matches_dense():
         for s in seqs:
             s.append(rng.randrange(256))
         new = [len(s) - f if i < 3 else 1 for i, (s, f) in enumerate(zip(seqs, first, strict=True))]
-        logits, batch = _paged_step(model, kv, bs, tables, seqs, new)
-        assert len(batch.decode_groups) >= 2 and batch.chunked  # the paths under test
+        logits, batch = _paged_step(model, kv, bs, tables, seqs, new, max_waste)
+        groups = len(batch.decode_groups)
+        assert (groups == 1 if max_waste is None else groups >= 2) and batch.chunked
         off = 0
         for s, k in zip(seqs, new, strict=True):
             ref = model(torch.tensor([s]))[0, -k:]

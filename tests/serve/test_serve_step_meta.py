@@ -11,12 +11,14 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 from convergent.models.llama import PagedBatch, pad_groups  # noqa: E402
+from convergent.models.llama_paged import decode_waste  # noqa: E402
 from convergent.models.paged_meta import StepBuffers, plan_step  # noqa: E402
 
 
 def _old_groups(ql, cl, tables, bs):
     """The construction before the step buffers (PagedBatch.prepare at 03afa08), on the
-    CPU: Python lists per token, one ``torch.tensor`` per index list."""
+    CPU: Python lists per token, one ``torch.tensor`` per index list; the decode groups
+    padded as the CPU pads them, :func:`decode_waste`)."""
     starts, off = [], 0
     for q in ql:
         starts.append(off)
@@ -26,7 +28,7 @@ def _old_groups(ql, cl, tables, bs):
         (dec if q == 1 and c > 1 else fresh if q == c else chunked).append(i)
     nblk = [-(-cl[i] // bs) for i in dec]
     decode = []
-    for g in pad_groups(nblk):
+    for g in pad_groups(nblk, max_waste=decode_waste(torch.device("cpu"))):
         seqs = [dec[j] for j in g]
         width = nblk[g[0]]
         blocks = []

@@ -189,8 +189,9 @@ class DecodeGraphs:
         if self.backend == "sdpa_gather":  # the padding mask, made on the device
             ctx = self.static["ctx"][:b]
             bias = torch.zeros(b, self._keys.numel(), device=self.device)
-            batch.decode_groups[0].bias = bias.masked_fill_(
-                self._keys[None, :] >= ctx[:, None], float("-inf"))
+            g = batch.decode_groups[0]
+            g.bias = bias.masked_fill_(self._keys[None, :] >= ctx[:, None], float("-inf"))
+            g.kv_rows = g.bias_bmm = None  # the CPU kernel's layout of the last step's tables
         x = self.static["ids"][:b] if self.first else self._hidden[:b]
         h = self.model.model.forward_paged(x, batch, self.kv)
         return self.model.logits(h).float() if self.last else h

@@ -108,13 +108,15 @@ def plan_step(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     gather_decode: bool = True,
+    decode_waste: float = 0.3,
 ) -> StepPlan:
     """The index arrays of one packed step (see :class:`StepPlan`).
 
     Sequence ``i`` brings ``query_lens[i]`` new tokens and then holds ``context_lens[i]``;
     one new token after a context is a decode, a whole prompt a fresh prefill, the rest
     chunked prefills. ``gather_decode``: decodes in padded gather groups (today's SDPA
-    path), else one decode batch for the block-table kernels.
+    path; ``decode_waste``: the padding a group may hold, see :func:`pad_groups`), else one
+    decode batch for the block-table kernels.
     """
     ql = np.asarray(query_lens, I64)
     cl = np.asarray(context_lens, I64)
@@ -128,7 +130,7 @@ def plan_step(
     bt = _table_array(block_tables, int(nblk.max(initial=0)))
     plan = StepPlan(starts, dec.tolist(), np.flatnonzero(~is_dec & ~is_fresh).tolist())
     if gather_decode:
-        for g in pad_groups(nblk[dec].tolist()):
+        for g in pad_groups(nblk[dec].tolist(), max_waste=decode_waste):
             seqs = dec[g]
             width = int(nblk[seqs[0]])
             plan.decode_groups.append((starts[seqs], bt[seqs, :width].ravel(), cl[seqs], width))
