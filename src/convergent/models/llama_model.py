@@ -23,7 +23,9 @@ __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP",
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (computed in float32, like the reference)."""
+    """Root-mean-square norm (computed in float32, like the reference). On the CPU in
+    float32, ``F.rms_norm``: one call instead of eight, equal to them bit for bit (its CPU
+    kernel composes the same ops: tests/models/test_llama_rmsnorm.py)."""
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -32,6 +34,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and x.device.type == "cpu":  # one op, the same bits
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
