@@ -134,3 +134,18 @@ def test_stage_slices_load_only_their_layers(hf_llama_dir):
     ids = torch.randint(0, 320, (1, 7))
     with torch.no_grad():
         assert torch.allclose(last(first(ids)), full(ids), atol=1e-5)
+
+
+def test_loaded_weights_do_not_keep_the_checkpoint_mapped(hf_llama_dir):
+    """Every loaded tensor is a copy of its own: once loaded, no page of the checkpoint
+    file stays mapped (a tensor of safetensors' mapping keeps all of it resident, and a
+    serving stage that drops its plain weights would hold the checkpoint twice)."""
+    from pathlib import Path
+
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    files = {str(f.resolve()) for f in Path(hf_llama_dir).glob("*.safetensors")}
+    model = load_pretrained(hf_llama_dir)
+    mapped = {line.split()[-1] for line in maps.read_text().splitlines() if len(line.split()) >= 6}
+    assert model.lm_head.weight.numel() and not files & mapped

@@ -158,3 +158,42 @@ def test_fused_serving_projections_match_the_plain_forward():
         torch.testing.assert_close(fused(ids), model(ids), atol=0, rtol=0)
     q8 = quantize(copy.deepcopy(model), "int8")[0]
     assert fuse_for_serving(q8) == 0 and q8.serving_head is None
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_released_serving_weights_are_held_once(pack):
+    """fuse_for_serving(release=True), as a CPU stage calls it: the fused modules keep no
+    weight of their own (views of the fused plain weight, or nothing beside the packed
+    copy), a head tied to the embedding keeps its weight, and the paged logits are those
+    of the model fused without release, bit for bit."""
+    import copy
+
+    from convergent.models.paged_linear import fuse_for_serving
+
+    cfg = LlamaConfig.tiny(max_position_embeddings=128, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    model.reset_parameters(std=0.2, seed=5)
+    kept, released = copy.deepcopy(model), copy.deepcopy(model)
+    fuse_for_serving(kept, pack=pack)
+    fuse_for_serving(released, pack=pack, release=True)
+    packed = released.serving_head.packed is not None
+    for layer in released.model.layers.values():
+        at = layer.self_attn
+        for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, layer.mlp.down_proj):
+            if packed:
+                assert m.weight.numel() == 0
+        if not packed:  # the modules read views of the fused weights
+            fused = at.serving.qkv.weight
+            assert at.k_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert released.lm_head.weight is released.model.embed_tokens.weight
+    assert released.lm_head.weight.numel() == cfg.vocab_size * cfg.hidden_size
+    rng = random.Random(6)
+    seqs = [[rng.randrange(256) for _ in range(rng.choice([2, 7, 20]))] for _ in range(6)]
+    out = []
+    for m in (kept, released):
+        kv = KVCache(cfg.num_hidden_layers, 100, 4, cfg.num_key_value_heads, cfg.head_dim)
+        tables = {i: [] for i in range(len(seqs))}
+        tables["next"] = 0
+        with torch.inference_mode():
+            out.append(_paged_step(m, kv, 4, tables, seqs, [len(s) for s in seqs])[0])
+    assert torch.equal(out[0], out[1])

@@ -72,13 +72,20 @@ def load_pretrained(
     if head and config.tie_word_embeddings:
         wanted.add("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # a copy of its own: a tensor of the file's mapping keeps the whole mapping resident
+        # while any one lives (a serving stage that drops its plain weights, keeping the
+        # embedding, held the checkpoint's pages beside its packed copy: 2x the weights)
+        return t.to(dtype) if t.dtype != dtype else t.clone()
+
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 if key in wanted:
-                    state[key] = fh.get_tensor(key).to(dtype)
+                    state[key] = own(fh.get_tensor(key))
                 elif key == "model.embed_tokens.weight" and head and config.tie_word_embeddings:
-                    state["lm_head.weight"] = fh.get_tensor(key).to(dtype)
+                    state["lm_head.weight"] = own(fh.get_tensor(key))
     if head and config.tie_word_embeddings and "lm_head.weight" not in state:
         if "model.embed_tokens.weight" in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]

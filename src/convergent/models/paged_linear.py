@@ -11,8 +11,8 @@ also reordered once into oneDNN's blocked layout (``torch.ops.mkldnn``, the layo
 GEMM reads without repacking per call, chosen for :data:`PACK_ROWS` rows): for the small row counts of decode steps (a few
 to a few dozen tokens) that GEMM runs 1.3-2x faster than ``F.linear`` on the plain
 weight. The layer's ``nn.Linear`` modules are kept (the dense forward, training and
-``state_dict`` use them); :meth:`LlamaModel.forward_paged` uses the fused ones when
-present. Only plain float ``nn.Linear`` layers are fused (an INT8 model keeps its own).
+``state_dict`` use them) unless ``release`` (a serving stage: each weight held once);
+:meth:`LlamaModel.forward_paged` uses the fused ones when present. Only plain float ``nn.Linear`` layers are fused (an INT8 model keeps its own).
 """
 
 from __future__ import annotations
@@ -92,22 +92,45 @@ def _plain(*mods: nn.Module | None) -> bool:
     return all(type(m) is nn.Linear and m.weight.is_floating_point() for m in mods)
 
 
-def fuse_for_serving(model: nn.Module, pack: bool = True) -> int:
+def _fuse(linears: list[nn.Linear], pack: bool, release: bool) -> ServingLinear:
+    """One :class:`ServingLinear` of ``linears``; with ``release`` the modules keep no
+    copy of their own: each weight becomes a view of the fused plain weight, or, where
+    that was packed, an empty tensor (the packed copy is then the only one)."""
+    s = ServingLinear(linears, pack)
+    if release:
+        off = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            w = s.weight[off:off + n] if s.weight is not None else m.weight.new_empty(0)
+            m.weight = nn.Parameter(w, requires_grad=False)
+            off += n
+    return s
+
+
+def fuse_for_serving(model: nn.Module, pack: bool = True, release: bool = False) -> int:
     """Attach the fused projections to ``model`` (a ``LlamaForCausalLM``, whole or one
     stage) as plain attributes ``serving`` of each attention and MLP and
     ``serving_head`` of the model; returns how many layers were fused. Call it again
-    after the weights change."""
+    after the weights change. ``release`` (a serving stage, which runs only the serving
+    forward): the fused modules give up their own weights, so the stage holds each
+    weight once (views of the fused weight, or only the packed copy; their dense forward
+    and ``state_dict`` are then unusable); a head tied to the embedding keeps its own."""
     n = 0
     for layer in model.model.layers.values():
         at, mlp = layer.self_attn, layer.mlp
         if not _plain(at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
                       mlp.down_proj):
             continue
-        at.serving = AttentionProjections(ServingLinear([at.q_proj, at.k_proj, at.v_proj], pack),
-                                          ServingLinear([at.o_proj], pack))
-        mlp.serving = MLPProjections(ServingLinear([mlp.gate_proj, mlp.up_proj], pack),
-                                     ServingLinear([mlp.down_proj], pack))
+        at.serving = AttentionProjections(_fuse([at.q_proj, at.k_proj, at.v_proj], pack, release),
+                                          _fuse([at.o_proj], pack, release))
+        mlp.serving = MLPProjections(_fuse([mlp.gate_proj, mlp.up_proj], pack, release),
+                                     _fuse([mlp.down_proj], pack, release))
         n += 1
     head = getattr(model, "lm_head", None)
-    model.serving_head = ServingLinear([head], pack) if head is not None and _plain(head) else None
+    if head is None or not _plain(head):
+        model.serving_head = None
+        return n
+    embed = getattr(model.model, "embed_tokens", None)
+    tied = embed is not None and head.weight is embed.weight
+    model.serving_head = _fuse([head], pack, release and not tied)
     return n

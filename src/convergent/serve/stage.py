@@ -93,10 +93,10 @@ class StageRunner:
             spec.model_dir, self.layers, self.first, self.last, self.dtype, eng.quantize
         ).to(self.device)
         self.model.model.rotary.to(self.device)
-        if self.device.type == "cpu":  # fused QKV / gate-up, weights prepacked for oneDNN
+        if self.device.type == "cpu":  # fused QKV / gate-up, weights prepacked for oneDNN,
             from convergent.models.paged_linear import fuse_for_serving
 
-            fuse_for_serving(self.model)
+            fuse_for_serving(self.model, release=True)  # each weight held once
         from convergent.models.paged_decode import resolve_backend
         from convergent.models.paged_meta import StepBuffers
 
