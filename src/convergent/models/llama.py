@@ -40,7 +40,7 @@ from convergent.models.llama_paged import (
     pad_groups,
     paged_attention,
 )
-from convergent.models.llama_rope import Rotary, apply_rope, rope_inv_freq
+from convergent.models.llama_rope import Rotary, apply_rope_signed, rope_inv_freq
 
 __all__ = [
     "MLP",
@@ -55,7 +55,7 @@ __all__ = [
     "PrefillGroup",
     "RMSNorm",
     "Rotary",
-    "apply_rope",
+    "apply_rope_signed",
     "load_pretrained",
     "pad_groups",
     "paged_attention",

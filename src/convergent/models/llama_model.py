@@ -16,7 +16,7 @@ from torch import nn
 
 from convergent.models.llama_config import MLP_ACTS, LlamaConfig
 from convergent.models.llama_paged import PagedBatch, paged_attention, serving_attention
-from convergent.models.llama_rope import Rotary, apply_rope, apply_rope_signed
+from convergent.models.llama_rope import Rotary, apply_rope_signed, signed_sin
 from convergent.models.paged_linear import AttentionProjections, MLPProjections
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "LlamaModel", "MLP", "RMSNorm"]
@@ -87,9 +87,9 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b * s, self.nq, self.hd)
         k = self.k_proj(x).view(b * s, self.nkv, self.hd)
         v = self.v_proj(x).view(b, s, self.nkv, self.hd)
-        cos_f, sin_f = cos.repeat(b, 1), sin.repeat(b, 1)
-        q = apply_rope(q, cos_f, sin_f).view(b, s, self.nq, self.hd).transpose(1, 2)
-        k = apply_rope(k, cos_f, sin_f).view(b, s, self.nkv, self.hd).transpose(1, 2)
+        cos_f, sin_f = cos.repeat(b, 1), signed_sin(sin).repeat(b, 1)
+        q = apply_rope_signed(q, cos_f, sin_f).view(b, s, self.nq, self.hd).transpose(1, 2)
+        k = apply_rope_signed(k, cos_f, sin_f).view(b, s, self.nkv, self.hd).transpose(1, 2)
         v = v.transpose(1, 2)
         rep = self.nq // self.nkv
         if rep > 1:

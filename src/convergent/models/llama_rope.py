@@ -10,7 +10,7 @@ from torch import nn
 
 from convergent.models.llama_config import LlamaConfig
 
-__all__ = ["Rotary", "apply_rope", "apply_rope_signed", "rope_inv_freq", "signed_sin"]
+__all__ = ["Rotary", "apply_rope_signed", "rope_inv_freq", "signed_sin"]
 
 
 def rope_inv_freq(config: LlamaConfig, seq_len: int | None = None) -> torch.Tensor:
@@ -71,16 +71,6 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, head_dim] by cos/sin [T, head_dim]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """``sin`` [T, head_dim] with its first half negated: the sign of the half rotation
     folded into the table (for :func:`apply_rope_signed`)."""
@@ -89,9 +79,12 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope_signed(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rope` with ``sin_signed = signed_sin(sin)``: the rolled halves times
-    the signed table equal ``_rotate_half(x) * sin`` bit for bit (a product with a negated
-    factor is the negated product), in one kernel fewer (serving builds the table once
-    per batch, every layer reuses it)."""
+    """Rotate ``x`` [T, heads, head_dim] by RoPE (Hugging Face's half-rotation layout:
+    ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x2, x1)``), with the sign of
+    the half rotation folded into the table, ``sin_signed = signed_sin(sin)``: the rolled
+    halves times the signed table equal ``rotate_half(x) * sin`` bit for bit (a product
+    with a negated factor is the negated product), in one kernel fewer. The one RoPE of
+    the dense and the serving forward (serving builds the table once per batch, every
+    layer reuses it)."""
     rot = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed[:, None, :])
     return rot.add_(x * cos[:, None, :])  # a + b == b + a, bit for bit
