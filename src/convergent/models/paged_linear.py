@@ -8,11 +8,12 @@ projections beside them, as :class:`ServingLinear` (typed: :class:`AttentionProj
 add it in the GEMM's epilogue (oneDNN's ``add`` post-op on a prepacked weight; exact in
 float32: the accumulator is float32 and rounded once). On the CPU in float32 each weight is
 also reordered once into oneDNN's blocked layout (``torch.ops.mkldnn``, the layout its
-GEMM reads without repacking per call, chosen for :data:`PACK_ROWS` rows): for the small row counts of decode steps (a few
-to a few dozen tokens) that GEMM runs 1.3-2x faster than ``F.linear`` on the plain
-weight. The layer's ``nn.Linear`` modules are kept (the dense forward, training and
-``state_dict`` use them) unless ``release`` (a serving stage: each weight held once);
-:meth:`LlamaModel.forward_paged` uses the fused ones when present. Only plain float ``nn.Linear`` layers are fused (an INT8 model keeps its own).
+GEMM reads without repacking per call, chosen for :data:`PACK_ROWS` rows): for the small
+row counts of decode steps (a few to a few dozen tokens) that GEMM runs 1.3-2x faster
+than ``F.linear`` on the plain weight. The layer's ``nn.Linear`` modules are kept (the
+dense forward, training and ``state_dict`` use them) unless ``release`` (a serving stage:
+each weight held once); :meth:`LlamaModel.forward_paged` uses the fused ones when present.
+Only plain float ``nn.Linear`` layers are fused (an INT8 model keeps its own).
 """
 
 from __future__ import annotations
