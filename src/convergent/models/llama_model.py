@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convergent.models.llama_config import MLP_ACTS, LlamaConfig
-from convergent.models.llama_paged import PagedBatch, paged_attention, serving_attention
+from convergent.models.llama_paged import PagedBatch, serving_attention
 from convergent.models.llama_rope import Rotary, apply_rope_signed, signed_sin
 from convergent.models.paged_linear import AttentionProjections, MLPProjections
 
@@ -44,10 +44,9 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """Gated feed-forward: down(act(gate(x)) * up(x)); act = SiLU (SwiGLU) by default."""
 
-    serving: MLPProjections | None = None  # fused projections, set by fuse_for_serving
-
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
+        self.serving: MLPProjections | None = None  # fused projections, set by fuse_for_serving
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
@@ -70,10 +69,10 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE."""
 
-    serving: AttentionProjections | None = None  # fused projections, set by fuse_for_serving
-
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
+        # fused projections, set by fuse_for_serving
+        self.serving: AttentionProjections | None = None
         self.nq, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.nq * self.hd, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.nkv * self.hd, bias=c.attention_bias)
@@ -114,7 +113,7 @@ class Attention(nn.Module):
         :func:`~convergent.models.llama_paged.paged_attention`.
         """
         q, k, v = self.project_paged(x, *batch.rope(x.dtype))
-        out = paged_attention(q, k, v, batch, k_cache, v_cache, self.scale)
+        out = batch.attend(q, k, v, k_cache, v_cache, self.scale)
         return self.output_paged(out, residual)
 
     def project_paged(self, x: torch.Tensor, cos: torch.Tensor,
@@ -230,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.serving_head = None  # the LM head as a ServingLinear, set by fuse_for_serving
         self.model = LlamaModel(config, layers, embed, head)
         self.lm_head = (
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
@@ -255,8 +255,6 @@ class LlamaForCausalLM(nn.Module):
         """Token ids [B, S] -> logits [B, S, vocab] (dense causal; training / scoring)."""
         h = self.model(input_ids)
         return self.lm_head(h) if self.lm_head is not None else h
-
-    serving_head = None  # the LM head as a ServingLinear, set by fuse_for_serving
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states -> logits (last stage only)."""

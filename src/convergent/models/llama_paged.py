@@ -26,7 +26,8 @@ from convergent.models.paged_decode import DecodeBatch, decode_flex
 from convergent.models.paged_meta import StepBuffers, StepPlan, pad_groups, plan_step
 
 __all__ = ["DecodeGroup", "PagedBatch", "PrefillGroup", "SERVING_SDPA_BACKENDS", "StepBuffers",
-           "pad_groups", "paged_attention", "serving_attention"]
+           "bmm_attention", "bmm_layout", "pad_groups", "paged_attention", "serving_attention",
+           "write_kv"]
 
 # SDPA backends of the serving forward on CUDA: not cuDNN's. Its attention builds and caches
 # a graph per input shape, and a serving step's shapes change every step (context width,
@@ -200,6 +201,11 @@ class PagedBatch:
             self._rope[key] = (self._rope["cos"].to(dtype), self._rope["sin_signed"].to(dtype))
         return self._rope[key]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """One layer's attention over this batch: :func:`paged_attention`."""
+        return paged_attention(q, k, v, self, k_cache, v_cache, scale)
+
     def seq_slots(self, i: int) -> torch.Tensor:
         """KV slots of positions ``0 .. context_lens[i]-1`` of chunked sequence ``i``
         (planned with the step)."""
@@ -220,29 +226,55 @@ def _decode_in_place(q, k_cache, v_cache, out, batch: PagedBatch, scale: float) 
         raise ValueError(f"attention backend {batch.backend!r} has no block-table decode")
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """The new tokens' keys / values [T, nkv, hd] into the paged caches at ``slots`` [T]."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def bmm_layout(blocks: torch.Tensor, bias: torch.Tensor, width: int, block_size: int, nkv: int,
+               rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout :func:`bmm_attention` reads for a decode group of ``n`` sequences (block
+    ids ``blocks`` [n * width], key mask ``bias`` [n, width * block_size]): the row
+    (slot * nkv + head) of the ``[slots * nkv, hd]`` cache for each (sequence, kv head,
+    key), and the bias as [n * nkv, rep, keys]."""
+    n, length = bias.shape
+    dev = blocks.device
+    slots = (blocks.view(n, width, 1) * block_size
+             + torch.arange(block_size, device=dev)).view(n, 1, length)
+    kv_rows = (slots * nkv + torch.arange(nkv, device=dev).view(1, nkv, 1)).view(-1)
+    return kv_rows, bias.view(n, 1, 1, length).expand(n, nkv, rep, length).reshape(
+        n * nkv, rep, length).contiguous()  # (one sequence and one kv head: a view)
+
+
+def bmm_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  kv_rows: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention ``softmax(q k^T * scale + bias) v`` by batched GEMMs over
+    (sequence, kv head): q [n, nq, hd] (one query per sequence), ``kv_rows`` / ``bias``
+    from :func:`bmm_layout`; [n, nq, hd]. Each key/value row is gathered once, straight
+    into the ``[n * nkv, keys, hd]`` layout the GEMMs read; scores and softmax in q's
+    dtype (float32: the CPU kernel). On 2 cores at 20 sequences x 128 keys it takes about
+    0.7x the time of the gather + SDPA path, whose fused kernel pays a parallel region per
+    call for a few microseconds of work."""
+    n, nq, hd = q.shape
+    rows, rep, length = bias.shape
+    k = k_cache.view(-1, hd).index_select(0, kv_rows).view(rows, length, hd)
+    v = v_cache.view(-1, hd).index_select(0, kv_rows).view(rows, length, hd)
+    s = torch.baddbmm(bias, q.reshape(rows, rep, hd), k.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(s, -1), v).view(n, nq, hd)
+
+
 def _decode_bmm(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
                 block_size: int, scale: float) -> torch.Tensor:
-    """A decode group's attention as ``softmax(q k^T * scale + bias) v`` by batched GEMMs
-    over (sequence, kv head): the CPU float32 kernel. Each key/value row is gathered once,
-    straight into the ``[G * nkv, L, hd]`` layout the GEMMs read (one index for all layers
-    of the step, made by the first); the scores and softmax are float32. On 2 cores at
-    20 sequences x 128 keys it takes about 0.7x the time of the gather + SDPA path, whose
-    fused kernel pays a parallel region per call for a few microseconds of work."""
-    n, length = g.rows.numel(), g.width * block_size
-    _, nkv, hd = k_cache.shape
-    rep = q.shape[1] // nkv
-    if g.kv_rows is None:  # row (slot * nkv + head) for each (sequence, head, key)
-        dev = k_cache.device
-        slots = (g.blocks.view(n, g.width, 1) * block_size
-                 + torch.arange(block_size, device=dev)).view(n, 1, length)
-        g.kv_rows = (slots * nkv + torch.arange(nkv, device=dev).view(1, nkv, 1)).view(-1)
-        g.bias_bmm = g.bias.view(n, 1, 1, length).expand(n, nkv, rep, length).reshape(
-            n * nkv, rep, length)
-    k = k_cache.view(-1, hd).index_select(0, g.kv_rows).view(n * nkv, length, hd)
-    v = v_cache.view(-1, hd).index_select(0, g.kv_rows).view(n * nkv, length, hd)
-    qd = q.index_select(0, g.rows).view(n * nkv, rep, hd)
-    s = torch.baddbmm(g.bias_bmm, qd, k.transpose(1, 2), alpha=scale)
-    return torch.bmm(torch.softmax(s, -1), v).view(n, nkv * rep, hd)
+    """A decode group's attention by :func:`bmm_attention` (the CPU float32 kernel); its
+    layout is made once per step, by the first layer."""
+    nkv = k_cache.shape[1]
+    if g.kv_rows is None:
+        g.kv_rows, g.bias_bmm = bmm_layout(g.blocks, g.bias, g.width, block_size, nkv,
+                                           q.shape[1] // nkv)
+    return bmm_attention(q.index_select(0, g.rows), k_cache, v_cache, g.kv_rows, g.bias_bmm,
+                         scale)
 
 
 def paged_attention(
@@ -271,8 +303,7 @@ def paged_attention(
     nkv = k.shape[1]
     rep = nq // nkv
     dtype, dev = q.dtype, q.device
-    k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     if out is None:
         out = torch.empty(t, nq, hd, dtype=dtype, device=dev)
     bs = batch.block_size

@@ -18,8 +18,6 @@ Only plain float ``nn.Linear`` layers are fused (an INT8 model keeps its own).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,11 +39,19 @@ def packed_gemm_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class ServingLinear:
+class ServingLinear(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W`` the row-concatenation of ``linears``' weights;
-    prepacked for oneDNN when :func:`packed_gemm_available` (else ``F.linear``)."""
+    prepacked for oneDNN when :func:`packed_gemm_available` (else ``F.linear``). A plain
+    ``weight`` and the ``bias`` are buffers that are not saved (the ``state_dict`` keeps
+    the layer's own linears), so a compiled forward sees them as the module's constants
+    (:mod:`convergent.models.paged_compiled` freezes them); the packed copy is a plain
+    attribute (an opaque oneDNN tensor). A packed layer keeps its plain weight too only
+    with ``keep_plain`` (for a compiled forward, which reads the plain one; the eager one
+    reads the packed)."""
 
-    def __init__(self, linears: list[nn.Linear], pack: bool = True) -> None:
+    def __init__(self, linears: list[nn.Linear], pack: bool = True,
+                 keep_plain: bool = False) -> None:
+        super().__init__()
         with torch.no_grad():
             w = torch.cat([m.weight.detach() for m in linears]).contiguous()
             has_bias = [m.bias is not None for m in linears]
@@ -54,17 +60,17 @@ class ServingLinear:
         if any(has_bias) and b is None:
             raise ValueError("fusing linears of which only some have a bias")
         self.out_features = w.shape[0]
-        self.bias = b
+        self.register_buffer("bias", b, persistent=False)
         self.packed = None
-        self.weight: torch.Tensor | None = w
         if pack and packed_gemm_available(w.device, w.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-            self.weight = None  # the packed copy is the one read
+            w = w if keep_plain else None  # the packed copy is the one read
+        self.register_buffer("weight", w, persistent=False)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ b)``, plus ``residual`` [.., out_features] when given (fused into
         the prepacked GEMM)."""
-        if self.packed is not None:
+        if self.packed is not None and not torch.compiler.is_compiling():
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed,
                                                                   self.bias, "add")
@@ -73,31 +79,32 @@ class ServingLinear:
         return y if residual is None else residual + y
 
 
-@dataclass(frozen=True)
-class AttentionProjections:
+class AttentionProjections(nn.Module):
     """An attention layer's serving projections: fused query-key-value, and output."""
 
-    qkv: ServingLinear
-    o: ServingLinear
+    def __init__(self, qkv: ServingLinear, o: ServingLinear) -> None:
+        super().__init__()
+        self.qkv, self.o = qkv, o
 
 
-@dataclass(frozen=True)
-class MLPProjections:
+class MLPProjections(nn.Module):
     """An MLP's serving projections: fused gate-up (gate rows first), and down."""
 
-    gate_up: ServingLinear
-    down: ServingLinear
+    def __init__(self, gate_up: ServingLinear, down: ServingLinear) -> None:
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
 
 
 def _plain(*mods: nn.Module | None) -> bool:
     return all(type(m) is nn.Linear and m.weight.is_floating_point() for m in mods)
 
 
-def _fuse(linears: list[nn.Linear], pack: bool, release: bool) -> ServingLinear:
+def _fuse(linears: list[nn.Linear], pack: bool, release: bool,
+          keep_plain: bool = False) -> ServingLinear:
     """One :class:`ServingLinear` of ``linears``; with ``release`` the modules keep no
     copy of their own: each weight becomes a view of the fused plain weight, or, where
     that was packed, an empty tensor (the packed copy is then the only one)."""
-    s = ServingLinear(linears, pack)
+    s = ServingLinear(linears, pack, keep_plain)
     if release:
         off = 0
         for m in linears:
@@ -108,24 +115,27 @@ def _fuse(linears: list[nn.Linear], pack: bool, release: bool) -> ServingLinear:
     return s
 
 
-def fuse_for_serving(model: nn.Module, pack: bool = True, release: bool = False) -> int:
+def fuse_for_serving(model: nn.Module, pack: bool = True, release: bool = False,
+                     keep_plain: bool = False) -> int:
     """Attach the fused projections to ``model`` (a ``LlamaForCausalLM``, whole or one
-    stage) as plain attributes ``serving`` of each attention and MLP and
-    ``serving_head`` of the model; returns how many layers were fused. Call it again
+    stage) as submodules ``serving`` of each attention and MLP and ``serving_head`` of
+    the model (their buffers are not saved: the ``state_dict`` is unchanged); returns how many layers were fused. Call it again
     after the weights change. ``release`` (a serving stage, which runs only the serving
     forward): the fused modules give up their own weights, so the stage holds each
     weight once (views of the fused weight, or only the packed copy; their dense forward
-    and ``state_dict`` are then unusable); a head tied to the embedding keeps its own."""
+    and ``state_dict`` are then unusable); a head tied to the embedding keeps its own.
+    ``keep_plain``: packed layers keep their plain weight as well (for a compiled forward:
+    twice the weights' memory)."""
     n = 0
     for layer in model.model.layers.values():
         at, mlp = layer.self_attn, layer.mlp
         if not _plain(at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
                       mlp.down_proj):
             continue
-        at.serving = AttentionProjections(_fuse([at.q_proj, at.k_proj, at.v_proj], pack, release),
-                                          _fuse([at.o_proj], pack, release))
-        mlp.serving = MLPProjections(_fuse([mlp.gate_proj, mlp.up_proj], pack, release),
-                                     _fuse([mlp.down_proj], pack, release))
+        fuse = lambda mods: _fuse(mods, pack, release, keep_plain)  # noqa: E731
+        at.serving = AttentionProjections(fuse([at.q_proj, at.k_proj, at.v_proj]),
+                                          fuse([at.o_proj]))
+        mlp.serving = MLPProjections(fuse([mlp.gate_proj, mlp.up_proj]), fuse([mlp.down_proj]))
         n += 1
     head = getattr(model, "lm_head", None)
     if head is None or not _plain(head):
@@ -133,5 +143,5 @@ def fuse_for_serving(model: nn.Module, pack: bool = True, release: bool = False)
         return n
     embed = getattr(model.model, "embed_tokens", None)
     tied = embed is not None and head.weight is embed.weight
-    model.serving_head = _fuse([head], pack, release and not tied)
+    model.serving_head = _fuse([head], pack, release and not tied, keep_plain)
     return n

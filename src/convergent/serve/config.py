@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from convergent.core.configbase import Count, Count0, Port, Section
 
@@ -60,6 +60,18 @@ class EngineConfig(Section):
     # layer's dense work as CUDA graphs per token bucket up to serve.scheduler.
     # max_batched_tokens, the attention eager between them (convergent.models.paged_pieces)
     mixed_graphs: Literal["auto", "off"] = "auto"
+    # decode: a CPU float32 stage runs its pure decode steps as one torch.compile graph
+    # (Inductor, weights frozen; convergent.models.paged_compiled), compiled at start-up
+    # (~30 s on 2 cores the first time, then from Inductor's cache); off: eager
+    compile: Literal["off", "decode"] = "off"
+
+    @model_validator(mode="after")
+    def _compile_on_cpu_float32(self) -> EngineConfig:
+        if self.compile == "decode" and (self.device, self.dtype, self.quantize) != (
+                "cpu", "float32", "none"):
+            raise ValueError("compile=decode is the CPU float32 path (device cpu, dtype "
+                             "float32, quantize none); CUDA decodes take cuda_graphs")
+        return self
     # host work overlapped with the device step (convergent.serve.engine_async): auto = on
     # for CUDA; the tokens are the same either way
     async_scheduling: Literal["auto", "on", "off"] = "auto"
@@ -150,7 +162,7 @@ MOVED_KEYS: dict[str, str] = {
     **_moved("engine", "dtype quantize device torch_threads kv_budget_bytes block_size max_model_len"),
     # newer than the flat layout; their flat spelling is refused the same way, naming the place
     **_moved("engine", "gpu_memory_utilization attention_backend cuda_graphs "
-             "cuda_graph_max_seqs mixed_graphs async_scheduling"),
+             "cuda_graph_max_seqs mixed_graphs async_scheduling compile"),
     **_moved(
         "scheduler",
         "stages predictor predictor_path max_num_seqs max_batched_tokens chunked_prefill "

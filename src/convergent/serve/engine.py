@@ -479,8 +479,8 @@ class Engine(FailureHandling, AsyncOutput, StepTiming):
     def summary(self) -> dict:
         s = self.stats.summary(self.bm.num_blocks)
         s.update(self.timing_summary())  # step split, TTFT/TPOT (serve.timing)
-        s.update(
-            {
+        runners = getattr(self.executor, "runners", [])  # in process
+        s.update({
                 "scheduler": self.sched.name,
                 "num_stages": self.num_stages,
                 "kv_budget_bytes": self.cfg.engine.kv_budget_bytes,
@@ -491,10 +491,9 @@ class Engine(FailureHandling, AsyncOutput, StepTiming):
                 "preemptions": self.sched.num_preemptions,
                 "mode_switches": getattr(self.sched, "mode_switches", None),
                 "aged_switches": getattr(self.sched, "aged_switches", None),
-                "decode_graph_steps": sum((r.graphs.replays + r.graphs.static_runs)  # in process
-                                          for r in getattr(self.executor, "runners", []) if r.graphs),
-                "mixed_graph_steps": sum((r.mixed.replays + r.mixed.static_runs)
-                                         for r in getattr(self.executor, "runners", []) if r.mixed),
-            }
-        )
+                "decode_graph_steps": sum(r.graphs.replays + r.graphs.static_runs
+                                          for r in runners if r.graphs),
+                "mixed_graph_steps": sum(r.mixed.replays + r.mixed.static_runs
+                                         for r in runners if r.mixed),
+                "compiled_decode_steps": sum(r.compiled.steps for r in runners if r.compiled)})
         return s

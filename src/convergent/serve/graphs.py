@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from convergent.core.errors import ConfigError
+from convergent.models.paged_compiled import CompiledDecode
 from convergent.models.paged_graphs import GRAPH_BACKENDS, DecodeGraphs, GraphShape
 from convergent.models.paged_pieces import MixedGraphs
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from convergent.models.llama_config import LlamaConfig
     from convergent.serve.config import EngineConfig
 
-__all__ = ["GraphMode", "build_graphs", "build_mixed_graphs", "graph_mode"]
+__all__ = ["GraphMode", "build_compiled", "build_graphs", "build_mixed_graphs", "graph_mode"]
 
 GraphMode = Literal["capture", "static", "off"]
 
@@ -83,3 +84,22 @@ def build_mixed_graphs(model, kv, eng: EngineConfig, *, mode: GraphMode, max_tok
     if mode == "capture":
         runner.capture()
     return runner
+
+
+def build_compiled(model, kv, eng: EngineConfig, *, first: bool, last: bool,
+                   scratch_block: int) -> CompiledDecode | None:
+    """The stage's compiled decode step (``serve.engine.compile=decode``, a CPU float32
+    stage; the config refuses it elsewhere), compiled here, before the first request;
+    ``None`` when off. ``kv`` holds ``scratch_block + 1`` blocks: the warm-up writes only
+    the last."""
+    if eng.compile == "off":
+        return None
+    import torch
+
+    if model.model.rotary.dynamic:
+        raise ConfigError("serve.engine.compile=decode: not with dynamic-NTK RoPE (its tables "
+                          "depend on each sequence's length)", hint="set serve.engine.compile=off")
+    comp = CompiledDecode(model, kv, first=first, last=last, block_size=eng.block_size,
+                          scratch_block=scratch_block)
+    comp.warm_up(torch.float32)
+    return comp

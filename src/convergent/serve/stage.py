@@ -96,7 +96,9 @@ class StageRunner:
         if self.device.type == "cpu":  # fused QKV / gate-up, weights prepacked for oneDNN,
             from convergent.models.paged_linear import fuse_for_serving
 
-            fuse_for_serving(self.model, release=True)  # each weight held once
+            # each weight held once (with compile=decode also plain: the compiled decode
+            # step folds those into its own packed constants)
+            fuse_for_serving(self.model, release=True, keep_plain=eng.compile != "off")
         from convergent.models.paged_decode import resolve_backend
         from convergent.models.paged_meta import StepBuffers
 
@@ -104,13 +106,18 @@ class StageRunner:
         # numpy into pinned host memory, one copy to the device per micro-batch
         self.backend = resolve_backend(eng.attention_backend, self.device)
         self.buffers = StepBuffers(self.device, capacity=spec.step_capacity)
-        from convergent.serve.graphs import build_graphs, build_mixed_graphs, graph_mode
+        from convergent.serve.graphs import (
+            build_compiled,
+            build_graphs,
+            build_mixed_graphs,
+            graph_mode,
+        )
 
         # serve.engine.cuda_graphs: the decode graphs' padding rows write one spare block
         mode = graph_mode(eng, self.device, self.backend, self.model.model.rotary.dynamic)
         self.kv = KVCache(
             len(self.layers),
-            spec.num_blocks + (mode != "off"),
+            spec.num_blocks + (mode != "off" or eng.compile != "off"),
             eng.block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
@@ -125,6 +132,8 @@ class StageRunner:
             self.mixed = build_mixed_graphs(
                 self.model, self.kv.layers, eng, mode=mode, max_tokens=spec.max_batched_tokens,
                 first=self.first, dtype=self.dtype, device=self.device)
+            self.compiled = build_compiled(self.model, self.kv.layers, eng, first=self.first,
+                                           last=self.last, scratch_block=spec.num_blocks)
 
     def run(self, meta: BatchMeta, x: torch.Tensor | None = None,
             defer: bool = False) -> torch.Tensor | Sampled | PendingSampled:
@@ -165,7 +174,11 @@ class StageRunner:
             ids, sample_rows, prompt_rows = batch.extras
             if self.first:
                 x = ids
-            m = self.mixed
+            c, m = self.compiled, self.mixed
+            if c is not None and c.fits(batch) and (
+                    not self.last or list(meta.sample_rows) == list(range(len(meta.sample_rows)))):
+                out = c.run(x, batch)  # hidden states, or the logits of every row
+                return self._sample(meta, out, defer) if self.last else out
             if m is not None and m.fits(len(meta.positions)):
                 h = m.run(x, batch)
                 if not self.last:  # a static buffer: the next step overwrites it
