@@ -32,39 +32,52 @@ def _decode_batch(rng, tables, lens, bs):
     return torch.tensor(ids), batch
 
 
+def _model(cfg, seed):
+    model = LlamaForCausalLM(cfg).eval()
+    model.reset_parameters(std=0.2, seed=seed)
+    fuse_for_serving(model, release=True, keep_plain=True)  # as a stage with compile=decode
+    return model
+
+
 @pytest.mark.numerics
 def test_compiled_decode_matches_the_eager_step():
+    """Logits and KV writes of compiled steps (1, 5 and 12 sequences) against the eager
+    step's; a second model compiled in the same process after the first (its own graph:
+    the guards are skipped after warm-up, and the weights are each graph's constants) does
+    not change the first's results, and answers with its own weights."""
     cfg = LlamaConfig.tiny(max_position_embeddings=256)
-    model = LlamaForCausalLM(cfg).eval()
-    model.reset_parameters(std=0.2, seed=0)
-    fuse_for_serving(model, release=True, keep_plain=True)  # as a stage with compile=decode
+    models = [_model(cfg, 0), _model(cfg, 1)]
     bs, blocks = 4, 200
-    kv = KVCache(cfg.num_hidden_layers, blocks + 1, bs, cfg.num_key_value_heads, cfg.head_dim)
+    kvs = [KVCache(cfg.num_hidden_layers, blocks + 1, bs, cfg.num_key_value_heads, cfg.head_dim)
+           for _ in models]
     with torch.inference_mode():
-        for k, v in kv.layers:  # a filled cache: every earlier key and value is random
-            k.normal_()
-            v.normal_()
-        ref = [(k.clone(), v.clone()) for k, v in kv.layers]
-        comp = CompiledDecode(model, kv.layers, first=True, last=True, block_size=bs,
-                              scratch_block=blocks)
-        comp.warm_up(torch.float32)
-        assert comp.steps == 0
+        for kv in kvs:  # a filled cache: every earlier key and value is random
+            for k, v in kv.layers:
+                k.normal_()
+                v.normal_()
+        refs = [[(k.clone(), v.clone()) for k, v in kv.layers] for kv in kvs]
+        comps = [CompiledDecode(m, kv.layers, first=True, last=True, block_size=bs,
+                                scratch_block=blocks) for m, kv in zip(models, kvs, strict=True)]
+        for comp in comps:
+            comp.warm_up(torch.float32)
+            assert comp.steps == 0
         rng = random.Random(0)
         tables = {i: [] for i in range(12)}
         tables["next"] = 0
         for lens in ([7], [3, 9, 30, 17, 5], [rng.randint(2, 60) for _ in range(12)]):
             ids, batch = _decode_batch(rng, tables, lens, bs)
             assert CompiledDecode.fits(batch)
-            got = comp.run(ids, batch)
-            want = model.logits(model.model.forward_paged(ids, batch, ref))
-            # float32 rounding of a few layers of sums (fused loops add in another order)
-            scale = want.abs().max().item()
-            torch.testing.assert_close(got, want, rtol=0, atol=64 * EPS * scale)
-            for (k, v), (rk, rv) in zip(kv.layers, ref, strict=True):
-                slots = batch.slot_mapping
-                torch.testing.assert_close(k[slots], rk[slots], rtol=0, atol=64 * EPS * 8)
-                torch.testing.assert_close(v[slots], rv[slots], rtol=0, atol=64 * EPS * 8)
-        assert comp.steps == 3
+            for model, comp, kv, ref in zip(models, comps, kvs, refs, strict=True):
+                got = comp.run(ids, batch)
+                want = model.logits(model.model.forward_paged(ids, batch, ref))
+                # float32 rounding of a few layers of sums (fused loops add in another order)
+                scale = want.abs().max().item()
+                torch.testing.assert_close(got, want, rtol=0, atol=64 * EPS * scale)
+                for (k, v), (rk, rv) in zip(kv.layers, ref, strict=True):
+                    slots = batch.slot_mapping
+                    torch.testing.assert_close(k[slots], rk[slots], rtol=0, atol=64 * EPS * 8)
+                    torch.testing.assert_close(v[slots], rv[slots], rtol=0, atol=64 * EPS * 8)
+        assert [c.steps for c in comps] == [3, 3]
 
 
 def test_a_step_with_prefills_is_not_compiled():
