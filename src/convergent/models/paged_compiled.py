@@ -176,14 +176,13 @@ class CompiledDecode:
         else:
             x = torch.zeros(n, self.hidden, dtype=dtype, device=dev)
         bs = self.block_size
-        bias = torch.zeros(n, bs, device=dev, dtype=dtype)
-        bias[:, 2:] = float("-inf")  # two keys: position 0 and the new one (eager's mask)
         batch = PagedBatch(
             positions=torch.ones(n, dtype=torch.long, device=dev),
             slot_mapping=torch.full((n,), self.scratch * bs + 1, dtype=torch.long,
                                     device=dev),
             query_lens=[1] * n, context_lens=[2] * n, block_tables=[[self.scratch]] * n,
             block_size=bs)
+        no_bias = torch.empty(n, 0, device=dev)  # run() makes the mask from the positions
         batch.decode_groups.append(DecodeGroup(
-            torch.arange(n, device=dev), torch.full((n,), self.scratch, device=dev), bias, 1))
+            torch.arange(n, device=dev), torch.full((n,), self.scratch, device=dev), no_bias, 1))
         return x, batch

@@ -119,20 +119,20 @@ def fuse_for_serving(model: nn.Module, pack: bool = True, release: bool = False,
                      keep_plain: bool = False) -> int:
     """Attach the fused projections to ``model`` (a ``LlamaForCausalLM``, whole or one
     stage) as submodules ``serving`` of each attention and MLP and ``serving_head`` of
-    the model (their buffers are not saved: the ``state_dict`` is unchanged); returns how many layers were fused. Call it again
-    after the weights change. ``release`` (a serving stage, which runs only the serving
+    the model (their buffers are not saved: the ``state_dict`` is unchanged); returns how
+    many layers were fused. Call it again after the weights change. ``release`` (a serving stage, which runs only the serving
     forward): the fused modules give up their own weights, so the stage holds each
     weight once (views of the fused weight, or only the packed copy; their dense forward
     and ``state_dict`` are then unusable); a head tied to the embedding keeps its own.
     ``keep_plain``: packed layers keep their plain weight as well (for a compiled forward:
     twice the weights' memory)."""
     n = 0
+    fuse = lambda mods: _fuse(mods, pack, release, keep_plain)  # noqa: E731
     for layer in model.model.layers.values():
         at, mlp = layer.self_attn, layer.mlp
         if not _plain(at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj,
                       mlp.down_proj):
             continue
-        fuse = lambda mods: _fuse(mods, pack, release, keep_plain)  # noqa: E731
         at.serving = AttentionProjections(fuse([at.q_proj, at.k_proj, at.v_proj]),
                                           fuse([at.o_proj]))
         mlp.serving = MLPProjections(fuse([mlp.gate_proj, mlp.up_proj]), fuse([mlp.down_proj]))

@@ -64,6 +64,9 @@ class EngineConfig(Section):
     # (Inductor, weights frozen; convergent.models.paged_compiled), compiled at start-up
     # (~30 s on 2 cores the first time, then from Inductor's cache); off: eager
     compile: Literal["off", "decode"] = "off"
+    # host work overlapped with the device step (convergent.serve.engine_async): auto = on
+    # for CUDA; the tokens are the same either way
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _compile_on_cpu_float32(self) -> EngineConfig:
@@ -72,9 +75,6 @@ class EngineConfig(Section):
             raise ValueError("compile=decode is the CPU float32 path (device cpu, dtype "
                              "float32, quantize none); CUDA decodes take cuda_graphs")
         return self
-    # host work overlapped with the device step (convergent.serve.engine_async): auto = on
-    # for CUDA; the tokens are the same either way
-    async_scheduling: Literal["auto", "on", "off"] = "auto"
 
 
 class SchedulerConfig(Section):
